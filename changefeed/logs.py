@@ -1,0 +1,71 @@
+"""Structured log events for every package, and how they are rendered.
+
+Code logs an *event* with fields: ``log_event(log, "registration", instance=...)``.
+``configure_logging`` renders them as ``event key=value ...`` for people on a
+terminal and as one JSON object per line otherwise (or when asked), so that
+every step of a broadcast can be followed in either form (RFD 5 "Logging").
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+__all__ = ["HumanFormatter", "JsonFormatter", "configure_logging", "log_event"]
+
+_FIELDS = "cf_fields"
+
+
+def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
+    """Log ``event`` with structured ``fields``."""
+    if logger.isEnabledFor(level):
+        logger.log(level, event, extra={_FIELDS: fields}, stacklevel=2)
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields: dict[str, Any] = getattr(record, _FIELDS, {})
+    return fields
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, event and the event's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        doc.update(_fields(record))
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(doc, default=str).decode()
+
+
+class HumanFormatter(logging.Formatter):
+    """``HH:MM:SS.mmm level logger event key=value ...`` for terminals."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.fromtimestamp(record.created).strftime("%H:%M:%S.%f")[:-3]
+        pairs = " ".join(f"{k}={v}" for k, v in _fields(record).items())
+        line = f"{ts} {record.levelname.lower():<7} {record.name} {record.getMessage()} {pairs}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line.rstrip()
+
+
+def configure_logging(level: str = "info", json_output: bool | None = None) -> None:
+    """Send the ``changefeed`` loggers to stderr; JSON unless stderr is a terminal."""
+    if json_output is None:
+        json_output = not sys.stderr.isatty()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if json_output else HumanFormatter())
+    root = logging.getLogger("changefeed")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False

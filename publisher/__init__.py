@@ -1,0 +1,35 @@
+"""The publisher: feed store, tailer, registry and fan-out, Starlette routes, config.
+
+Embed it in a Starlette API::
+
+    vm = ResourceConfig("vm", "/vms", ("nic", "alias"))
+    publisher = Publisher(PublisherConfig(dsn=DSN, resources=(vm,)))
+    app = Starlette(routes=[*publisher.routes, ...], lifespan=publisher.lifespan)
+
+and append an entry in the same transaction as each write::
+
+    async with conn.transaction():
+        await conn.execute("UPDATE vms SET alias = $1 WHERE uuid = $2", alias, uuid)
+        await publish(conn, "vm", ["alias"], uuid)
+"""
+
+from .config import PublisherConfig, ResourceConfig, load_config, parse_duration
+from .errors import ConfigError, FeedUnavailable, PublisherError
+from .feed import FeedEntry, FeedReader, publish, publish_many
+from .service import Authorizer, Publisher
+
+__all__ = [
+    "Authorizer",
+    "ConfigError",
+    "FeedEntry",
+    "FeedReader",
+    "FeedUnavailable",
+    "Publisher",
+    "PublisherConfig",
+    "PublisherError",
+    "ResourceConfig",
+    "load_config",
+    "parse_duration",
+    "publish",
+    "publish_many",
+]

@@ -1,0 +1,297 @@
+"""Publisher configuration: a typed model, loaded from TOML and/or built in Python.
+
+Every key carries its documentation, unit and default in the model itself
+(``field(metadata=...)``), so the config reference in docs/ is generated from
+it and a bad value is refused with an error that names the key and the file.
+
+TOML layout::
+
+    [publisher]
+    dsn = "postgresql://app@db/app"
+    max_age = "24h"
+
+    [[resources]]
+    name = "vm"
+    sub_resources = ["nic", "alias"]
+    bootstrap_route = "/vms"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from changefeed.schemas import ProtocolError, quote_schema
+
+from .errors import ConfigError
+
+__all__ = ["PublisherConfig", "ResourceConfig", "load_config", "parse_duration"]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+
+
+def parse_duration(value: Any, key: str = "duration", source: str | None = None) -> float:
+    """Seconds from a number or a string: ``"500ms"``, ``"30s"``, ``"10m"``, ``"24h"``, ``"7d"``."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"expected a duration, got {value!r}", source)
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    else:
+        raise ConfigError(
+            key, f'expected a duration such as 30, "500ms", "10m" or "24h", got {value!r}', source
+        )
+    if seconds < 0:
+        raise ConfigError(key, f"must not be negative, got {value!r}", source)
+    return seconds
+
+
+def _doc(text: str, unit: str = "") -> dict[str, str]:
+    return {"doc": text, "unit": unit}
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceConfig:
+    """A resource with a change feed (one ``[[resources]]`` table)."""
+
+    name: str = field(metadata=_doc("Resource name listeners register for, e.g. `vm`."))
+    bootstrap_route: str = field(
+        metadata=_doc(
+            "Keyset-paginated list route listeners hydrate from: a path on this API "
+            "(`/vms`) or an absolute URL on the API that owns the resource."
+        )
+    )
+    sub_resources: tuple[str, ...] = field(
+        default=(), metadata=_doc('Sub-resources a change may name, e.g. `["nic", "alias"]`.')
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherConfig:
+    """Everything a publisher needs (the ``[publisher]`` table plus ``[[resources]]``)."""
+
+    resources: tuple[ResourceConfig, ...] = field(
+        default=(), metadata=_doc("The resources this publisher has change feeds for.")
+    )
+    dsn: str | None = field(
+        default=None,
+        metadata=_doc(
+            "PostgreSQL DSN of the feed database. Embedding APIs may pass a pool instead."
+        ),
+    )
+    schema: str = field(default="changefeed", metadata=_doc("Schema holding the feed table."))
+    create_schema: bool = field(
+        default=True, metadata=_doc("Create or upgrade the feed schema at start-up.")
+    )
+    max_age: float = field(
+        default=86400.0,
+        metadata=_doc("RFD 5 max age: entries older than this are trimmed.", "seconds"),
+    )
+    retention: bool = field(
+        default=True,
+        metadata=_doc(
+            "Trim entries older than max_age inline. Turn off when the Spark job does it."
+        ),
+    )
+    retention_interval: float = field(
+        default=60.0, metadata=_doc("How often inline retention runs.", "seconds")
+    )
+    poll_interval: float = field(
+        default=0.5,
+        metadata=_doc(
+            "Tailer poll when no doorbell (NOTIFY) rings; bounds latency if one is lost.", "seconds"
+        ),
+    )
+    tail_batch: int = field(
+        default=1000, metadata=_doc("Entries read per tailer query.", "entries")
+    )
+    queue_size: int = field(
+        default=4096,
+        metadata=_doc(
+            "Per-listener send queue; a listener whose queue is full is evicted (4009).", "frames"
+        ),
+    )
+    max_batch: int = field(
+        default=256,
+        metadata=_doc("Items per frame for listeners that registered with batch.", "items"),
+    )
+    max_frame_bytes: int = field(
+        default=65536, metadata=_doc("Largest frame accepted from a listener.", "bytes")
+    )
+    registration_timeout: float = field(
+        default=10.0,
+        metadata=_doc("A connection that sends no registration by then is closed.", "seconds"),
+    )
+    max_registrations: int = field(
+        default=32, metadata=_doc("Registrations (change kinds) allowed on one connection.")
+    )
+    max_connections: int = field(
+        default=10000, metadata=_doc("Listener connections one publisher process accepts.")
+    )
+    replay_limit: int = field(
+        default=100000,
+        metadata=_doc(
+            "A resume needing more entries than this is answered resumed=false.", "entries"
+        ),
+    )
+    db_retry_budget: float = field(
+        default=30.0,
+        metadata=_doc(
+            "After this long without the database the publisher reports itself unavailable "
+            "(it keeps retrying).",
+            "seconds",
+        ),
+    )
+    cursor_key: str = field(
+        default="changefeed-cursor-v1",
+        metadata=_doc("Key of the cursors' checksum; the same on every instance of one feed."),
+    )
+    auth_tokens: tuple[str, ...] = field(
+        default=(),
+        metadata=_doc(
+            "Bearer tokens accepted on /changefeeds and bootstrap routes; empty: no auth."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _check(self, source=None)
+
+    def resource(self, name: str) -> ResourceConfig | None:
+        """The configured resource called ``name``, if any."""
+        for resource in self.resources:
+            if resource.name == name:
+                return resource
+        return None
+
+
+_DURATION_KEYS = {
+    "max_age",
+    "retention_interval",
+    "poll_interval",
+    "registration_timeout",
+    "db_retry_budget",
+}
+_POSITIVE_INTS = {
+    "tail_batch",
+    "queue_size",
+    "max_batch",
+    "max_frame_bytes",
+    "max_registrations",
+    "max_connections",
+    "replay_limit",
+}
+
+
+def _check(config: PublisherConfig, source: str | None) -> None:
+    try:
+        quote_schema(config.schema)
+    except ProtocolError as exc:
+        raise ConfigError("publisher.schema", exc.message, source) from None
+    for key in _POSITIVE_INTS:
+        if getattr(config, key) < 1:
+            raise ConfigError(f"publisher.{key}", "must be at least 1", source)
+    names = set()
+    for i, resource in enumerate(config.resources):
+        where = f"resources[{i}]"
+        if not _NAME.match(resource.name):
+            raise ConfigError(
+                f"{where}.name", f"{resource.name!r} is not a valid resource name", source
+            )
+        if resource.name in names:
+            raise ConfigError(f"{where}.name", f"duplicate resource {resource.name!r}", source)
+        names.add(resource.name)
+        if not resource.bootstrap_route:
+            raise ConfigError(f"{where}.bootstrap_route", "must not be empty", source)
+        for sub in resource.sub_resources:
+            if not _NAME.match(sub):
+                raise ConfigError(f"{where}.sub_resources", f"{sub!r} is not a valid name", source)
+
+
+def _coerce(key: str, hint: Any, value: Any, source: str | None) -> Any:
+    """Check one TOML value against the model's type hint."""
+    if key.rsplit(".", 1)[-1] in _DURATION_KEYS:
+        return parse_duration(value, key, source)
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None:
+            return None
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(key, f"expected a list of strings, got {value!r}", source)
+        return tuple(value)
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(key, f"expected true or false, got {value!r}", source)
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(key, f"expected an integer, got {value!r}", source)
+    if hint is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ConfigError(key, f"expected a number, got {value!r}", source)
+    if hint is str and not isinstance(value, str):
+        raise ConfigError(key, f"expected a string, got {value!r}", source)
+    return float(value) if hint is float else value
+
+
+def _build(
+    cls: type[Any], doc: Any, prefix: str, source: str | None, skip: set[str]
+) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise ConfigError(prefix, f"expected a table, got {doc!r}", source)
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)} - skip
+    values = {}
+    for key, value in doc.items():
+        if key not in known:
+            raise ConfigError(
+                f"{prefix}.{key}", f"unknown key (known: {', '.join(sorted(known))})", source
+            )
+        values[key] = _coerce(f"{prefix}.{key}", hints[key], value, source)
+    return values
+
+
+def config_from_dict(doc: dict[str, Any], source: str | None = None) -> PublisherConfig:
+    """Build a config from a parsed TOML document, refusing unknown keys and wrong types."""
+    for key in doc:
+        if key not in ("publisher", "resources", "server"):
+            raise ConfigError(key, "unknown table (known: publisher, resources, server)", source)
+    values = _build(PublisherConfig, doc.get("publisher", {}), "publisher", source, {"resources"})
+    raw_resources = doc.get("resources", [])
+    if not isinstance(raw_resources, list):
+        raise ConfigError("resources", "expected [[resources]] tables", source)
+    resources = []
+    for i, raw in enumerate(raw_resources):
+        fields = _build(ResourceConfig, raw, f"resources[{i}]", source, set())
+        for required in ("name", "bootstrap_route"):
+            if required not in fields:
+                raise ConfigError(f"resources[{i}].{required}", "is required", source)
+        resources.append(ResourceConfig(**fields))
+    try:
+        return PublisherConfig(resources=tuple(resources), **values)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source) from None
+
+
+def load_config(path: str | Path) -> PublisherConfig:
+    """Load a publisher config from a TOML file.
+
+    Raises:
+        ConfigError: the file is unreadable, not TOML, or a key is unknown or wrong.
+    """
+    source = str(path)
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("(file)", f"cannot read: {exc.strerror}", source) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("(file)", f"not valid TOML: {exc}", source) from None
+    return config_from_dict(doc, source)

@@ -1,0 +1,177 @@
+"""The feed table, seen from Python: append entries, read them in feed order, trim them.
+
+``publish`` / ``publish_many`` run on the *caller's* asyncpg connection, so the
+entry commits or rolls back with the caller's own write. ``FeedReader`` reads
+only entries that are final (their transaction is below the snapshot horizon,
+invariant I1), in ``(txid, id)`` order from a position, and never waits on
+listeners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema
+
+__all__ = ["FeedEntry", "FeedReader", "publish", "publish_many"]
+
+
+@dataclass(frozen=True, slots=True)
+class FeedEntry:
+    """One row of the feed table."""
+
+    position: Position
+    resource: str
+    sub_resources: tuple[str, ...]
+    changed_resource_id: str
+    published: datetime
+
+
+async def publish(
+    conn: PgConnection,
+    resource: str,
+    sub_resources: Sequence[str],
+    changed_resource_id: str,
+    *,
+    schema: str = "changefeed",
+) -> None:
+    """Append one feed entry on ``conn``, inside whatever transaction it is in.
+
+    Call it in the same transaction as the write it describes; the entry is
+    delivered only if that transaction commits.
+    """
+    await conn.execute(
+        f"SELECT {quote_schema(schema)}.publish($1, $2::text[], $3)",
+        resource,
+        list(sub_resources),
+        changed_resource_id,
+    )
+
+
+async def publish_many(
+    conn: PgConnection,
+    entries: Iterable[tuple[str, Sequence[str], str]],
+    *,
+    schema: str = "changefeed",
+) -> int:
+    """Append many ``(resource, sub_resources, changed_resource_id)`` entries in one round trip.
+
+    Returns:
+        the number of entries appended.
+
+    Raises:
+        ValueError: a sub-resource name contains a comma (the batch encoding's separator).
+    """
+    resources: list[str] = []
+    subs: list[str] = []
+    ids: list[str] = []
+    for resource, sub_resources, changed_id in entries:
+        if any("," in s for s in sub_resources):
+            raise ValueError(f"sub-resource names may not contain ',': {sub_resources!r}")
+        resources.append(resource)
+        subs.append(",".join(sub_resources))
+        ids.append(changed_id)
+    if not resources:
+        return 0
+    count = await conn.fetchval(
+        f"SELECT {quote_schema(schema)}.publish_many($1::text[], $2::text[], $3::text[])",
+        resources,
+        subs,
+        ids,
+    )
+    return int(count)
+
+
+def _entry(row: asyncpg.Record) -> FeedEntry:
+    return FeedEntry(
+        Position(row["txid"], row["id"]),
+        row["resource"],
+        tuple(row["sub_resources"]),
+        row["changed_resource_id"],
+        row["published"],
+    )
+
+
+class FeedReader:
+    """Reads final entries of one feed table in feed order.
+
+    Args:
+        schema: the feed's schema (from configuration).
+    """
+
+    def __init__(self, schema: str = "changefeed") -> None:
+        q = quote_schema(schema)
+        columns = (
+            "txid::text::bigint AS txid, id, resource, sub_resources, changed_resource_id,"
+            " published"
+        )
+        # (txid, id) > cursor is a row comparison the primary key's index serves;
+        # txid < horizon keeps out transactions that are still open, whose
+        # entries could otherwise commit behind the cursor and be skipped.
+        self._after = (
+            f"SELECT {columns} FROM {q}.feed"
+            " WHERE (txid, id) > ($1::bigint::text::xid8, $2)"
+            " AND txid < pg_snapshot_xmin(pg_current_snapshot())"
+            " ORDER BY txid, id LIMIT $3"
+        )
+        self._between = (
+            f"SELECT {columns} FROM {q}.feed"
+            " WHERE (txid, id) > ($1::bigint::text::xid8, $2)"
+            " AND (txid, id) <= ($3::bigint::text::xid8, $4)"
+            " AND resource = ANY($5::text[])"
+            " ORDER BY txid, id LIMIT $6"
+        )
+        self._count_after = (
+            f"SELECT count(*) FROM (SELECT 1 FROM {q}.feed"
+            " WHERE (txid, id) > ($1::bigint::text::xid8, $2)"
+            " AND resource = ANY($3::text[]) LIMIT $4) AS pending"
+        )
+        self._head = (
+            f"SELECT txid::text::bigint AS txid, id FROM {q}.feed"
+            " WHERE txid < pg_snapshot_xmin(pg_current_snapshot())"
+            " ORDER BY txid DESC, id DESC LIMIT 1"
+        )
+        self._low_water = (
+            f"SELECT low_water_txid::text::bigint AS txid, low_water_id AS id FROM {q}.feed_state"
+        )
+
+    async def read_after(self, conn: PgConnection, after: Position, limit: int) -> list[FeedEntry]:
+        """Return up to ``limit`` final entries after ``after``, in feed order."""
+        rows = await conn.fetch(self._after, after.txid, after.id, limit)
+        return [_entry(r) for r in rows]
+
+    async def read_between(
+        self,
+        conn: PgConnection,
+        after: Position,
+        upto: Position,
+        resources: Sequence[str],
+        limit: int,
+    ) -> list[FeedEntry]:
+        """Return up to ``limit`` entries in ``(after, upto]`` for ``resources`` (resume replay)."""
+        rows = await conn.fetch(
+            self._between, after.txid, after.id, upto.txid, upto.id, list(resources), limit
+        )
+        return [_entry(r) for r in rows]
+
+    async def count_after(
+        self, conn: PgConnection, after: Position, resources: Sequence[str], most: int
+    ) -> int:
+        """Count entries after ``after`` for ``resources``, stopping at ``most``."""
+        return int(
+            await conn.fetchval(self._count_after, after.txid, after.id, list(resources), most)
+        )
+
+    async def head(self, conn: PgConnection) -> Position:
+        """Return the position of the newest final entry (ORIGIN for an empty feed)."""
+        row = await conn.fetchrow(self._head)
+        return Position(row["txid"], row["id"]) if row else ORIGIN
+
+    async def low_water(self, conn: PgConnection) -> Position:
+        """Return the oldest resumable position: a cursor at or after it can resume."""
+        row = await conn.fetchrow(self._low_water)
+        return Position(row["txid"], row["id"]) if row else ORIGIN

@@ -1,0 +1,51 @@
+"""The changefeed wire protocol and feed-table SQL.
+
+JSON Schema files (``json/``), typed models with encode/decode/validate
+(``models``), opaque cursors (``cursor``), close codes (``closecodes``) and the
+versioned feed-table migrations (``sql/``, ``migrations``). Pure code except
+``migrations``, which talks to PostgreSQL.
+"""
+
+from .closecodes import ERROR_CLOSE_CODES, CloseCode
+from .cursor import DEFAULT_CURSOR_KEY, ORIGIN, CursorCodec, Position
+from .errors import CursorError, ProtocolError
+from .migrations import PgConnection, apply_schema, notify_channel, quote_schema, schema_version
+from .models import (
+    Ack,
+    ChangeItem,
+    ChangeKind,
+    ErrorFrame,
+    Page,
+    Registration,
+    ResourceRoute,
+    decode_change_frame,
+    dumps,
+)
+from .validation import load_schema, validate
+
+__all__ = [
+    "DEFAULT_CURSOR_KEY",
+    "ERROR_CLOSE_CODES",
+    "ORIGIN",
+    "Ack",
+    "ChangeItem",
+    "ChangeKind",
+    "CloseCode",
+    "CursorCodec",
+    "CursorError",
+    "ErrorFrame",
+    "Page",
+    "PgConnection",
+    "Position",
+    "ProtocolError",
+    "Registration",
+    "ResourceRoute",
+    "apply_schema",
+    "decode_change_frame",
+    "dumps",
+    "load_schema",
+    "notify_channel",
+    "quote_schema",
+    "schema_version",
+    "validate",
+]

@@ -1,0 +1,262 @@
+"""Typed models of the wire protocol, with encode / decode / validate.
+
+Shapes follow DESIGN.md section 3 (RFD 5 plus ``since``, ``cursor``,
+``published``, ``resumed`` and ``batch``) and node-sdc-changefeed's v2
+registration of several resources on one socket. Decoders validate against
+the JSON Schema files and raise ProtocolError with a precise message.
+
+Pure code: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from .errors import ProtocolError
+from .validation import parse_json, validate
+
+__all__ = [
+    "Ack",
+    "ChangeItem",
+    "ChangeKind",
+    "ErrorFrame",
+    "Page",
+    "Registration",
+    "ResourceRoute",
+    "decode_change_frame",
+    "dumps",
+]
+
+
+def dumps(document: Any) -> str:
+    """Serialize to compact JSON text."""
+    return orjson.dumps(document).decode()
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeKind:
+    """A resource and the sub-resources of interest (empty: all of them)."""
+
+    resource: str
+    sub_resources: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"resource": self.resource, "subResources": list(self.sub_resources)}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ChangeKind:
+        return cls(doc["resource"], tuple(doc["subResources"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A listener's first frame.
+
+    ``multi`` marks node-sdc-changefeed's v2 form (``resources``: a list of
+    change kinds, answered with ``bootstrapRoutes``); otherwise RFD 5's single
+    ``changeKind``.
+    """
+
+    instance: str
+    service: str
+    change_kinds: tuple[ChangeKind, ...]
+    since: str | None = None
+    batch: bool = False
+    multi: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"instance": self.instance, "service": self.service}
+        if self.multi:
+            doc["resources"] = [kind.to_json() for kind in self.change_kinds]
+        else:
+            doc["changeKind"] = self.change_kinds[0].to_json()
+        if self.since is not None:
+            doc["since"] = self.since
+        if self.batch:
+            doc["batch"] = True
+        return doc
+
+    def encode(self) -> str:
+        return dumps(self.to_json())
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> Registration:
+        """Parse and validate a registration frame.
+
+        Raises:
+            ProtocolError: ``bad_frame`` for non-JSON, ``invalid_registration``
+                for a document that breaks the schema.
+        """
+        doc = parse_json(data, "registration")
+        if not isinstance(doc, dict):
+            raise ProtocolError("invalid_registration", "registration must be a JSON object")
+        validate("registration", doc, code="invalid_registration")
+        multi = "resources" in doc
+        kinds = doc["resources"] if multi else [doc["changeKind"]]
+        return cls(
+            instance=doc["instance"],
+            service=doc.get("service", ""),
+            change_kinds=tuple(ChangeKind.from_json(k) for k in kinds),
+            since=doc.get("since"),
+            batch=doc.get("batch", False),
+            multi=multi,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceRoute:
+    """A resource with a change feed, its sub-resources and its bootstrap route."""
+
+    resource: str
+    sub_resources: tuple[str, ...]
+    bootstrap_route: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "resource": self.resource,
+            "subResources": list(self.sub_resources),
+            "bootstrapRoute": self.bootstrap_route,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ResourceRoute:
+        return cls(doc["resource"], tuple(doc["subResources"]), doc["bootstrapRoute"])
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The publisher's answer to a registration."""
+
+    routes: tuple[ResourceRoute, ...]
+    cursor: str
+    resumed: bool
+    batch: bool = False
+    multi: bool = False
+
+    @property
+    def bootstrap_route(self) -> str:
+        return self.routes[0].bootstrap_route
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any]
+        if self.multi:
+            doc = {"bootstrapRoutes": [route.to_json() for route in self.routes]}
+        else:
+            doc = self.routes[0].to_json()
+        doc["cursor"] = self.cursor
+        doc["resumed"] = self.resumed
+        if self.batch:
+            doc["batch"] = True
+        return doc
+
+    def encode(self) -> str:
+        return dumps(self.to_json())
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> Ack:
+        """Parse an ack, or raise ProtocolError (the publisher's error frame
+        is raised as ProtocolError with its own code)."""
+        doc = parse_json(data, "ack")
+        if isinstance(doc, dict) and "error" in doc:
+            raise ErrorFrame.from_json(doc).as_exception()
+        validate("ack", doc)
+        multi = "bootstrapRoutes" in doc
+        if multi:
+            routes = tuple(ResourceRoute.from_json(r) for r in doc["bootstrapRoutes"])
+        else:
+            routes = (
+                ResourceRoute(
+                    doc.get("resource", ""),
+                    tuple(doc.get("subResources", ())),
+                    doc["bootstrapRoute"],
+                ),
+            )
+        return cls(routes, doc["cursor"], doc["resumed"], doc.get("batch", False), multi)
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeItem:
+    """RFD 5's change item plus the feed ``cursor`` and ``published`` time."""
+
+    change_kind: ChangeKind
+    changed_resource_id: str
+    cursor: str
+    published: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "changeKind": self.change_kind.to_json(),
+            "changedResourceId": self.changed_resource_id,
+            "cursor": self.cursor,
+            "published": self.published,
+        }
+
+    def encode(self) -> str:
+        return dumps(self.to_json())
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ChangeItem:
+        validate("change_item", doc)
+        return cls(
+            ChangeKind.from_json(doc["changeKind"]),
+            doc["changedResourceId"],
+            doc["cursor"],
+            doc["published"],
+        )
+
+
+def decode_change_frame(data: str | bytes) -> list[ChangeItem]:
+    """Decode a change frame: one item, or a JSON array of items (batch mode).
+
+    Raises:
+        ProtocolError: the frame is not JSON or an item breaks the schema; an
+            error frame from the publisher is raised with its own code.
+    """
+    doc = parse_json(data, "change frame")
+    if isinstance(doc, list):
+        return [ChangeItem.from_json(item) for item in doc]
+    if isinstance(doc, dict) and "error" in doc:
+        raise ErrorFrame.from_json(doc).as_exception()
+    return [ChangeItem.from_json(doc)]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorFrame:
+    """``{"error": {"code", "message"}}``: sent before a 4xxx close, and as HTTP error bodies."""
+
+    code: str
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message}}
+
+    def encode(self) -> str:
+        return dumps(self.to_json())
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ErrorFrame:
+        validate("error", doc)
+        return cls(doc["error"]["code"], doc["error"]["message"])
+
+    def as_exception(self) -> ProtocolError:
+        return ProtocolError(self.code, self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of a bootstrap route."""
+
+    items: list[Any] = field(default_factory=list)
+    next: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"items": self.items, "next": self.next}
+
+    @classmethod
+    def decode(cls, data: str | bytes) -> Page:
+        doc = parse_json(data, "page")
+        validate("page", doc)
+        return cls(doc["items"], doc["next"])

@@ -1,0 +1,57 @@
+"""Load the JSON Schema files of the wire protocol and validate documents against them.
+
+Pure code: reads only the schema files shipped in this package.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+import orjson
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
+
+from .errors import ProtocolError
+
+__all__ = ["SCHEMA_NAMES", "load_schema", "parse_json", "validate"]
+
+SCHEMA_NAMES = ("registration", "ack", "change_item", "error", "resources", "stats", "page")
+
+
+@functools.cache
+def load_schema(name: str) -> dict[str, Any]:
+    """Return the JSON Schema called ``name`` (one of SCHEMA_NAMES)."""
+    if name not in SCHEMA_NAMES:
+        raise KeyError(name)
+    text = resources.files(__package__).joinpath("json", f"{name}.schema.json").read_text()
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+@functools.cache
+def _validator(name: str) -> Draft202012Validator:
+    return Draft202012Validator(load_schema(name))
+
+
+def parse_json(data: str | bytes, what: str) -> Any:
+    """Parse JSON text, mapping every decoding failure to ProtocolError(bad_frame)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError("bad_frame", f"{what} is not valid JSON: {exc}") from None
+
+
+def validate(name: str, document: Any, code: str = "bad_frame") -> None:
+    """Check ``document`` against schema ``name``.
+
+    Raises:
+        ProtocolError: with ``code``, naming the first offending field.
+    """
+    error = best_match(_validator(name).iter_errors(document))
+    if error is None:
+        return
+    where = "/".join(str(p) for p in error.absolute_path) or "(document)"
+    raise ProtocolError(code, f"{name}: {where}: {error.message}")
