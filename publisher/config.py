@@ -199,6 +199,12 @@ def _check(config: PublisherConfig, source: str | None) -> None:
     for key in _POSITIVE_INTS:
         if getattr(config, key) < 1:
             raise ConfigError(f"publisher.{key}", "must be at least 1", source)
+    if config.queue_size < config.tail_batch:
+        raise ConfigError(
+            "publisher.queue_size",
+            f"must be at least tail_batch ({config.tail_batch}): one tailer read is queued at once",
+            source,
+        )
     names = set()
     for i, resource in enumerate(config.resources):
         where = f"resources[{i}]"

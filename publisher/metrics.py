@@ -23,7 +23,7 @@ class PublisherMetrics:
             "changefeed_listeners", "Connected, registered listener sockets", registry=r
         )
         self.registrations = Gauge(
-            "changefeed_registrations", "Registrations by resource", ["resource"], registry=r
+            "changefeed_active_registrations", "Registrations by resource", ["resource"], registry=r
         )
         self.registrations_total = Counter(
             "changefeed_registrations_total",

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -118,15 +118,32 @@ class Publisher:
         if self.config.create_schema:
             async with self._pool.acquire() as conn:
                 await apply_schema(conn, self.config.schema)
-        self._tasks.append(asyncio.create_task(self.tailer.run(), name="changefeed-tailer"))
+        self._spawn(self.tailer.run(), "changefeed-tailer")
         if self.config.retention:
-            self._tasks.append(asyncio.create_task(self._retention_loop(), name="changefeed-gc"))
+            self._spawn(self._retention_loop(), "changefeed-retention")
         log_event(
             log,
             "publisher.started",
             schema=self.config.schema,
             resources=[r.name for r in self.config.resources],
         )
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        task.add_done_callback(self._task_ended)
+        self._tasks.append(task)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        # Background work must never die silently: say so loudly and show it in /readyz.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.tailer.status = "failed"
+            log_event(
+                log,
+                "publisher.task_failed",
+                logging.CRITICAL,
+                task=task.get_name(),
+                error=repr(exc),
+            )
 
     async def stop(self, grace: float = 5.0) -> None:
         """Close every listener with 1001 (they re-register elsewhere) and stop tailing."""

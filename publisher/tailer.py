@@ -20,7 +20,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    wait_exponential_jitter,
+)
 
 from changefeed.logs import log_event
 from changefeed.schemas import Position
@@ -92,10 +97,14 @@ class Tailer:
         self._wake.set()
 
     async def run(self) -> None:
-        """Tail forever, reconnecting with exponential back-off and jitter."""
+        """Tail forever, reconnecting with exponential back-off and jitter.
+
+        Any failure is retried, not only database errors: a tailer that died
+        silently would leave every listener of this instance without changes.
+        """
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(DB_ERRORS),
-            wait=wait_exponential_jitter(initial=0.05, max=2.0, jitter=0.1),
+            retry=retry_if_exception_type(Exception),
+            wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.1),
             before_sleep=self._on_retry,
             reraise=True,
         )

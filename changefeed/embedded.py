@@ -1,0 +1,687 @@
+"""An embedded PostgreSQL server for the demo and the tests.
+
+What it is for: running the real PostgreSQL server binaries (``initdb``,
+``pg_ctl``, ``postgres``; no Docker) on a private data directory, listening on
+loopback TCP only, so that the demo and the integration tests have a real
+database without any setup. It is not a way to run PostgreSQL in production;
+``deploy/`` describes that.
+
+What it does to the machine:
+
+* It creates the data directory (and any missing parents) and runs ``initdb``
+  there once; a data directory that already holds ``PG_VERSION`` is reused as
+  it is. The server log is ``<data_dir>/server.log``; the settings it manages
+  are written to ``<data_dir>/changefeed.conf`` (included from
+  ``postgresql.conf``).
+* The server listens on ``127.0.0.1`` (or the ``host`` given) on a free port,
+  and puts its unix socket in the data directory, never in
+  ``/var/run/postgresql``. Authentication is ``trust``: any local user can
+  connect as ``postgres``. Durability is switched off (``fsync=off``,
+  ``full_page_writes=off``): a machine crash can lose or corrupt the data.
+* :func:`default_data_dir` is ``$XDG_DATA_HOME/changefeed/pg`` (default
+  ``~/.local/share/changefeed/pg``) for ordinary users.
+* PostgreSQL refuses to run as root. When this process is root, every
+  PostgreSQL program runs as the ``postgres`` system user (``nobody`` when
+  there is none), the data directory is chown'ed to that user, and every
+  ancestor directory must be traversable by it. Since ``/root`` is mode 700,
+  the default data directory for root is ``/var/tmp/changefeed/pg`` (created
+  mode 755).
+
+What it must never do: touch a PostgreSQL it did not start (the system's
+cluster, ``/var/run/postgresql``), change the permissions of directories it did
+not create, listen on anything but the given host, register anything global
+(no ``atexit`` hooks, no signal handlers), or leave a server process behind
+after :meth:`EmbeddedPostgres.stop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "EmbeddedPostgres",
+    "EmbeddedPostgresError",
+    "default_data_dir",
+    "find_postgres_bindir",
+    "temporary",
+]
+
+DEFAULT_SETTINGS: dict[str, str] = {
+    "fsync": "off",
+    "synchronous_commit": "off",
+    "full_page_writes": "off",
+    "max_connections": "300",
+    "shared_buffers": "128MB",
+}
+"""Settings for tests and the demo: fast, not durable."""
+
+_PROGRAMS = ("initdb", "pg_ctl", "postgres")
+_CONF_NAME = "changefeed.conf"
+_INCLUDE_LINE = f"include_if_exists = '{_CONF_NAME}'"
+_LOG_NAME = "server.log"
+_SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+_MANAGED = ("listen_addresses", "port", "unix_socket_directories")
+_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes on Linux, NUL included
+_BIND_RETRIES = 3
+
+
+class EmbeddedPostgresError(Exception):
+    """The embedded PostgreSQL server cannot be found, initialised, started or stopped."""
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def _has_programs(bindir: Path) -> bool:
+    return all(os.access(bindir / name, os.X_OK) for name in _PROGRAMS)
+
+
+def _version_key(name: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", name))
+
+
+def _pgserver_bindir() -> Path | None:
+    # pgserver (PyPI) ships the binaries in <package dir>/pginstall/bin. Only
+    # locate the package: importing it has side effects (lock files).
+    try:
+        spec = importlib.util.find_spec("pgserver")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent / "pginstall" / "bin"
+
+
+def find_postgres_bindir() -> Path:
+    """Return the directory holding ``initdb``, ``pg_ctl`` and ``postgres``.
+
+    Looked up in order: env ``CHANGEFEED_PG_BINDIR``; Debian's
+    ``/usr/lib/postgresql/<highest version>/bin``; the ``pgserver`` package's
+    bundled binaries; ``pg_ctl`` on ``PATH``.
+
+    Raises:
+        EmbeddedPostgresError: nothing found, or ``CHANGEFEED_PG_BINDIR``
+            names a directory without the programs.
+    """
+    configured = os.environ.get("CHANGEFEED_PG_BINDIR")
+    if configured:
+        bindir = Path(configured)
+        if not _has_programs(bindir):
+            raise EmbeddedPostgresError(
+                f"CHANGEFEED_PG_BINDIR={configured!r} does not hold executable "
+                f"{', '.join(_PROGRAMS)}"
+            )
+        return bindir
+    debian = Path("/usr/lib/postgresql")
+    if debian.is_dir():
+        versions = sorted(
+            (p for p in debian.iterdir() if _version_key(p.name)),
+            key=lambda p: _version_key(p.name),
+            reverse=True,
+        )
+        for version in versions:
+            if _has_programs(version / "bin"):
+                return version / "bin"
+    bundled = _pgserver_bindir()
+    if bundled is not None and _has_programs(bundled):
+        return bundled
+    on_path = shutil.which("pg_ctl")
+    if on_path is not None:
+        bindir = Path(on_path).resolve().parent
+        if _has_programs(bindir):
+            return bindir
+    raise EmbeddedPostgresError(
+        "no PostgreSQL server binaries (initdb, pg_ctl, postgres) found: install them "
+        "(Debian/Ubuntu: `apt-get install postgresql`) or set CHANGEFEED_PG_BINDIR "
+        "to the directory holding them"
+    )
+
+
+# --------------------------------------------------------------------------- users and dirs
+
+
+class _RunAs:
+    """The system user that runs PostgreSQL programs (None: this process's user)."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.uid = os.geteuid()
+        self.gid = os.getegid()
+        self.gids = set(os.getgroups()) | {self.gid}
+        if self.uid != 0:
+            return
+        for name in ("postgres", "nobody"):
+            try:
+                entry = pwd.getpwnam(name)
+            except KeyError:
+                continue
+            self.name, self.uid, self.gid = name, entry.pw_uid, entry.pw_gid
+            self.gids = {entry.pw_gid, *os.getgrouplist(name, entry.pw_gid)}
+            return
+        raise EmbeddedPostgresError(
+            "running as root, and neither a 'postgres' nor a 'nobody' system user exists "
+            "to run PostgreSQL as (PostgreSQL refuses to run as root)"
+        )
+
+    @property
+    def switches(self) -> bool:
+        return self.name is not None
+
+    def subprocess_kwargs(self) -> dict[str, Any]:
+        if self.name is None:
+            return {}
+        return {"user": self.uid, "group": self.gid, "extra_groups": [], "umask": 0o077}
+
+    def chown(self, path: Path) -> None:
+        if self.switches:
+            os.chown(path, self.uid, self.gid, follow_symlinks=False)
+
+    def chown_tree(self, top: Path) -> None:
+        if not self.switches:
+            return
+        self.chown(top)
+        for root, dirs, files in os.walk(top):
+            for name in (*dirs, *files):
+                self.chown(Path(root) / name)
+
+    def can_traverse(self, directory: Path) -> bool:
+        st = directory.stat()
+        if st.st_uid == self.uid:
+            return bool(st.st_mode & stat.S_IXUSR)
+        if st.st_gid in self.gids:
+            return bool(st.st_mode & stat.S_IXGRP)
+        return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _make_dirs(path: Path, mode: int = 0o755) -> None:
+    """Create ``path`` and its missing parents with ``mode`` (not subject to umask)."""
+    missing = []
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            break
+        missing.append(candidate)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir()
+            directory.chmod(mode)
+
+
+def default_data_dir() -> Path:
+    """The data directory the demo uses by default.
+
+    ``$XDG_DATA_HOME/changefeed/pg`` (default ``~/.local/share/changefeed/pg``)
+    for ordinary users; ``/var/tmp/changefeed/pg`` for root, since the server
+    then runs as an unprivileged user that cannot enter ``/root``.
+    """
+    if os.geteuid() == 0:
+        return Path("/var/tmp/changefeed/pg")
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "changefeed" / "pg"
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # PostgreSQL sets SO_REUSEADDR too: connections in TIME_WAIT from a
+        # previous run must not make a port look taken.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        # A zombie (exited, not yet reaped by its parent) is not running.
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _pid_exists(pid: int) -> bool:
+    """Whether ``pid`` exists at all, zombie or not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
+    children = []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text(errors="replace").rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if len(fields) > 1 and fields[1] == str(pid):
+            children.append(int(entry.name))
+    return children
+
+
+def _quote_setting(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class EmbeddedPostgres:
+    """A PostgreSQL server on a private data directory, listening on loopback TCP.
+
+    Args:
+        data_dir: the cluster's data directory; created and ``initdb``'ed when
+            it holds no ``PG_VERSION``, reused otherwise.
+        port: TCP port; None picks one: the port this data directory used last
+            time if it is free, else a free one.
+        host: the one address to listen on.
+        settings: server settings; override and extend DEFAULT_SETTINGS.
+            ``listen_addresses``, ``port`` and ``unix_socket_directories`` are
+            managed here and cannot be set.
+        bindir: where the server programs are; default find_postgres_bindir().
+        start_timeout: seconds to wait for the server to accept connections.
+        stop_timeout: seconds to wait for each way of stopping it.
+        discard_on_close: close() (and leaving the ``with`` block) deletes
+            ``discard_root`` (default: ``data_dir``) after stopping; set by
+            :func:`temporary`.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        settings: dict[str, str] | None = None,
+        bindir: Path | None = None,
+        start_timeout: float = 60.0,
+        stop_timeout: float = 30.0,
+        discard_on_close: bool = False,
+        discard_root: Path | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.host = host
+        self._requested_port = port
+        self._port: int | None = port
+        self._settings = dict(DEFAULT_SETTINGS)
+        for name, value in (settings or {}).items():
+            if not _SETTING_NAME.match(name):
+                raise EmbeddedPostgresError(f"setting name {name!r} is not a plain identifier")
+            if name in _MANAGED:
+                raise EmbeddedPostgresError(
+                    f"setting {name!r} is managed by EmbeddedPostgres (use host= / port=)"
+                )
+            self._settings[name] = str(value)
+        self._bindir = bindir
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self._discard_root = (discard_root or self.data_dir) if discard_on_close else None
+        self._run_as: _RunAs | None = None
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def port(self) -> int:
+        """The TCP port (known once started)."""
+        if self._port is None:
+            raise EmbeddedPostgresError("the server has no port yet: call start() first")
+        return self._port
+
+    @property
+    def dsn(self) -> str:
+        """``postgresql://postgres@HOST:PORT/postgres``."""
+        return self.dsn_for("postgres")
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir / _LOG_NAME
+
+    def dsn_for(self, database: str) -> str:
+        """The DSN of ``database`` on this server."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"postgresql://postgres@{host}:{self.port}/{database}"
+
+    def is_running(self) -> bool:
+        """Whether a postmaster is alive for this data directory."""
+        pid = self._postmaster_pid()
+        return pid is not None and _pid_alive(pid)
+
+    def start(self) -> str:
+        """Initialise the data directory if needed, start the server, return its DSN.
+
+        Does nothing but return the DSN when the server of this data directory
+        is already running (it is then adopted: stop() stops it).
+
+        Raises:
+            EmbeddedPostgresError: with the tail of the server log on failure.
+        """
+        return self._start(pinned_port=self._requested_port)
+
+    def _start(self, pinned_port: int | None) -> str:
+        bindir = self._bindir or find_postgres_bindir()
+        run_as = self._user()
+        self._prepare_data_dir(bindir, run_as)
+        if self.is_running():
+            self._adopt()
+            return self.dsn
+        for attempt in range(_BIND_RETRIES):
+            port = self._choose_port(pinned_port, fresh=attempt > 0)
+            self._write_conf(port, run_as)
+            offset = self.log_file.stat().st_size if self.log_file.exists() else 0
+            try:
+                self._pg_ctl_start(bindir, run_as)
+            except EmbeddedPostgresError as exc:
+                log = self._log_since(offset)
+                if pinned_port is None and ("could not bind" in log or "already in use" in log):
+                    continue  # lost a race for the port; try another
+                raise EmbeddedPostgresError(f"{exc}\n--- {self.log_file} ---\n{log}") from None
+            self._port = port
+            return self.dsn
+        raise EmbeddedPostgresError(
+            f"no free port found for PostgreSQL after {_BIND_RETRIES} attempts; see {self.log_file}"
+        )
+
+    def stop(self) -> None:
+        """Stop the server and wait until no process of it is left.
+
+        ``pg_ctl stop -m fast``, then ``-m immediate``, then SIGKILL of the
+        postmaster and its children. Stopping a stopped server does nothing.
+        """
+        if not self.data_dir.exists():
+            return
+        bindir = self._bindir or find_postgres_bindir()
+        run_as = self._user()
+        for mode in ("fast", "immediate"):
+            if not self.is_running():
+                return
+            with contextlib.suppress(EmbeddedPostgresError):
+                self._pg_ctl(
+                    bindir,
+                    run_as,
+                    ["stop", "-m", mode, "-w", "-t", str(int(self.stop_timeout))],
+                    timeout=self.stop_timeout + 10,
+                )
+        pid = self._postmaster_pid()
+        if pid is None or not _pid_alive(pid):
+            return
+        victims = [pid, *_children_of(pid)]
+        for victim in victims:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + self.stop_timeout
+        while any(_pid_alive(v) for v in victims):
+            if time.monotonic() > deadline:
+                raise EmbeddedPostgresError(
+                    f"PostgreSQL processes {victims} of {self.data_dir} survived SIGKILL"
+                )
+            time.sleep(0.02)
+        self._clear_stale_locks(victims)
+
+    def restart(self) -> str:
+        """Stop and start again on the same port and data directory; return the DSN.
+
+        Raises:
+            EmbeddedPostgresError: the port was taken meanwhile, or the start failed.
+        """
+        pinned = self._port if self._port is not None else self._requested_port
+        self.stop()
+        return self._start(pinned_port=pinned)
+
+    def close(self) -> None:
+        """Stop; delete the data directory too when it is a throwaway one."""
+        try:
+            self.stop()
+        finally:
+            if self._discard_root is not None:
+                shutil.rmtree(self._discard_root, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedPostgres(data_dir={str(self.data_dir)!r}, port={self._port})"
+
+    # ----------------------------------------------------------------- internals
+
+    def _user(self) -> _RunAs:
+        if self._run_as is None:
+            self._run_as = _RunAs()
+        return self._run_as
+
+    def _run(
+        self, argv: list[str], run_as: _RunAs, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        env["LC_ALL"] = "C"
+        try:
+            return subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+                cwd="/",
+                env=env,
+                **run_as.subprocess_kwargs(),
+            )
+        except subprocess.TimeoutExpired:
+            raise EmbeddedPostgresError(
+                f"{Path(argv[0]).name} did not finish within {timeout:.0f}s"
+            ) from None
+        except OSError as exc:
+            raise EmbeddedPostgresError(f"cannot run {argv[0]}: {exc}") from None
+
+    def _pg_ctl(
+        self, bindir: Path, run_as: _RunAs, args: list[str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        argv = [str(bindir / "pg_ctl"), "-D", str(self.data_dir), *args]
+        result = self._run(argv, run_as, timeout)
+        if result.returncode != 0:
+            output = (result.stderr or result.stdout).strip()
+            raise EmbeddedPostgresError(
+                f"pg_ctl {args[0]} failed (exit {result.returncode}): {output}"
+            )
+        return result
+
+    def _pg_ctl_start(self, bindir: Path, run_as: _RunAs) -> None:
+        self._pg_ctl(
+            bindir,
+            run_as,
+            ["start", "-w", "-t", str(int(self.start_timeout)), "-l", str(self.log_file)],
+            timeout=self.start_timeout + 10,
+        )
+
+    def _prepare_data_dir(self, bindir: Path, run_as: _RunAs) -> None:
+        _make_dirs(self.data_dir.parent)
+        if run_as.switches:
+            blocked = [d for d in reversed(self.data_dir.parents) if not run_as.can_traverse(d)]
+            if blocked:
+                raise EmbeddedPostgresError(
+                    f"PostgreSQL runs as {run_as.name!r} (this process is root), which "
+                    f"cannot enter {blocked[0]}: put the data directory elsewhere "
+                    f"(e.g. {default_data_dir()} or under /tmp)"
+                )
+        if (self.data_dir / "PG_VERSION").exists():
+            if run_as.switches and self.data_dir.stat().st_uid != run_as.uid:
+                run_as.chown_tree(self.data_dir)
+            return
+        if self.data_dir.exists() and any(self.data_dir.iterdir()):
+            raise EmbeddedPostgresError(
+                f"{self.data_dir} is neither empty nor a PostgreSQL data directory "
+                "(no PG_VERSION); refusing to initdb over it"
+            )
+        self.data_dir.mkdir(mode=0o700, exist_ok=True)
+        run_as.chown(self.data_dir)
+        argv = [
+            str(bindir / "initdb"),
+            "-D",
+            str(self.data_dir),
+            "--auth=trust",
+            "--username=postgres",
+            "--encoding=UTF8",
+            "--no-locale",
+            "--no-sync",
+        ]
+        result = self._run(argv, run_as, timeout=max(self.start_timeout, 120.0))
+        if result.returncode != 0:
+            raise EmbeddedPostgresError(
+                f"initdb {self.data_dir} failed (exit {result.returncode}):\n"
+                f"{(result.stderr or result.stdout).strip()}"
+            )
+
+    def _postmaster_pid(self) -> int | None:
+        try:
+            first = (self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0]
+        except OSError:
+            return None
+        try:
+            return int(first.strip())
+        except ValueError:
+            return None
+
+    def _clear_stale_locks(self, victims: list[int]) -> None:
+        """After SIGKILL: let the next start see that the old server is gone.
+
+        The killed processes are orphans; until their new parent reaps them
+        they are zombies, and PostgreSQL's lock-file check (``kill(pid, 0)``)
+        takes a zombie for a running postmaster. Wait briefly for the reaping
+        (PostgreSQL then cleans up after the dead server itself); past that,
+        remove the lock files that name the dead postmaster.
+        """
+        deadline = time.monotonic() + min(self.stop_timeout, 5.0)
+        while time.monotonic() < deadline:
+            if not any(_pid_exists(v) for v in victims):
+                return
+            time.sleep(0.02)
+        dead = str(victims[0])
+        for lock in [
+            self.data_dir / "postmaster.pid",
+            *self.data_dir.glob(".s.PGSQL.*.lock"),
+        ]:
+            with contextlib.suppress(OSError):
+                if lock.read_text().split("\n", 1)[0].strip() == dead:
+                    lock.unlink()
+
+    def _adopt(self) -> None:
+        # postmaster.pid: pid, data dir, start time, port, socket dir, listen addr, ...
+        lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
+        if len(lines) > 3 and lines[3].strip().isdigit():
+            self._port = int(lines[3].strip())
+
+    def _recorded_port(self) -> int | None:
+        try:
+            text = (self.data_dir / _CONF_NAME).read_text()
+        except OSError:
+            return None
+        match = re.search(r"^port = '?(\d+)'?$", text, re.MULTILINE)
+        return int(match.group(1)) if match else None
+
+    def _choose_port(self, pinned: int | None, *, fresh: bool) -> int:
+        if pinned is not None:
+            if not _port_is_free(self.host, pinned):
+                raise EmbeddedPostgresError(f"port {self.host}:{pinned} is already in use")
+            return pinned
+        if not fresh:
+            # The port of the last run (this instance's, or the data dir's record).
+            recorded = self._recorded_port()
+            if recorded is not None and _port_is_free(self.host, recorded):
+                return recorded
+        return _free_port(self.host)
+
+    def _write_conf(self, port: int, run_as: _RunAs) -> None:
+        socket_dir = str(self.data_dir)
+        if len(f"{socket_dir}/.s.PGSQL.{port}") > _SOCKET_PATH_MAX:
+            socket_dir = ""  # path too long for a unix socket: TCP only
+        managed = {
+            "listen_addresses": self.host,
+            "port": str(port),
+            "unix_socket_directories": socket_dir,
+        }
+        lines = [
+            "# Written by changefeed.embedded at every start; edits here are lost.",
+            *(f"{k} = {_quote_setting(v)}" for k, v in self._settings.items()),
+            *(f"{k} = {_quote_setting(v)}" for k, v in managed.items()),
+        ]
+        conf = self.data_dir / _CONF_NAME
+        conf.write_text("\n".join(lines) + "\n")
+        run_as.chown(conf)
+        main_conf = self.data_dir / "postgresql.conf"
+        text = main_conf.read_text() if main_conf.exists() else ""
+        if _INCLUDE_LINE not in text.splitlines():
+            with main_conf.open("a") as f:
+                f.write(("" if text.endswith("\n") or not text else "\n") + _INCLUDE_LINE + "\n")
+            run_as.chown(main_conf)
+
+    def _log_since(self, offset: int, limit: int = 4000) -> str:
+        try:
+            with self.log_file.open("rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except OSError as exc:
+            return f"(no server log: {exc})"
+        text = data.decode(errors="replace")
+        return text[-limit:] if text else "(server log is empty)"
+
+
+def temporary(tmp_root: Path | None = None, **kwargs: Any) -> EmbeddedPostgres:
+    """An EmbeddedPostgres on a new throwaway data directory (not started yet).
+
+    The directory is ``<tmp_root or the system temp dir>/changefeed-pg-XXXX/data``;
+    its parent is mode 755 so that the unprivileged server user can enter it
+    when this process is root. ``close()`` (or leaving the ``with`` block)
+    stops the server and deletes the directory. ``kwargs`` go to
+    EmbeddedPostgres.
+    """
+    root = Path(tempfile.mkdtemp(prefix="changefeed-pg-", dir=tmp_root))
+    root.chmod(0o755)
+    return EmbeddedPostgres(root / "data", discard_on_close=True, discard_root=root, **kwargs)

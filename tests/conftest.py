@@ -1,0 +1,102 @@
+"""Shared fixtures: one real PostgreSQL per test session, one fresh database per test.
+
+``pg_server`` is an EmbeddedPostgres on a throwaway data directory (under the
+system temp dir, so that it also works as root), started once per session.
+With ``CHANGEFEED_TEST_DSN`` set, an external server is used instead; it
+cannot be restarted, so tests that need ``restart()`` skip (use the
+``restartable_pg_server`` fixture to say so).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import asyncpg
+import pytest
+from helpers import dsn_with_database
+
+from changefeed.embedded import EmbeddedPostgres, temporary
+from changefeed.schemas import apply_schema
+
+
+@dataclass
+class ExternalPostgres:
+    """A server given by CHANGEFEED_TEST_DSN: usable, but not ours to restart."""
+
+    dsn: str
+
+    def dsn_for(self, database: str) -> str:
+        return dsn_with_database(self.dsn, database)
+
+    def is_running(self) -> bool:
+        return True
+
+    def start(self) -> str:
+        return self.dsn
+
+    def restart(self) -> str:
+        pytest.skip("CHANGEFEED_TEST_DSN points at an external server: restart unsupported")
+
+    def stop(self) -> None:
+        pytest.skip("CHANGEFEED_TEST_DSN points at an external server: stop unsupported")
+
+
+PgServer = EmbeddedPostgres | ExternalPostgres
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """The session's PostgreSQL server (``.dsn``, ``.dsn_for(db)``, ``.restart()``)."""
+    external = os.environ.get("CHANGEFEED_TEST_DSN")
+    if external:
+        yield ExternalPostgres(external)
+        return
+    server = temporary()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def restartable_pg_server(pg_server: PgServer) -> EmbeddedPostgres:
+    """``pg_server`` when it can be restarted; skips the test otherwise."""
+    if not isinstance(pg_server, EmbeddedPostgres):
+        pytest.skip("CHANGEFEED_TEST_DSN points at an external server: restart unsupported")
+    return pg_server
+
+
+@pytest.fixture
+async def dsn(pg_server: PgServer) -> AsyncIterator[str]:
+    """DSN of a fresh database ``test_<hex>``, dropped after the test."""
+    name = f"test_{uuid.uuid4().hex}"
+    admin = await asyncpg.connect(pg_server.dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    try:
+        yield pg_server.dsn_for(name)
+    finally:
+        if not pg_server.is_running():  # a test stopped it
+            pg_server.start()
+        admin = await asyncpg.connect(pg_server.dsn)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+@pytest.fixture
+async def feed_dsn(dsn: str) -> str:
+    """Like ``dsn``, with the feed schema (``changefeed``) applied."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await apply_schema(conn)
+    finally:
+        await conn.close()
+    return dsn

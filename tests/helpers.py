@@ -1,0 +1,54 @@
+"""Small helpers shared by the tests (import as ``from helpers import ...``).
+
+Tests never sleep to synchronise without a bound: they wait for a condition
+with :func:`wait_until`, which fails with a message when the bound is reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["dsn_with_database", "free_port", "wait_until"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def wait_until(
+    predicate: Callable[[], bool | Awaitable[bool]],
+    timeout: float = 10.0,
+    interval: float = 0.01,
+    message: str | None = None,
+) -> None:
+    """Wait until ``predicate()`` (sync or async) is true.
+
+    Raises:
+        AssertionError: the condition did not hold within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() >= deadline:
+            what = message or getattr(predicate, "__name__", repr(predicate))
+            raise AssertionError(f"condition not met within {timeout}s: {what}")
+        await asyncio.sleep(interval)
+
+
+def dsn_with_database(dsn: str, database: str) -> str:
+    """``dsn`` with its database (the URL path) replaced by ``database``."""
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path="/" + database))

@@ -1,0 +1,284 @@
+"""The publisher end to end: real PostgreSQL, real uvicorn, real websocket clients."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import asyncpg
+import httpx
+import orjson
+import pytest
+from helpers import wait_until
+from publisher_fixtures import receive_items, register, registration, running_publisher, write
+from websockets.exceptions import ConnectionClosed
+
+from changefeed.schemas import Ack, ChangeItem, CloseCode, validate
+
+
+async def test_registration_ack_and_change_items_have_the_contract_shapes(feed_dsn: str) -> None:
+    async with running_publisher(feed_dsn) as pub:
+        ws, ack = await register(pub.ws_url, registration())
+        validate("ack", ack)
+        assert ack["bootstrapRoute"] == "/vms" and ack["resumed"] is False
+        await write(feed_dsn, [("vm", ["nic"], "78615996-1a0e-40ca-974e-8b484774711a")])
+        (item,) = await receive_items(ws, 1)
+        validate("change_item", item)
+        assert item["changeKind"] == {"resource": "vm", "subResources": ["nic"]}
+        assert item["changedResourceId"] == "78615996-1a0e-40ca-974e-8b484774711a"
+        assert item["published"].endswith("Z")
+        await ws.close()
+
+
+async def test_matching_follows_design_section_3(feed_dsn: str) -> None:
+    async with running_publisher(feed_dsn) as pub:
+        nic_only, _ = await register(pub.ws_url, registration(subs=["nic"]))
+        everything, _ = await register(pub.ws_url, registration(subs=[]))
+        networks, _ = await register(pub.ws_url, registration("network", ["subnet"]))
+        await write(
+            feed_dsn,
+            [
+                ("vm", ["alias"], "a"),
+                ("vm", ["nic", "alias"], "b"),
+                ("vm", [], "c"),
+                ("network", ["subnet"], "n"),
+            ],
+        )
+        nic_items = await receive_items(nic_only, 2)
+        assert [i["changedResourceId"] for i in nic_items] == ["b", "c"]
+        all_items = await receive_items(everything, 3)
+        assert [i["changedResourceId"] for i in all_items] == ["a", "b", "c"]
+        (net,) = await receive_items(networks, 1)
+        assert net["changedResourceId"] == "n"
+        # Nothing else is pending for the nic-only listener.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(nic_only.recv(), 0.5)
+        for ws in (nic_only, everything, networks):
+            await ws.close()
+
+
+async def test_resources_and_stats_routes(feed_dsn: str) -> None:
+    async with (
+        running_publisher(feed_dsn) as pub,
+        httpx.AsyncClient(base_url=pub.server.url) as http,
+    ):
+        resources = (await http.get("/changefeeds")).json()
+        validate("resources", resources)
+        assert resources == {
+            "resources": [
+                {"resource": "vm", "subResources": ["nic", "alias"], "bootstrapRoute": "/vms"},
+                {"resource": "network", "subResources": ["subnet"], "bootstrapRoute": "/networks"},
+            ]
+        }
+        stats = (await http.get("/changefeeds/stats")).json()
+        validate("stats", stats)
+        assert stats["listeners"] == 0 and stats["registrations"] == []
+        first, _ = await register(pub.ws_url, registration())
+        second, _ = await register(pub.ws_url, registration("network", ["subnet"]))
+        stats = (await http.get("/changefeeds/stats")).json()
+        validate("stats", stats)
+        assert stats["listeners"] == 2
+        assert sorted(r["changeKind"]["resource"] for r in stats["registrations"]) == [
+            "network",
+            "vm",
+        ]
+        assert {r["service"] for r in stats["registrations"]} == {"tcns"}
+        await first.close()
+
+        async def one_left() -> bool:
+            return (await http.get("/changefeeds/stats")).json()["listeners"] == 1
+
+        await wait_until(one_left, message="stats count the disconnect")
+        await second.close()
+        await wait_until(lambda: len(pub.publisher.registry) == 0)
+        stats = (await http.get("/changefeeds/stats")).json()
+        assert stats["counters"]["registrations"] == 2 and stats["counters"]["disconnects"] == 2
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "close_code"),
+    [
+        ("not json", "bad_frame", CloseCode.BAD_FRAME),
+        ("[1, 2]", "invalid_registration", CloseCode.BAD_FRAME),
+        ('{"instance": "i", "service": "s"}', "invalid_registration", CloseCode.BAD_FRAME),
+        (registration("vmz"), "unknown_resource", CloseCode.UNKNOWN_RESOURCE),
+        (registration(since="garbage"), "bad_cursor", CloseCode.BAD_CURSOR),
+        (
+            registration().replace('["nic","alias"]', '"nic"'),
+            "invalid_registration",
+            CloseCode.BAD_FRAME,
+        ),
+        ("x" * 70000, "frame_too_large", CloseCode.FRAME_TOO_LARGE),
+    ],
+)
+async def test_bad_registrations_get_an_error_frame_and_a_documented_close_code(
+    feed_dsn: str, frame: str, code: str, close_code: int
+) -> None:
+    async with running_publisher(feed_dsn) as pub:
+        ws, error = await register(pub.ws_url, frame)
+        validate("error", error)
+        assert error["error"]["code"] == code
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 5)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == close_code
+        # The publisher keeps serving everyone else.
+        good, ack = await register(pub.ws_url, registration())
+        assert ack["bootstrapRoute"] == "/vms"
+        await good.close()
+
+
+async def test_registration_timeout_closes_silent_connections(feed_dsn: str) -> None:
+    from websockets.asyncio.client import connect
+
+    async with running_publisher(feed_dsn, registration_timeout=0.3) as pub:
+        ws = await connect(pub.ws_url)
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "registration_timeout"
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 5)
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == CloseCode.REGISTRATION_TIMEOUT
+
+
+async def test_rfd5_v2_registration_and_heartbeat_frames(feed_dsn: str) -> None:
+    """node-sdc-changefeed registers several resources on one socket (v2) and sends
+    'heartbeat' text frames; both must work unchanged."""
+    frame = orjson.dumps(
+        {
+            "instance": "i1",
+            "service": "cns",
+            "resources": [
+                {"resource": "vm", "subResources": ["nic"]},
+                {"resource": "network", "subResources": ["subnet"]},
+            ],
+        }
+    ).decode()
+    async with running_publisher(feed_dsn) as pub:
+        ws, ack = await register(pub.ws_url, frame)
+        assert [r["bootstrapRoute"] for r in ack["bootstrapRoutes"]] == ["/vms", "/networks"]
+        assert "bootstrapRoute" not in ack
+        await ws.send("heartbeat")
+        await write(feed_dsn, [("vm", ["nic"], "v1"), ("network", ["subnet"], "n1")])
+        items = await receive_items(ws, 2)
+        assert [i["changedResourceId"] for i in items] == ["v1", "n1"]
+        await ws.close()
+
+
+async def test_batch_mode_coalesces_items_into_arrays(feed_dsn: str) -> None:
+    async with running_publisher(feed_dsn) as pub:
+        ws, ack = await register(pub.ws_url, registration(batch=True))
+        assert ack["batch"] is True
+        conn = await asyncpg.connect(feed_dsn)
+        from changefeed.publisher import publish_many
+
+        await publish_many(conn, [("vm", ["nic"], f"id{i}") for i in range(300)])
+        await conn.close()
+        items = await receive_items(ws, 300)
+        assert [i["changedResourceId"] for i in items] == [f"id{i}" for i in range(300)]
+        for item in items:
+            ChangeItem.from_json(item)
+        await ws.close()
+
+
+async def test_resume_replays_exactly_what_was_missed(feed_dsn: str) -> None:
+    async with running_publisher(feed_dsn) as pub:
+        ws, _ = await register(pub.ws_url, registration(subs=["nic"]))
+        await write(feed_dsn, [("vm", ["nic"], "before")])
+        (seen,) = await receive_items(ws, 1)
+        await ws.close()
+        missed = [("vm", ["nic"] if i % 2 else ["alias"], f"m{i}") for i in range(1000)]
+        await write(feed_dsn, missed)
+        await wait_until(lambda: pub.publisher.tailer.entries_total >= 1001)
+        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=seen["cursor"]))
+        assert Ack.decode(orjson.dumps(ack)).resumed is True
+        items = await receive_items(ws, 500)
+        assert [i["changedResourceId"] for i in items] == [f"m{i}" for i in range(1, 1000, 2)]
+        # The seam: live items follow the replay with no gap and no duplicate.
+        await write(feed_dsn, [("vm", ["nic"], "live")])
+        (live,) = await receive_items(ws, 1)
+        assert live["changedResourceId"] == "live"
+        await ws.close()
+
+
+async def test_cursor_older_than_the_low_water_mark_is_not_resumed(feed_dsn: str) -> None:
+    async with running_publisher(feed_dsn) as pub:
+        ws, _ = await register(pub.ws_url, registration())
+        await write(feed_dsn, [("vm", [], "old"), ("vm", [], "older")])
+        old, _ = await receive_items(ws, 2)
+        await ws.close()
+        conn = await asyncpg.connect(feed_dsn)
+        from datetime import timedelta
+
+        from changefeed.publisher.retention import trim_expired
+
+        await conn.execute("UPDATE changefeed.feed SET published = now() - interval '2 days'")
+        assert await trim_expired(conn, "changefeed", timedelta(days=1)) == 2
+        await conn.close()
+        # "old" is gone and so is "older", which a resume from "old" would need.
+        ws, ack = await register(pub.ws_url, registration(since=old["cursor"]))
+        assert ack["resumed"] is False
+        await ws.close()
+
+
+async def test_a_slow_listener_is_evicted_and_others_keep_receiving(feed_dsn: str) -> None:
+    async with running_publisher(feed_dsn, queue_size=2000, tail_batch=200) as pub:
+        from websockets.asyncio.client import connect
+
+        # max_queue=1: once a frame waits unread, the client stops reading the socket;
+        # a small fixed receive buffer keeps the kernel from absorbing the burst.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", pub.server.port))
+        slow = await connect(pub.ws_url, max_queue=1, sock=sock, compression=None)
+        await slow.send(registration())
+        await asyncio.wait_for(slow.recv(), 5)
+        fast, _ = await register(pub.ws_url, registration())
+        payload = "x" * 1000  # enough to fill the slow client's socket buffers
+        count = 8000  # 8 MB: more than the slow client's socket buffers hold
+        conn = await asyncpg.connect(feed_dsn)
+        from changefeed.publisher import publish_many
+
+        for start in range(0, count, 500):
+            await publish_many(
+                conn, [("vm", ["nic"], f"{payload}{i}") for i in range(start, start + 500)]
+            )
+        await conn.close()
+        items = await receive_items(fast, count, timeout=30)
+        assert len(items) == count
+        await wait_until(lambda: pub.publisher.registry.evictions_total == 1, timeout=15)
+        # The slow one finds an error frame and close code 4009 once it reads again.
+        codes = []
+        with pytest.raises(ConnectionClosed) as closed:
+            async with asyncio.timeout(15):
+                while True:
+                    doc = orjson.loads(await slow.recv())
+                    if isinstance(doc, dict) and "error" in doc:
+                        codes.append(doc["error"]["code"])
+        assert codes == ["slow_listener"]
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == CloseCode.SLOW_LISTENER
+        await fast.close()
+
+
+async def test_entries_committed_out_of_order_are_not_skipped(feed_dsn: str) -> None:
+    """Invariant I1 in miniature: A appends first and commits last."""
+    async with running_publisher(feed_dsn) as pub:
+        ws, _ = await register(pub.ws_url, registration(subs=[]))
+        first = await asyncpg.connect(feed_dsn)
+        tx = first.transaction()
+        await tx.start()
+        from changefeed.publisher import publish
+
+        await publish(first, "vm", [], "appended-first")
+        await write(feed_dsn, [("vm", [], "appended-second")])
+        # The second one's transaction is after the open one: held back, not skipped.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ws.recv(), 0.7)
+        await tx.commit()
+        await first.close()
+        items = await receive_items(ws, 2)
+        assert sorted(i["changedResourceId"] for i in items) == [
+            "appended-first",
+            "appended-second",
+        ]
+        await ws.close()
