@@ -31,7 +31,16 @@ from changefeed.schemas import ProtocolError, quote_schema
 
 from .errors import ConfigError
 
-__all__ = ["PublisherConfig", "ResourceConfig", "load_config", "parse_duration"]
+__all__ = [
+    "PublisherConfig",
+    "ResourceConfig",
+    "ServerConfig",
+    "config_from_dict",
+    "load_config",
+    "load_service_config",
+    "parse_duration",
+    "server_config_from_dict",
+]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -173,6 +182,31 @@ class PublisherConfig:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """How ``changefeed serve`` listens (the ``[server]`` table)."""
+
+    host: str = field(default="127.0.0.1", metadata=_doc("Address to listen on."))
+    port: int = field(default=8080, metadata=_doc("TCP port to listen on."))
+    ping_interval: float = field(
+        default=20.0,
+        metadata=_doc("Websocket ping interval; keep load balancer idle timeouts above it.",
+                      "seconds"),
+    )
+    ping_timeout: float = field(
+        default=20.0, metadata=_doc("A listener that does not answer a ping within this is "
+                                    "dropped.", "seconds")
+    )
+    drain_grace: float = field(
+        default=5.0, metadata=_doc("On SIGTERM, time allowed for listeners to be closed with "
+                                   "1001 before exit.", "seconds")
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError("server.port", f"must be 1-65535, got {self.port}")
+
+
 _DURATION_KEYS = {
     "max_age",
     "retention_interval",
@@ -286,8 +320,26 @@ def config_from_dict(doc: dict[str, Any], source: str | None = None) -> Publishe
         raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source) from None
 
 
+def server_config_from_dict(doc: dict[str, Any], source: str | None = None) -> ServerConfig:
+    """The ``[server]`` table of a parsed TOML document."""
+    values = _build(ServerConfig, doc.get("server", {}), "server", source, set())
+    try:
+        return ServerConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source) from None
+
+
 def load_config(path: str | Path) -> PublisherConfig:
     """Load a publisher config from a TOML file.
+
+    Raises:
+        ConfigError: the file is unreadable, not TOML, or a key is unknown or wrong.
+    """
+    return load_service_config(path)[0]
+
+
+def load_service_config(path: str | Path) -> tuple[PublisherConfig, ServerConfig]:
+    """Load ``[publisher]``, ``[[resources]]`` and ``[server]`` from a TOML file.
 
     Raises:
         ConfigError: the file is unreadable, not TOML, or a key is unknown or wrong.
@@ -300,4 +352,4 @@ def load_config(path: str | Path) -> PublisherConfig:
         raise ConfigError("(file)", f"cannot read: {exc.strerror}", source) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("(file)", f"not valid TOML: {exc}", source) from None
-    return config_from_dict(doc, source)
+    return config_from_dict(doc, source), server_config_from_dict(doc, source)

@@ -145,13 +145,22 @@ class Publisher:
                 error=repr(exc),
             )
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Close every listener with 1001 (they re-register elsewhere) and stop tailing."""
+    async def drain(self, grace: float = 5.0) -> None:
+        """Refuse new registrations and close every listener with 1001 ("going away"),
+        so that they re-register with another instance; wait up to ``grace`` seconds."""
+        if not self.draining:
+            log_event(log, "publisher.draining", listeners=len(self.registry))
         self.draining = True
         for session in list(self.registry.sessions):
             session.close(Closing(1001, None, "publisher shutting down"))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._no_listeners.wait(), grace)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Drain, then stop tailing and retention; nothing is half-written (the
+        publisher never writes the feed, it only reads and trims it in
+        transactions)."""
+        await self.drain(grace)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,286 @@
+"""The ``changefeed`` command: demo, example API, standalone publisher, debugging tools.
+
+Each sub-command is a thin shell around the packages; it parses arguments,
+sets up logging, and turns expected failures (bad config, database down, bad
+URL) into one clear line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from changefeed import __version__
+from changefeed.logs import configure_logging
+
+__all__ = ["main"]
+
+_EPILOG = {
+    "demo": "example:\n  changefeed demo --duration 20",
+    "example-api": "example:\n  changefeed example-api --dsn postgresql://postgres@127.0.0.1:5432/postgres"
+    " --port 8080",
+    "serve": "example:\n  changefeed serve --config deploy/changefeed.toml",
+    "listen": "examples:\n  changefeed listen http://127.0.0.1:8080 --resource vm --sub-resources nic,alias\n"
+    "  changefeed listen http://127.0.0.1:8080 --resource vm --mirror",
+    "stats": "example:\n  changefeed stats http://127.0.0.1:8080",
+    "db": "example:\n  changefeed db init --dsn postgresql://postgres@127.0.0.1:5432/postgres",
+    "compact": "example:\n  changefeed compact --dsn postgresql://postgres@127.0.0.1:5432/postgres"
+    " --max-age 24h --compaction-lag 10m --dry-run",
+}
+
+
+class CommandError(Exception):
+    """An expected failure of a command: printed as one line, exit status 1 (2 for usage)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    dsn: str | None = args.dsn or os.environ.get("CHANGEFEED_DSN")
+    if not dsn:
+        raise CommandError("a database is needed: pass --dsn DSN or set CHANGEFEED_DSN", 2)
+    return dsn
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="changefeed",
+        description="Change-feed publish/subscribe middleware (after Joyent RFD 5).",
+        epilog="Run 'changefeed COMMAND --help' for a command's options and an example.",
+    )
+    parser.add_argument("--version", action="version", version=f"changefeed {__version__}")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
+                        help="JSON log lines (default: JSON unless stderr is a terminal)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text,
+                              epilog=_EPILOG.get(name),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    demo = command("demo", "Run the example VM API with its publisher on an embedded "
+                           "PostgreSQL, a DNS listener mirroring it, and a load generator.")
+    demo.add_argument("--dsn", help="use this PostgreSQL instead of the embedded one "
+                                    "(or CHANGEFEED_DSN)")
+    demo.add_argument("--duration", type=float, default=None,
+                      help="stop after this many seconds (default: until Ctrl-C)")
+    demo.add_argument("--port", type=int, default=0, help="API port (default: a free one)")
+    demo.add_argument("--rate", type=float, default=5.0, help="VM writes per second")
+    demo.add_argument("--data-dir", help="embedded PostgreSQL data directory")
+
+    api = command("example-api", "Serve only the example VM API with its publisher.")
+    api.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8080)
+    api.add_argument("--token", action="append", default=[],
+                     help="accept this bearer token (repeatable); default: no auth")
+
+    serve = command("serve", "Run a standalone publisher for feeds other services write "
+                             "with SELECT changefeed.publish(...).")
+    serve.add_argument("--config", required=True, help="TOML config file (docs/config.md)")
+    serve.add_argument("--host", default=None, help="override [server] host")
+    serve.add_argument("--port", type=int, default=None, help="override [server] port")
+
+    listen = command("listen", "Register with a publisher and print change items as JSON "
+                               "lines (changefeedsnoop).")
+    listen.add_argument("url", help="publisher base URL, e.g. http://127.0.0.1:8080")
+    listen.add_argument("--resource", required=True)
+    listen.add_argument("--sub-resources", default="",
+                        help="comma-separated; empty: all sub-resources")
+    listen.add_argument("--since", help="resume from this cursor")
+    listen.add_argument("--mirror", action="store_true",
+                        help="keep a mirror of the resources and print it as it changes")
+    listen.add_argument("--id-field", default="uuid", help="id field of bootstrap items")
+    listen.add_argument("--token", help="bearer token")
+    listen.add_argument("--count", type=int, default=None, help="exit after this many items")
+    listen.add_argument("--duration", type=float, default=None, help="exit after this long")
+    listen.add_argument("--status", action=argparse.BooleanOptionalAction, default=None,
+                        help="live status line on stderr (default: when stderr is a terminal)")
+
+    stats = command("stats", "Print a publisher's /changefeeds/stats readably.")
+    stats.add_argument("url", help="publisher base URL")
+    stats.add_argument("--json", action="store_true", help="raw JSON")
+    stats.add_argument("--token", help="bearer token")
+
+    db = command("db", "Feed schema management.")
+    db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
+    init = db_sub.add_parser("init", help="create or upgrade the feed schema (idempotent)",
+                             epilog=_EPILOG["db"],
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    init.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
+    init.add_argument("--schema", default="changefeed")
+
+    compact = command("compact", "Compact and garbage-collect old feed entries with Spark.")
+    compact.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
+    compact.add_argument("--schema", default="changefeed")
+    compact.add_argument("--max-age", default="24h", help="garbage: entries older than this")
+    compact.add_argument("--compaction-lag", default="10m",
+                         help="only entries older than this are merged")
+    compact.add_argument("--master", default="local[*]", help="Spark master URL")
+    compact.add_argument("--jdbc-jar", default=None, help="PostgreSQL JDBC driver jar")
+    compact.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    return parser
+
+
+async def _db_init(args: argparse.Namespace) -> int:
+    import asyncpg
+
+    from changefeed.schemas import apply_schema, schema_version
+
+    dsn = _dsn(args)
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except (OSError, asyncpg.PostgresError) as exc:
+        raise CommandError(f"cannot connect to the database: {exc}") from None
+    try:
+        applied = await apply_schema(conn, args.schema)
+        version = await schema_version(conn, args.schema)
+    finally:
+        await conn.close()
+    what = f"applied {applied}" if applied else "already up to date"
+    print(f"schema {args.schema!r} at version {version} ({what})")
+    return 0
+
+
+async def _stats(args: argparse.Namespace) -> int:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    url = args.url.rstrip("/") + "/changefeeds/stats"
+    try:
+        async with httpx.AsyncClient(timeout=10, headers=headers) as client:
+            response = await client.get(url)
+    except httpx.HTTPError as exc:
+        raise CommandError(f"cannot reach {url}: {exc}") from None
+    if response.status_code != 200:
+        raise CommandError(f"{url} answered {response.status_code}: {response.text[:200]}")
+    doc = response.json()
+    if args.json:
+        print(response.text)
+        return 0
+    print(render_stats(doc))
+    return 0
+
+
+def render_stats(doc: dict[str, Any]) -> str:
+    """Human-readable stats: totals, the tailer, one line per registration."""
+    lines = [f"listeners: {doc.get('listeners')}"]
+    tailer = doc.get("tailer") or {}
+    if tailer:
+        lines.append(
+            f"tailer: {tailer.get('status')} position={tailer.get('position')} "
+            f"entries={tailer.get('entries')} lag={tailer.get('lagSeconds')}s "
+            f"reconnects={tailer.get('reconnects')}"
+        )
+    counters = doc.get("counters") or {}
+    if counters:
+        lines.append("counters: " + " ".join(f"{k}={v}" for k, v in counters.items()))
+    registrations = doc.get("registrations") or []
+    lines.append(f"registrations: {len(registrations)}")
+    for r in registrations:
+        kind = r.get("changeKind", {})
+        subs = ",".join(kind.get("subResources", [])) or "*"
+        lines.append(
+            f"  {r.get('service')}/{r.get('instance')} {kind.get('resource')}[{subs}] "
+            f"since={r.get('connectedSince', '?')} delivered={r.get('delivered', '?')} "
+            f"dropped={r.get('dropped', '?')} queue={r.get('queueDepth', '?')}"
+        )
+    return "\n".join(lines)
+
+
+async def _example_api(args: argparse.Namespace) -> int:
+    from changefeed.example.vmapi import create_app
+    from changefeed.serving import DrainingServer, server_config
+
+    dsn = _dsn(args)
+    overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
+    app = create_app(dsn, **overrides)
+    server = DrainingServer(server_config(app, args.host, args.port), [app.state.publisher])
+    print(f"example VM API with publisher on http://{args.host}:{args.port} "
+          f"(websocket ws://{args.host}:{args.port}/changefeeds)", flush=True)
+    await server.serve()
+    return 0 if server.started else 1
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from changefeed.standalone import run_standalone
+
+    return await run_standalone(args.config, host=args.host, port=args.port)
+
+
+async def _listen(args: argparse.Namespace) -> int:
+    from changefeed.snoop import run_listen
+
+    return await run_listen(args)
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from changefeed.demo import run_demo
+
+    return await run_demo(args)
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from changefeed.publisher.config import parse_duration
+    from changefeed.publisher.errors import ConfigError
+
+    try:
+        max_age = parse_duration(args.max_age, "--max-age")
+        lag = parse_duration(args.compaction_lag, "--compaction-lag")
+    except ConfigError as exc:
+        raise CommandError(str(exc), 2) from None
+    from changefeed.publisher.compaction import run_compaction
+
+    def progress(stage: str, fields: dict[str, Any]) -> None:
+        detail = " ".join(f"{k}={v}" for k, v in fields.items())
+        print(f"[{stage}] {detail}", file=sys.stderr, flush=True)
+
+    summary = run_compaction(_dsn(args), schema=args.schema, max_age=max_age,
+                             compaction_lag=lag, master=args.master, dry_run=args.dry_run,
+                             jdbc_jar=args.jdbc_jar, progress=progress)
+    print(summary.to_text())
+    return 0
+
+
+_ASYNC_COMMANDS = {
+    "db": _db_init,
+    "stats": _stats,
+    "example-api": _example_api,
+    "serve": _serve,
+    "listen": _listen,
+    "demo": _demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``changefeed`` console script."""
+    args = _parser().parse_args(argv)
+    configure_logging(args.log_level, args.log_json)
+    try:
+        if args.command == "compact":
+            return _compact(args)
+        return asyncio.run(_ASYNC_COMMANDS[args.command](args))
+    except CommandError as exc:
+        print(f"changefeed {args.command}: {exc}", file=sys.stderr)
+        return exc.status
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: one clear line
+        from changefeed.publisher import PublisherError
+
+        if isinstance(exc, PublisherError | OSError):
+            print(f"changefeed {args.command}: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""``changefeed serve``: a standalone publisher for feeds written by other services.
+
+Services in any language append entries with ``SELECT changefeed.publish(...)``
+inside their own transactions; this process tails the feed and serves
+listeners. Bootstrap routes in its config are usually absolute URLs on the
+APIs that own the resources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import asyncpg
+from starlette.applications import Starlette
+
+from changefeed.publisher import ConfigError, Publisher
+from changefeed.publisher.config import load_service_config
+from changefeed.serving import DrainingServer, server_config
+
+__all__ = ["build_app", "run_standalone"]
+
+
+def build_app(publisher: Publisher) -> Starlette:
+    """The standalone publisher's app: only the publisher's routes."""
+    return Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
+
+
+async def _check_database(dsn: str, source: str) -> None:
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        raise ConfigError("publisher.dsn", f"database unreachable: {exc}", source) from None
+    await conn.close()
+
+
+async def run_standalone(path: str, *, host: str | None = None, port: int | None = None) -> int:
+    """Load ``path``, check the database, and serve until SIGTERM/SIGINT."""
+    config, server = load_service_config(path)
+    if not config.dsn:
+        raise ConfigError("publisher.dsn", "is required for 'changefeed serve'", path)
+    if not config.resources:
+        raise ConfigError("resources", "at least one [[resources]] table is required", path)
+    await _check_database(config.dsn, path)
+    publisher = Publisher(config)
+    uvicorn_config = server_config(
+        build_app(publisher),
+        host or server.host,
+        port if port is not None else server.port,
+        ws_ping_interval=server.ping_interval,
+        ws_ping_timeout=server.ping_timeout,
+    )
+    runner = DrainingServer(uvicorn_config, [publisher], grace=server.drain_grace)
+    print(f"changefeed publisher for {[r.name for r in config.resources]} on "
+          f"http://{uvicorn_config.host}:{uvicorn_config.port}", file=sys.stderr, flush=True)
+    await runner.serve()
+    await asyncio.sleep(0)
+    return 0 if runner.started else 1
