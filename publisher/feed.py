@@ -135,6 +135,12 @@ class FeedReader:
             " WHERE txid < pg_snapshot_xmin(pg_current_snapshot())"
             " ORDER BY txid DESC, id DESC LIMIT 1"
         )
+        # The write transaction that holds the horizon back: its age is how long
+        # delivery of anything committed after it has been waiting.
+        self._oldest_writer = (
+            "SELECT coalesce(extract(epoch FROM clock_timestamp() - min(xact_start)), 0)::float8"
+            " FROM pg_stat_activity WHERE backend_xid IS NOT NULL"
+        )
         self._low_water = (
             f"SELECT low_water_txid::text::bigint AS txid, low_water_id AS id FROM {q}.feed_state"
         )
@@ -170,6 +176,10 @@ class FeedReader:
         """Return the position of the newest final entry (ORIGIN for an empty feed)."""
         row = await conn.fetchrow(self._head)
         return Position(row["txid"], row["id"]) if row else ORIGIN
+
+    async def oldest_writer_age(self, conn: PgConnection) -> float:
+        """Seconds the oldest open write transaction (cluster-wide) has been open."""
+        return float(await conn.fetchval(self._oldest_writer))
 
     async def low_water(self, conn: PgConnection) -> Position:
         """Return the oldest resumable position: a cursor at or after it can resume."""

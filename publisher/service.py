@@ -103,11 +103,14 @@ class Publisher:
             lag=lambda: self.tailer.lag_seconds,
             up=lambda: 1.0 if self.tailer.status == "running" else 0.0,
         )
+        self.metrics.oldest_xact.set_function(lambda: self.tailer.oldest_writer_seconds)
 
     # -- lifecycle ---------------------------------------------------------
 
     async def _connect(self) -> asyncpg.Connection:
-        return await asyncpg.connect(self.config.dsn, timeout=5.0)
+        return await asyncpg.connect(
+            self.config.dsn, timeout=5.0, server_settings={"application_name": "changefeed-tailer"}
+        )
 
     async def start(self) -> None:
         """Connect, create the schema if configured, and start tailing."""
