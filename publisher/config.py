@@ -36,6 +36,7 @@ __all__ = [
     "ResourceConfig",
     "ServerConfig",
     "config_from_dict",
+    "config_reference",
     "load_config",
     "load_service_config",
     "parse_duration",
@@ -190,16 +191,19 @@ class ServerConfig:
     port: int = field(default=8080, metadata=_doc("TCP port to listen on."))
     ping_interval: float = field(
         default=20.0,
-        metadata=_doc("Websocket ping interval; keep load balancer idle timeouts above it.",
-                      "seconds"),
+        metadata=_doc(
+            "Websocket ping interval; keep load balancer idle timeouts above it.", "seconds"
+        ),
     )
     ping_timeout: float = field(
-        default=20.0, metadata=_doc("A listener that does not answer a ping within this is "
-                                    "dropped.", "seconds")
+        default=20.0,
+        metadata=_doc("A listener that does not answer a ping within this is dropped.", "seconds"),
     )
     drain_grace: float = field(
-        default=5.0, metadata=_doc("On SIGTERM, time allowed for listeners to be closed with "
-                                   "1001 before exit.", "seconds")
+        default=5.0,
+        metadata=_doc(
+            "On SIGTERM, time allowed for listeners to be closed with 1001 before exit.", "seconds"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -213,6 +217,9 @@ _DURATION_KEYS = {
     "poll_interval",
     "registration_timeout",
     "db_retry_budget",
+    "ping_interval",
+    "ping_timeout",
+    "drain_grace",
 }
 _POSITIVE_INTS = {
     "tail_batch",
@@ -327,6 +334,60 @@ def server_config_from_dict(doc: dict[str, Any], source: str | None = None) -> S
         return ServerConfig(**values)
     except ConfigError as exc:
         raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source) from None
+
+
+def _type_name(cls: type[Any], name: str) -> str:
+    if name in _DURATION_KEYS:
+        return "duration"
+    hint = typing.get_type_hints(cls)[name]
+    if typing.get_origin(hint) is tuple:
+        return "list of strings"
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return "string (optional)"
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(hint, str(hint))
+
+
+def config_reference() -> str:
+    """The config reference (docs/config.md), generated from the model itself."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the config model, `changefeed.publisher.config.config_reference()`;",
+        "tests/test_config.py keeps this file and the model in step. Durations are seconds as a number, or",
+        'a string such as `"500ms"`, `"30s"`, `"10m"`, `"24h"`, `"7d"`. Unknown keys and wrong',
+        "types are refused with an error naming the file and the key.",
+        "",
+    ]
+    sections: list[tuple[str, type[Any], set[str]]] = [
+        ("[publisher]", PublisherConfig, {"resources"}),
+        ("[[resources]]", ResourceConfig, set()),
+        ("[server] (only `changefeed serve`)", ServerConfig, set()),
+    ]
+    for title, cls, skip in sections:
+        lines += [
+            f"## {title}",
+            "",
+            "| key | type | default | unit | meaning |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            if f.default is dataclasses.MISSING:
+                default = "required"
+            elif f.default in (None, ()):
+                default = "(none)"
+            elif isinstance(f.default, bool):
+                default = f"`{str(f.default).lower()}`"
+            else:
+                default = f"`{f.default!r}`".replace("'", '"')
+            unit = f.metadata.get("unit", "")
+            lines.append(
+                f"| `{f.name}` | {_type_name(cls, f.name)} | {default} | {unit} | "
+                f"{f.metadata.get('doc', '')} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
 
 
 def load_config(path: str | Path) -> PublisherConfig:
