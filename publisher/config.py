@@ -353,9 +353,11 @@ def config_reference() -> str:
         "# Configuration reference",
         "",
         "Generated from the config model, `changefeed.publisher.config.config_reference()`;",
-        "tests/test_config.py keeps this file and the model in step. Durations are seconds as a number, or",
-        'a string such as `"500ms"`, `"30s"`, `"10m"`, `"24h"`, `"7d"`. Unknown keys and wrong',
-        "types are refused with an error naming the file and the key.",
+        "tests/test_config.py keeps this file and the model in step.",
+        "",
+        'Durations are seconds as a number, or a string such as `"500ms"`, `"30s"`, `"10m"`,',
+        '`"24h"`, `"7d"`. Unknown keys and wrong types are refused with an error naming the',
+        "file and the key.",
         "",
     ]
     sections: list[tuple[str, type[Any], set[str]]] = [

@@ -139,6 +139,7 @@ def test_serve_names_the_file_and_key_on_a_bad_config(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     assert result.returncode != 0
     assert "publisher.poll_interval" in result.stderr and str(path) in result.stderr
