@@ -24,7 +24,8 @@ _EPILOG = {
     "example-api": "example:\n  changefeed example-api --dsn postgresql://postgres@127.0.0.1:5432/postgres"
     " --port 8080",
     "serve": "example:\n  changefeed serve --config deploy/changefeed.toml",
-    "listen": "examples:\n  changefeed listen http://127.0.0.1:8080 --resource vm --sub-resources nic,alias\n"
+    "listen": "examples:\n"
+    "  changefeed listen http://127.0.0.1:8080 --resource vm --sub-resources nic,alias\n"
     "  changefeed listen http://127.0.0.1:8080 --resource vm --mirror",
     "stats": "example:\n  changefeed stats http://127.0.0.1:8080",
     "db": "example:\n  changefeed db init --dsn postgresql://postgres@127.0.0.1:5432/postgres",
@@ -55,23 +56,43 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Run 'changefeed COMMAND --help' for a command's options and an example.",
     )
     parser.add_argument("--version", action="version", version=f"changefeed {__version__}")
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
-                        help="JSON log lines (default: JSON unless stderr is a terminal)")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="default: info (warning for the demo, which prints its own story)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="JSON log lines (default: JSON unless stderr is a terminal)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_text, description=help_text,
-                              epilog=_EPILOG.get(name),
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        return sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=_EPILOG.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
 
-    demo = command("demo", "Run the example VM API with its publisher on an embedded "
-                           "PostgreSQL, a DNS listener mirroring it, and a load generator.")
-    demo.add_argument("--dsn", help="use this PostgreSQL instead of the embedded one "
-                                    "(or CHANGEFEED_DSN)")
-    demo.add_argument("--duration", type=float, default=None,
-                      help="stop after this many seconds (default: until Ctrl-C)")
+    demo = command(
+        "demo",
+        "Run the example VM API with its publisher on an embedded "
+        "PostgreSQL, a DNS listener mirroring it, and a load generator.",
+    )
+    demo.add_argument(
+        "--dsn", help="use this PostgreSQL instead of the embedded one (or CHANGEFEED_DSN)"
+    )
+    demo.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="stop after this many seconds (default: until Ctrl-C)",
+    )
     demo.add_argument("--port", type=int, default=0, help="API port (default: a free one)")
     demo.add_argument("--rate", type=float, default=5.0, help="VM writes per second")
     demo.add_argument("--data-dir", help="embedded PostgreSQL data directory")
@@ -80,30 +101,47 @@ def _parser() -> argparse.ArgumentParser:
     api.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8080)
-    api.add_argument("--token", action="append", default=[],
-                     help="accept this bearer token (repeatable); default: no auth")
+    api.add_argument(
+        "--token",
+        action="append",
+        default=[],
+        help="accept this bearer token (repeatable); default: no auth",
+    )
 
-    serve = command("serve", "Run a standalone publisher for feeds other services write "
-                             "with SELECT changefeed.publish(...).")
+    serve = command(
+        "serve",
+        "Run a standalone publisher for feeds other services write "
+        "with SELECT changefeed.publish(...).",
+    )
     serve.add_argument("--config", required=True, help="TOML config file (docs/config.md)")
     serve.add_argument("--host", default=None, help="override [server] host")
     serve.add_argument("--port", type=int, default=None, help="override [server] port")
 
-    listen = command("listen", "Register with a publisher and print change items as JSON "
-                               "lines (changefeedsnoop).")
+    listen = command(
+        "listen",
+        "Register with a publisher and print change items as JSON lines (changefeedsnoop).",
+    )
     listen.add_argument("url", help="publisher base URL, e.g. http://127.0.0.1:8080")
     listen.add_argument("--resource", required=True)
-    listen.add_argument("--sub-resources", default="",
-                        help="comma-separated; empty: all sub-resources")
+    listen.add_argument(
+        "--sub-resources", default="", help="comma-separated; empty: all sub-resources"
+    )
     listen.add_argument("--since", help="resume from this cursor")
-    listen.add_argument("--mirror", action="store_true",
-                        help="keep a mirror of the resources and print it as it changes")
+    listen.add_argument(
+        "--mirror",
+        action="store_true",
+        help="keep a mirror of the resources and print it as it changes",
+    )
     listen.add_argument("--id-field", default="uuid", help="id field of bootstrap items")
     listen.add_argument("--token", help="bearer token")
     listen.add_argument("--count", type=int, default=None, help="exit after this many items")
     listen.add_argument("--duration", type=float, default=None, help="exit after this long")
-    listen.add_argument("--status", action=argparse.BooleanOptionalAction, default=None,
-                        help="live status line on stderr (default: when stderr is a terminal)")
+    listen.add_argument(
+        "--status",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="live status line on stderr (default: when stderr is a terminal)",
+    )
 
     stats = command("stats", "Print a publisher's /changefeeds/stats readably.")
     stats.add_argument("url", help="publisher base URL")
@@ -112,9 +150,12 @@ def _parser() -> argparse.ArgumentParser:
 
     db = command("db", "Feed schema management.")
     db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
-    init = db_sub.add_parser("init", help="create or upgrade the feed schema (idempotent)",
-                             epilog=_EPILOG["db"],
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    init = db_sub.add_parser(
+        "init",
+        help="create or upgrade the feed schema (idempotent)",
+        epilog=_EPILOG["db"],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     init.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
     init.add_argument("--schema", default="changefeed")
 
@@ -122,8 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
     compact.add_argument("--schema", default="changefeed")
     compact.add_argument("--max-age", default="24h", help="garbage: entries older than this")
-    compact.add_argument("--compaction-lag", default="10m",
-                         help="only entries older than this are merged")
+    compact.add_argument(
+        "--compaction-lag", default="10m", help="only entries older than this are merged"
+    )
     compact.add_argument("--master", default="local[*]", help="Spark master URL")
     compact.add_argument("--jdbc-jar", default=None, help="PostgreSQL JDBC driver jar")
     compact.add_argument("--dry-run", action="store_true", help="report, change nothing")
@@ -204,8 +246,11 @@ async def _example_api(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
     app = create_app(dsn, **overrides)
     server = DrainingServer(server_config(app, args.host, args.port), [app.state.publisher])
-    print(f"example VM API with publisher on http://{args.host}:{args.port} "
-          f"(websocket ws://{args.host}:{args.port}/changefeeds)", flush=True)
+    print(
+        f"example VM API with publisher on http://{args.host}:{args.port} "
+        f"(websocket ws://{args.host}:{args.port}/changefeeds)",
+        flush=True,
+    )
     await server.serve()
     return 0 if server.started else 1
 
@@ -243,9 +288,16 @@ def _compact(args: argparse.Namespace) -> int:
         detail = " ".join(f"{k}={v}" for k, v in fields.items())
         print(f"[{stage}] {detail}", file=sys.stderr, flush=True)
 
-    summary = run_compaction(_dsn(args), schema=args.schema, max_age=max_age,
-                             compaction_lag=lag, master=args.master, dry_run=args.dry_run,
-                             jdbc_jar=args.jdbc_jar, progress=progress)
+    summary = run_compaction(
+        _dsn(args),
+        schema=args.schema,
+        max_age=max_age,
+        compaction_lag=lag,
+        master=args.master,
+        dry_run=args.dry_run,
+        jdbc_jar=args.jdbc_jar,
+        progress=progress,
+    )
     print(summary.to_text())
     return 0
 
@@ -263,7 +315,8 @@ _ASYNC_COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``changefeed`` console script."""
     args = _parser().parse_args(argv)
-    configure_logging(args.log_level, args.log_json)
+    level = args.log_level or ("warning" if args.command == "demo" else "info")
+    configure_logging(level, args.log_json)
     try:
         if args.command == "compact":
             return _compact(args)
@@ -273,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.status
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # noqa: BLE001 - the last line of defence: one clear line
+    except Exception as exc:  # the last line of defence: one clear line
         from changefeed.publisher import PublisherError
 
         if isinstance(exc, PublisherError | OSError):

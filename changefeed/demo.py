@@ -1,0 +1,242 @@
+"""``changefeed demo``: the whole system on one machine, in one command.
+
+It starts PostgreSQL (embedded unless a DSN is given), the example VM API with
+its publisher on 127.0.0.1, the example DNS controller (a listener that
+mirrors VMs into DNS records in its own database) and a small load generator
+that creates, updates and deletes VMs. It prints what the DNS service learns
+and a live status line, and when it stops (Ctrl-C, SIGTERM or --duration) it
+checks that the mirror equals the API's data, then stops everything it
+started: no process is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+
+from changefeed.bootstrap import Pager
+from changefeed.embedded import EmbeddedPostgres, default_data_dir
+from changefeed.example.dns import DnsController, Record
+from changefeed.example.vmapi import create_app
+from changefeed.listener import ListenerConfig
+from changefeed.serving import DrainingServer, server_config
+
+__all__ = ["run_demo"]
+
+_WORDS = ("web", "db", "cache", "queue", "api", "search", "auth", "media", "mail", "build")
+_TARGET_VMS = 40
+
+
+async def _ensure_database(dsn: str, name: str) -> str:
+    """DSN of database ``name`` on the server of ``dsn``, created if absent."""
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name)
+        if not exists:
+            # Identifiers cannot be parameters; the name is one of ours, not input.
+            await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{name}"
+
+
+class LoadGenerator:
+    """Creates, renames, re-addresses and deletes VMs through the public API."""
+
+    def __init__(self, client: httpx.AsyncClient, rate: float, rng: random.Random) -> None:
+        self.client = client
+        self.rate = rate
+        self.rng = rng
+        self.known: list[str] = []
+        self.writes = 0
+        self.errors = 0
+
+    def _nics(self) -> list[dict[str, str]]:
+        return [
+            {
+                "ip": f"10.{self.rng.randint(0, 255)}.{self.rng.randint(0, 255)}."
+                f"{self.rng.randint(1, 254)}"
+            }
+            for _ in range(self.rng.randint(1, 2))
+        ]
+
+    async def _one(self) -> None:
+        choice = self.rng.random()
+        if not self.known or (len(self.known) < _TARGET_VMS and choice < 0.5):
+            alias = f"{self.rng.choice(_WORDS)}-{self.rng.randint(1, 99)}"
+            response = await self.client.post("/vms", json={"alias": alias, "nics": self._nics()})
+            response.raise_for_status()
+            self.known.append(response.json()["uuid"])
+        elif choice < 0.8:
+            vm = self.rng.choice(self.known)
+            body: dict[str, Any] = (
+                {"alias": f"{self.rng.choice(_WORDS)}-{self.rng.randint(1, 99)}"}
+                if self.rng.random() < 0.5
+                else {"nics": self._nics()}
+            )
+            response = await self.client.patch(f"/vms/{vm}", json=body)
+            if response.status_code != 404:
+                response.raise_for_status()
+        else:
+            vm = self.known.pop(self.rng.randrange(len(self.known)))
+            response = await self.client.delete(f"/vms/{vm}")
+            if response.status_code != 404:
+                response.raise_for_status()
+        self.writes += 1
+
+    async def run(self) -> None:
+        async for vm in Pager(self.client, "/vms"):
+            self.known.append(vm["uuid"])
+        while True:
+            try:
+                await self._one()
+            except httpx.HTTPError:
+                self.errors += 1
+            await asyncio.sleep(1.0 / self.rate)
+
+
+def _print_learned(before: dict[str, Record], after: dict[str, Record]) -> None:
+    for name in sorted(after.keys() - before.keys()):
+        print(f"  dns learned  + {name} -> {', '.join(after[name].ips)}", flush=True)
+    for name in sorted(before.keys() - after.keys()):
+        print(f"  dns learned  - {name}", flush=True)
+    for name in sorted(before.keys() & after.keys()):
+        if before[name].ips != after[name].ips:
+            print(f"  dns learned  ~ {name} -> {', '.join(after[name].ips)}", flush=True)
+
+
+async def _api_vms(client: httpx.AsyncClient) -> dict[str, Any]:
+    return {vm["uuid"]: vm async for vm in Pager(client, "/vms")}
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo until Ctrl-C, SIGTERM or ``args.duration``; 0 when the mirror converged."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    pg: EmbeddedPostgres | None = None
+    dsn: str | None = args.dsn or os.environ.get("CHANGEFEED_DSN")
+    try:
+        if not dsn:
+            data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+            print(f"starting embedded PostgreSQL (data in {data_dir}) ...", flush=True)
+            pg = EmbeddedPostgres(data_dir)
+            dsn = await asyncio.to_thread(pg.start)
+        return await _run(args, dsn, stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if pg is not None:
+            print("stopping embedded PostgreSQL", flush=True)
+            await asyncio.to_thread(pg.stop)
+
+
+async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
+    api_dsn = await _ensure_database(dsn, "changefeed_demo_vmapi")
+    dns_dsn = await _ensure_database(dsn, "changefeed_demo_cns")
+    app = create_app(api_dsn, poll_interval=0.2)
+    publisher = app.state.publisher
+    server = DrainingServer(server_config(app, "127.0.0.1", args.port), [publisher], grace=3.0)
+    serving = asyncio.create_task(server.serve(), name="demo-api")
+    async with asyncio.timeout(30):
+        while not server.started:
+            if serving.done():
+                serving.result()
+                return 1
+            await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    print(f"VM API + publisher on {base} (websocket ws://127.0.0.1:{port}/changefeeds)", flush=True)
+    print(
+        f"  try: changefeed listen {base} --resource vm    |    changefeed stats {base}", flush=True
+    )
+    dns = DnsController(
+        f"ws://127.0.0.1:{port}/changefeeds",
+        dns_dsn,
+        zone="vms.demo",
+        listener_config=ListenerConfig(),
+        name="demo-dns",
+    )
+    status = 1
+    async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+        load = LoadGenerator(client, args.rate, random.Random())
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            async with dns:
+                await dns.wait_synced(30)
+                print(
+                    f"DNS service bootstrapped {len(dns.controller.mirror)} VMs; "
+                    f"now following the feed",
+                    flush=True,
+                )
+                tasks.append(asyncio.create_task(load.run(), name="demo-load"))
+                deadline = time.monotonic() + args.duration if args.duration else None
+                started = time.monotonic()
+                records = dns.records()
+                while not stop.is_set():
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 1.0)
+                    now = dns.records()
+                    _print_learned(records, now)
+                    records = now
+                    st = dns.listener.status()
+                    tailer = publisher.tailer
+                    print(
+                        f"[{time.monotonic() - started:5.1f}s] writes={load.writes} "
+                        f"mirrored={len(dns.controller.mirror)} dns_records={len(now)} "
+                        f"listener={st.state.value} buffer={st.buffer_size} "
+                        f"publisher: listeners={len(publisher.registry)} "
+                        f"entries={tailer.entries_total} lag={tailer.lag_seconds:.3f}s",
+                        flush=True,
+                    )
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                tasks.clear()
+                status = await _converge(client, dns)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    server.should_exit = True
+    await asyncio.wait_for(serving, 30)
+    return status
+
+
+async def _converge(client: httpx.AsyncClient, dns: DnsController) -> int:
+    """After writes stop, the mirror must equal the API's data (invariant I4)."""
+    expected = await _api_vms(client)
+    try:
+        async with asyncio.timeout(15):
+            # The API's state is not an event we can await: compare until equal.
+            while dict(dns.controller.mirror) != expected:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        print(
+            f"mirror did NOT converge: {len(dns.controller.mirror)} mirrored, "
+            f"{len(expected)} in the API",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    print(
+        f"converged: the DNS service's mirror equals the API ({len(expected)} VMs, "
+        f"{len(dns.records())} DNS records)",
+        flush=True,
+    )
+    return 0
