@@ -327,9 +327,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the last line of defence: one clear line
+        from changefeed.bootstrap import BootstrapError
+        from changefeed.listener import ListenerError
         from changefeed.publisher import PublisherError
 
-        if isinstance(exc, PublisherError | OSError):
+        if isinstance(exc, PublisherError | ListenerError | BootstrapError | OSError):
             print(f"changefeed {args.command}: {exc}", file=sys.stderr)
             return 1
         raise
