@@ -1,1 +1,71 @@
-"""bootstrap."""
+"""Bootstrap: keyset-paginated list routes (server) and the pager that walks them (client).
+
+A listener that cannot resume hydrates its mirror by walking the publisher
+API's list route while it buffers change items; see docs/bootstrap.md for why
+the walk plus the buffered items converge.
+
+Server side::
+
+    vms = KeysetQuery("vms", table="vmapi.vms", key="uuid", parse_id=uuid.UUID)
+    route = BootstrapRoute("/vms", vms, pool, admission=Admission(max_walks=32))
+    app = Starlette(routes=[*route.routes(), ...])
+
+Client side::
+
+    async for item in Pager(client, "/vms", limit=500):
+        mirror.add(item)
+    vm = await fetch_one(client, "/vms", uuid)           # None once deleted
+    vms = await fetch_many(client, "/vms", uuids)         # {uuid: item}
+
+Every exception raised here is a ``BootstrapError`` (tree in ``errors``).
+"""
+
+from .admission import Admission, QuerySlots, WalkTable
+from .errors import (
+    BootstrapConfigError,
+    BootstrapError,
+    PageRequestError,
+    PageTokenError,
+    PagingError,
+    WalkRefused,
+)
+from .keyset import BatchRequest, Filter, KeysetQuery, PageRequest, quote_identifier
+from .pager import Pager, PagerProgress, RetryPolicy, fetch_many, fetch_one
+from .route import (
+    DB_UNAVAILABLE,
+    BootstrapRoute,
+    encode_json,
+    error_response,
+    unavailable_response,
+)
+from .tokens import DEFAULT_TOKEN_KEY, PageToken, PageTokenCodec
+
+__all__ = [
+    "DB_UNAVAILABLE",
+    "DEFAULT_TOKEN_KEY",
+    "Admission",
+    "BatchRequest",
+    "BootstrapConfigError",
+    "BootstrapError",
+    "BootstrapRoute",
+    "Filter",
+    "KeysetQuery",
+    "PageRequest",
+    "PageRequestError",
+    "PageToken",
+    "PageTokenCodec",
+    "PageTokenError",
+    "Pager",
+    "PagerProgress",
+    "PagingError",
+    "QuerySlots",
+    "RetryPolicy",
+    "WalkRefused",
+    "WalkTable",
+    "encode_json",
+    "error_response",
+    "fetch_many",
+    "fetch_one",
+    "quote_identifier",
+    "unavailable_response",
+]

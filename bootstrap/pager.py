@@ -1,0 +1,421 @@
+"""The client side of bootstrap: walk a keyset-paginated route, fetch items by id.
+
+``Pager`` walks ``GET <route>?limit=N`` and follows each page's ``next`` until
+it is null, holding at most two pages (the one being consumed and the next
+one in flight). A page that fails (connection error, 5xx) is retried with
+exponential back-off and jitter, *the same page*: the walk never restarts.
+429 and 503 answers are retried after their ``Retry-After``; 429 (admission
+control: the server is healthy, only busy) does not use up ``max_attempts``
+but is bounded in time by ``max_wait``. ``fetch_one`` and ``fetch_many``
+(the batch form ``?ids=``) use the same policy.
+
+It must never restart a walk on its own, hold more than two pages, retry
+without a bound, or retry a request the server refused as malformed (4xx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import orjson
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+
+from changefeed.logs import log_event
+from changefeed.schemas import Page, ProtocolError
+
+from .errors import BootstrapConfigError, PagingError
+
+__all__ = ["Pager", "PagerProgress", "RetryPolicy", "fetch_many", "fetch_one"]
+
+log = logging.getLogger(__name__)
+
+_INITIAL_BACKOFF = 0.1
+_MAX_BACKOFF = 10.0
+_MAX_RETRY_AFTER = 300
+
+
+@dataclass(frozen=True, slots=True)
+class PagerProgress:
+    """How far a walk has got: items and pages received, seconds since it
+    started, and items per second."""
+
+    items: int = 0
+    pages: int = 0
+    elapsed: float = 0.0
+    rate: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How failed requests are retried.
+
+    Args:
+        max_attempts: attempts per request that may fail (connection errors, 5xx).
+        max_wait: seconds one request may spend waiting on 429 (busy) answers.
+        initial_backoff: first back-off, doubled after each failure ...
+        max_backoff: ... up to this; each wait is jittered between half and all of it.
+    """
+
+    max_attempts: int = 8
+    max_wait: float = 300.0
+    initial_backoff: float = _INITIAL_BACKOFF
+    max_backoff: float = _MAX_BACKOFF
+
+
+class _Retryable(Exception):
+    """An answer worth asking again: 5xx, or 429 (``busy``)."""
+
+    def __init__(self, status: int, retry_after: float | None) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.retry_after = retry_after
+        self.busy = status == 429
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after", "").strip()
+    if value.isdigit():
+        return float(min(int(value), _MAX_RETRY_AFTER))
+    return None  # HTTP dates are not worth honouring here: back off instead
+
+
+class _Attempts:
+    """Tenacity stop/wait for one request, counting failures and busy waits apart."""
+
+    def __init__(self, policy: RetryPolicy, url: str, on_retry: Callable[[], None] | None) -> None:
+        self.policy = policy
+        self.url = url
+        self.failures = 0
+        self.busy_waited = 0.0
+        self.on_retry = on_retry
+
+    def record(self, exc: BaseException) -> None:
+        if not (isinstance(exc, _Retryable) and exc.busy):
+            self.failures += 1
+
+    def stop(self, state: RetryCallState) -> bool:
+        return self.failures >= self.policy.max_attempts or self.busy_waited >= self.policy.max_wait
+
+    def wait(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if self.on_retry is not None:
+            self.on_retry()
+        if isinstance(exc, _Retryable) and exc.busy:
+            # Honour Retry-After, and spread the herd of refused walkers over
+            # the next second so that they do not all come back at once.
+            delay = (exc.retry_after or self.policy.initial_backoff) + random.uniform(0, 1.0)
+            delay = min(delay, max(self.policy.max_wait - self.busy_waited, 0.0))
+            self.busy_waited += max(delay, 1e-3)
+            log_event(log, "bootstrap.busy", logging.DEBUG, url=self.url, delay=round(delay, 3))
+            return delay
+        base = min(
+            self.policy.max_backoff,
+            self.policy.initial_backoff * 2 ** max(self.failures - 1, 0),
+        )
+        delay = random.uniform(base / 2, base)
+        if isinstance(exc, _Retryable) and exc.retry_after is not None:
+            delay = max(delay, exc.retry_after)
+        log_event(
+            log,
+            "bootstrap.retry",
+            logging.WARNING,
+            url=self.url,
+            failures=self.failures,
+            error=repr(exc),
+            delay=round(delay, 3),
+        )
+        return delay
+
+
+async def _get(
+    client: httpx.AsyncClient,
+    url: httpx.URL | str,
+    *,
+    headers: dict[str, str],
+    policy: RetryPolicy,
+    allow_404: bool = False,
+    on_retry: Callable[[], None] | None = None,
+) -> httpx.Response:
+    """GET ``url`` until it answers 200 (or 404 when allowed), retrying per ``policy``.
+
+    Raises:
+        PagingError: a 4xx other than 429, or the retries ran out.
+    """
+    shown = str(url)
+    attempts = _Attempts(policy, shown, on_retry)
+    last_status: int | None = None
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type((_Retryable, httpx.TransportError)),
+        stop=attempts.stop,
+        wait=attempts.wait,
+        reraise=True,
+    )
+    try:
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    response = await client.get(url, headers=headers)
+                except httpx.TransportError as exc:
+                    attempts.record(exc)
+                    raise
+                shown = str(response.url)
+                last_status = response.status_code
+                if response.status_code == 200 or (allow_404 and response.status_code == 404):
+                    return response
+                if response.status_code == 429 or response.status_code >= 500:
+                    error = _Retryable(response.status_code, _retry_after(response))
+                    attempts.record(error)
+                    raise error
+                raise PagingError(
+                    f"GET {shown}: HTTP {response.status_code}: {_error_message(response)}",
+                    url=shown,
+                    status=response.status_code,
+                )
+    except (_Retryable, httpx.TransportError) as exc:
+        what = f"HTTP {last_status}" if isinstance(exc, _Retryable) else repr(exc)
+        raise PagingError(
+            f"GET {shown}: gave up after {attempts.failures} failed attempts"
+            f" and {attempts.busy_waited:.1f}s waiting on busy answers (last: {what})",
+            url=shown,
+            status=last_status,
+        ) from exc
+    raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        doc = orjson.loads(response.content)
+        return str(doc["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return response.text[:200]
+
+
+def _auth(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _decode_page(response: httpx.Response) -> Page:
+    try:
+        return Page.decode(response.content)
+    except ProtocolError as exc:
+        raise PagingError(
+            f"GET {response.url}: not a valid page: {exc.message}",
+            url=str(response.url),
+            status=response.status_code,
+        ) from None
+
+
+class Pager:
+    """One walk of a bootstrap route.
+
+    ``async for page in pager.pages()`` yields each page's items (a list);
+    ``async for item in pager`` yields the items one by one. Each call starts
+    a new walk from the first page.
+
+    Args:
+        client: the HTTP client (its ``base_url`` resolves a relative ``route``).
+        route: the list route, relative (``/vms``) or absolute; it may carry
+            filters in its query string, which every page keeps.
+        limit: items per page asked for (the server may clamp it).
+        max_attempts: failed attempts (connection errors, 5xx) per page before
+            giving up.
+        on_progress: called after each page with the walk's progress.
+        token: bearer token sent with every request.
+        max_wait: seconds one page may spend waiting on 429 (busy) answers.
+        prefetch: fetch the next page while the current one is consumed.
+
+    Raises:
+        BootstrapConfigError: ``limit`` or ``max_attempts`` is not positive.
+        PagingError: (from the iterators) a page failed for good or its body
+            is not a page; ``url`` and ``status`` say which.
+    """
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        route: str,
+        *,
+        limit: int = 500,
+        max_attempts: int = 8,
+        on_progress: Callable[[PagerProgress], None] | None = None,
+        token: str | None = None,
+        max_wait: float = 300.0,
+        prefetch: bool = True,
+    ) -> None:
+        if limit < 1:
+            raise BootstrapConfigError(f"limit must be positive, got {limit}")
+        if max_attempts < 1:
+            raise BootstrapConfigError(f"max_attempts must be positive, got {max_attempts}")
+        self.client = client
+        self.route = route
+        self.limit = limit
+        self.policy = RetryPolicy(max_attempts=max_attempts, max_wait=max_wait)
+        self.on_progress = on_progress
+        self.prefetch = prefetch
+        self._headers = _auth(token)
+        self.progress = PagerProgress()
+        self.retries = 0
+        """Attempts retried during the current walk (failures and busy answers)."""
+
+    def _count_retry(self) -> None:
+        self.retries += 1
+
+    async def _fetch(self, url: httpx.URL) -> tuple[list[Any], httpx.URL | None]:
+        """One page: its items and the absolute URL of the next one (None: last)."""
+        response = await _get(
+            self.client,
+            url,
+            headers=self._headers,
+            policy=self.policy,
+            on_retry=self._count_retry,
+        )
+        page = _decode_page(response)
+        if page.next is None:
+            return page.items, None
+        # Resolved against the page's own URL, as a browser would; kept parsed,
+        # since httpx parses long URLs slowly.
+        following = response.url.join(page.next)
+        if following == response.url:
+            raise PagingError(
+                f"GET {response.url}: next link points at the same page",
+                url=str(response.url),
+                status=200,
+            )
+        return page.items, following
+
+    async def pages(self) -> AsyncGenerator[list[Any], None]:
+        """Yield the walk's pages, in order, each a list of items."""
+        started = time.monotonic()
+        self.progress = PagerProgress()
+        self.retries = 0
+        items = pages = 0
+        pending: asyncio.Task[tuple[list[Any], httpx.URL | None]] | None = None
+        try:
+            # copy_set_param keeps the route's own query (filters); httpx's params= would drop it.
+            first = httpx.URL(self.route).copy_set_param("limit", str(self.limit))
+            page, following = await self._fetch(first)
+            while True:
+                if following is not None and self.prefetch:
+                    pending = asyncio.create_task(self._fetch(following))
+                items += len(page)
+                pages += 1
+                elapsed = time.monotonic() - started
+                self.progress = PagerProgress(
+                    items, pages, elapsed, items / elapsed if elapsed > 0 else 0.0
+                )
+                if self.on_progress is not None:
+                    self.on_progress(self.progress)
+                yield page
+                if following is None:
+                    return
+                if pending is not None:
+                    (page, following), pending = await pending, None
+                else:
+                    page, following = await self._fetch(following)
+        finally:
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+
+    async def _items(self) -> AsyncGenerator[Any, None]:
+        async with contextlib.aclosing(self.pages()) as pages:
+            async for page in pages:
+                for item in page:
+                    yield item
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._items()
+
+
+def _item_url(route: str, item_id: str) -> str:
+    path, sep, query = route.partition("?")
+    return f"{path.rstrip('/')}/{quote(item_id, safe='')}{sep}{query}"
+
+
+async def fetch_one(
+    client: httpx.AsyncClient,
+    route: str,
+    id: str,
+    *,
+    token: str | None = None,
+    max_attempts: int = 8,
+    max_wait: float = 300.0,
+) -> dict[str, Any] | None:
+    """``GET {route}/{id}``: the item, or None when it does not exist (404).
+
+    Raises:
+        PagingError: the retries ran out, another 4xx, or the body is not a JSON object.
+    """
+    response = await _get(
+        client,
+        _item_url(route, id),
+        headers=_auth(token),
+        policy=RetryPolicy(max_attempts=max_attempts, max_wait=max_wait),
+        allow_404=True,
+    )
+    if response.status_code == 404:
+        return None
+    try:
+        item = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        item = None
+    if not isinstance(item, dict):
+        raise PagingError(
+            f"GET {response.url}: body is not a JSON object", url=str(response.url), status=200
+        )
+    return item
+
+
+def _item_id(item: Any, id_field: str | None) -> str | None:
+    if not isinstance(item, dict):
+        return None
+    for field in (id_field,) if id_field else ("uuid", "id"):
+        if field in item:
+            return str(item[field])
+    return None
+
+
+async def fetch_many(
+    client: httpx.AsyncClient,
+    route: str,
+    ids: Iterable[str],
+    *,
+    chunk: int = 100,
+    id_field: str | None = None,
+    token: str | None = None,
+    max_attempts: int = 8,
+    max_wait: float = 300.0,
+) -> dict[str, dict[str, Any]]:
+    """The items found among ``ids``, by id, via the batch form ``{route}?ids=a,b,c``.
+
+    Ids the route does not know are absent from the result (deleted resources).
+
+    Args:
+        chunk: ids per request (at most the route's ``max_ids``, 100 by default).
+        id_field: the item field holding its id; default ``uuid``, else ``id``.
+
+    Raises:
+        PagingError: a chunk failed for good or its body is not a page.
+    """
+    wanted = list(dict.fromkeys(ids))
+    policy = RetryPolicy(max_attempts=max_attempts, max_wait=max_wait)
+    found: dict[str, dict[str, Any]] = {}
+    for start in range(0, len(wanted), chunk):
+        part = wanted[start : start + chunk]
+        url = httpx.URL(route).copy_set_param("ids", ",".join(part))
+        response = await _get(client, url, headers=_auth(token), policy=policy)
+        asked = set(part)
+        for item in _decode_page(response).items:
+            item_id = _item_id(item, id_field)
+            if item_id is not None and item_id in asked:
+                found[item_id] = item
+    return found

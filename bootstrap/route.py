@@ -1,0 +1,271 @@
+"""Serve a keyset-paginated bootstrap route from an asyncpg pool, as Starlette endpoints.
+
+Thin adapter around ``KeysetQuery`` (the SQL and request parsing) and
+``Admission`` (walk and query limits)::
+
+    vms = KeysetQuery("vms", table="vmapi.vms", key="uuid", parse_id=uuid.UUID)
+    route = BootstrapRoute("/vms", vms, pool, authorize=publisher.authorize_request)
+    app = Starlette(routes=[*route.routes(), ...])
+
+``GET /vms?limit=N[&after=<token>]`` answers ``{"items": [...], "next": ...}``,
+``GET /vms?ids=a,b`` the items found among the ids (``next`` null), and
+``GET /vms/{id}`` one item or 404. Every failure is an HTTP status with the
+protocol's error body: 400 ``bad_request``, 401 ``unauthorized``, 404
+``not_found``, 429 ``busy`` and 503 ``unavailable`` (both with
+``Retry-After``), 500 ``internal``.
+
+It must never format a request value into SQL, never hold more than one page
+in memory per request, and never let a database outage surface as a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from decimal import Decimal
+from typing import Any
+
+import asyncpg
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from changefeed.logs import log_event
+from changefeed.schemas import ErrorFrame, PgConnection
+
+from .admission import Admission
+from .errors import PageRequestError, WalkRefused
+from .keyset import BatchRequest, KeysetQuery, PageRequest
+
+__all__ = [
+    "DB_UNAVAILABLE",
+    "BootstrapRoute",
+    "ItemEncoder",
+    "PoolSource",
+    "encode_json",
+    "error_response",
+    "unavailable_response",
+]
+
+log = logging.getLogger(__name__)
+
+DB_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.InsufficientResourcesError,
+)
+"""Failures meaning the database is unreachable, restarting or overloaded: 503, not 500."""
+
+PoolSource = Callable[[], "asyncpg.Pool[asyncpg.Record]"]
+"""Returns the pool to use; called per request, so an app may create its pool in
+its lifespan, after the routes exist."""
+
+ItemEncoder = Callable[[asyncpg.Record], Any]
+"""Turns a result row into the JSON-ready item a client sees."""
+
+
+def _default(value: Any) -> Any:
+    # asyncpg returns its own uuid.UUID subclass, which orjson does not take as a UUID.
+    if isinstance(value, Decimal | uuid.UUID):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def encode_json(document: Any) -> bytes:
+    """JSON bytes of ``document``; UUIDs and datetimes as strings, Decimals as strings."""
+    return orjson.dumps(document, default=_default)
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An HTTP error with the protocol's error body ``{"error": {"code", "message"}}``."""
+    return JSONResponse(ErrorFrame(code, message).to_json(), status_code=status, headers=headers)
+
+
+def unavailable_response(exc: BaseException, retry_after: int = 1) -> JSONResponse:
+    """503 for a database that cannot be reached (``exc`` is named, not traced)."""
+    return error_response(
+        503,
+        "unavailable",
+        f"database unavailable ({type(exc).__name__}); retry in {retry_after}s",
+        {"Retry-After": str(retry_after)},
+    )
+
+
+class BootstrapRoute:
+    """The list, batch and per-id endpoints of one keyset-paginated source.
+
+    Args:
+        path: the list route, e.g. ``/vms``; the per-id route is ``{path}/{id}``.
+        query: the source's statements and request parsing.
+        pool: the pool to query, or a callable returning it.
+        admission: walk and query limits (default: ``Admission()``).
+        authorize: optional check of each request (e.g. the publisher's
+            ``authorize_request``); False answers 401.
+        to_item: row → item (default: ``dict(row)``).
+        acquire_timeout: how long a request waits for a pool connection before 503.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        query: KeysetQuery,
+        pool: asyncpg.Pool[asyncpg.Record] | PoolSource,
+        *,
+        admission: Admission | None = None,
+        authorize: Callable[[Request], Awaitable[bool]] | None = None,
+        to_item: ItemEncoder = dict,
+        acquire_timeout: float = 5.0,
+    ) -> None:
+        self.path = path.rstrip("/") or "/"
+        self.query = query
+        self._pool = pool
+        self.admission = admission if admission is not None else Admission()
+        self._authorize = authorize
+        self.to_item = to_item
+        self.acquire_timeout = acquire_timeout
+        self.batches_served = 0
+        self.items_served = 0
+        self._item_sql = query.item_statement() if query.id_column is not None else None
+
+    def pool(self) -> asyncpg.Pool[asyncpg.Record]:
+        if isinstance(self._pool, asyncpg.Pool):
+            return self._pool
+        return self._pool()
+
+    def routes(self, *, item: bool = True) -> list[Route]:
+        """Starlette routes: ``GET {path}`` and, unless ``item=False``, ``GET {path}/{id}``.
+
+        Raises:
+            BootstrapConfigError: ``item`` for a composite key without ``id_column``.
+        """
+        routes = [Route(self.path, self.list_endpoint, methods=["GET"])]
+        if item:
+            self.query.item_statement()  # refuses a source without an id column
+            routes.append(Route(f"{self.path}/{{id}}", self.item_endpoint, methods=["GET"]))
+        return routes
+
+    def stats(self) -> dict[str, Any]:
+        """Admission counters plus batch and per-id counts."""
+        return {
+            **self.admission.stats(),
+            "batchesServed": self.batches_served,
+            "itemsServed": self.items_served,
+        }
+
+    # -- queries (no HTTP) -----------------------------------------------------
+
+    async def fetch_page(
+        self, conn: PgConnection, request: PageRequest, walk: str, path: str
+    ) -> tuple[list[Any], str | None]:
+        """Run one page query on ``conn``: the items and the ``next`` link (None: last)."""
+        sql, args = self.query.page_statement(request)
+        rows: Sequence[asyncpg.Record] = await conn.fetch(sql, *args)
+        if len(rows) > request.limit:
+            rows = rows[: request.limit]
+            link = self.query.next_link(path, request, walk, self.query.sort_key(rows[-1]))
+        else:
+            link = None
+        return [self.to_item(r) for r in rows], link
+
+    async def fetch_batch(self, conn: PgConnection, request: BatchRequest) -> list[Any]:
+        """The items found among ``request.ids``, in key order."""
+        sql, args = self.query.batch_statement(request)
+        return [self.to_item(r) for r in await conn.fetch(sql, *args)]
+
+    async def fetch_item(self, conn: PgConnection, item_id: Any) -> Any | None:
+        """The item with id ``item_id`` (already parsed), or None."""
+        assert self._item_sql is not None
+        row = await conn.fetchrow(self._item_sql, item_id)
+        return None if row is None else self.to_item(row)
+
+    # -- endpoints -------------------------------------------------------------
+
+    async def refuse_unauthorized(self, request: Request) -> Response | None:
+        """401 when ``authorize`` says no; None when the request may proceed."""
+        if self._authorize is None or await self._authorize(request):
+            return None
+        return error_response(
+            401, "unauthorized", "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
+        )
+
+    async def list_endpoint(self, request: Request) -> Response:
+        """``GET {path}``: a page, or a batch with ``?ids=``."""
+        if (refused := await self.refuse_unauthorized(request)) is not None:
+            return refused
+        try:
+            parsed = self.query.parse_request(request.query_params.multi_items())
+        except PageRequestError as exc:
+            return error_response(400, "bad_request", exc.message)
+        if isinstance(parsed, BatchRequest):
+            return await self._batch(parsed)
+        return await self._page(request, parsed)
+
+    async def _batch(self, parsed: BatchRequest) -> Response:
+        try:
+            async with self.pool().acquire(timeout=self.acquire_timeout) as conn:
+                items = await self.fetch_batch(conn, parsed)
+        except DB_UNAVAILABLE as exc:
+            return unavailable_response(exc, self.admission.retry_after or 1)
+        self.batches_served += 1
+        return Response(encode_json({"items": items, "next": None}), 200, None, "application/json")
+
+    async def _page(self, request: Request, parsed: PageRequest) -> Response:
+        admission = self.admission
+        try:
+            walk, new = admission.admit(parsed.walk)
+        except WalkRefused as exc:
+            log_event(log, "bootstrap.refused", logging.DEBUG, route=self.path, reason="walks")
+            return self._busy(exc)
+        try:
+            async with (
+                admission.query_slot(),
+                self.pool().acquire(timeout=self.acquire_timeout) as conn,
+            ):
+                items, link = await self.fetch_page(conn, parsed, walk, request.url.path)
+        except WalkRefused as exc:
+            if new:
+                admission.walks.abandon(walk)
+            log_event(log, "bootstrap.refused", logging.DEBUG, route=self.path, reason="queries")
+            return self._busy(exc)
+        except DB_UNAVAILABLE as exc:
+            if new:
+                admission.walks.abandon(walk)
+            log_event(log, "bootstrap.unavailable", logging.WARNING, error=repr(exc))
+            return unavailable_response(exc, admission.retry_after or 1)
+        except BaseException:
+            if new:
+                admission.walks.abandon(walk)
+            raise
+        admission.served(walk, last=link is None)
+        if new:
+            log_event(log, "bootstrap.walk_started", logging.DEBUG, route=self.path, walk=walk)
+        return Response(encode_json({"items": items, "next": link}), 200, None, "application/json")
+
+    def _busy(self, exc: WalkRefused) -> Response:
+        return error_response(429, "busy", exc.message, {"Retry-After": str(exc.retry_after)})
+
+    async def item_endpoint(self, request: Request) -> Response:
+        """``GET {path}/{id}``: one item, or 404."""
+        if (refused := await self.refuse_unauthorized(request)) is not None:
+            return refused
+        text = request.path_params["id"]
+        try:
+            item_id = self.query.parse_id_text(text)
+        except PageRequestError as exc:
+            return error_response(400, "bad_request", exc.message)
+        try:
+            async with self.pool().acquire(timeout=self.acquire_timeout) as conn:
+                item = await self.fetch_item(conn, item_id)
+        except DB_UNAVAILABLE as exc:
+            return unavailable_response(exc, self.admission.retry_after or 1)
+        if item is None:
+            return error_response(404, "not_found", f"no item {text!r} at {self.path}")
+        self.items_served += 1
+        return Response(encode_json(item), 200, None, "application/json")
