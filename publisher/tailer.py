@@ -158,11 +158,15 @@ class Tailer:
                 self._wake.clear()
                 await self._drain(conn)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._poll_interval)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                    # cancellation that races the doorbell, and stop() then hangs.
+                    async with asyncio.timeout(self._poll_interval):
+                        await self._wake.wait()
                 self.polls_total += 1
         finally:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await conn.close()
             if not conn.is_closed():
                 conn.terminate()
 

@@ -1,0 +1,97 @@
+"""Listener settings: one typed, documented, validated value object.
+
+Every number the listener uses is here, with the client-go / RFD 5 default,
+so that an embedding service can tune it and a test can make it small.
+Pure code; it must never accept a value the listener cannot work with
+(each one is checked when the object is made).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .backoff import BackoffPolicy
+from .buffer import BUFFER_KINDS
+from .errors import ListenerConfigError
+
+__all__ = ["ListenerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerConfig:
+    """How a listener buffers, backs off, resumes, bootstraps and checks liveness.
+
+    Args:
+        buffer_kind: the buffer kind (``"memory"``, or one added with
+            ``register_buffer_kind``).
+        buffer_size: items the buffer holds; one more and the listener aborts,
+            clears it and registers again with back-off.
+        backoff: the re-registration schedule (client-go: 0.8 s doubling to
+            30 s, full jitter, reset after 120 healthy seconds).
+        resume: reconnect with ``since`` = the cursor of the last event handed
+            to the application, so that the publisher replays what was missed
+            instead of a full bootstrap.
+        resync_on_overflow: after an overflow register *without* ``since``:
+            the backlog that overflowed the buffer once would only be replayed
+            into it again, while a bootstrap costs one page walk (RFD 5).
+        batch: ask the publisher for JSON arrays of items (fewer frames).
+        page_limit: items per bootstrap page asked for.
+        page_attempts: failed attempts per bootstrap page before the walk fails
+            (the listener then backs off and registers again).
+        ping_interval: seconds between websocket pings (None: no pings).
+        ping_timeout: seconds a ping may go unanswered before the connection
+            is declared dead (None: wait forever).
+        open_timeout: seconds for TCP connect plus the websocket handshake.
+        ack_timeout: seconds between sending the registration and the ack.
+        close_timeout: seconds to wait for the close handshake before dropping
+            the TCP connection.
+        max_frame_bytes: largest frame accepted from the publisher.
+        max_attempts: give up with RetriesExhausted after this many failed
+            attempts in a row (None: never give up).
+        http_timeout: seconds per HTTP request of the client the listener
+            creates itself (an injected client keeps its own).
+        high_water: buffer fill (fraction of ``buffer_size``) at which a
+            ``listener.buffer.high`` event is logged.
+
+    Raises:
+        ListenerConfigError: a value is out of range or the buffer kind is unknown.
+    """
+
+    buffer_kind: str = "memory"
+    buffer_size: int = 10_000
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    resume: bool = True
+    resync_on_overflow: bool = True
+    batch: bool = True
+    page_limit: int = 500
+    page_attempts: int = 8
+    ping_interval: float | None = 20.0
+    ping_timeout: float | None = 20.0
+    open_timeout: float = 10.0
+    ack_timeout: float = 10.0
+    close_timeout: float = 2.0
+    max_frame_bytes: int = 2**22
+    max_attempts: int | None = None
+    http_timeout: float = 10.0
+    high_water: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.buffer_kind not in BUFFER_KINDS:
+            known = ", ".join(sorted(BUFFER_KINDS))
+            raise ListenerConfigError(
+                "buffer_kind", f"unknown kind {self.buffer_kind!r} (known: {known})"
+            )
+        for key in ("buffer_size", "page_limit", "page_attempts", "max_frame_bytes"):
+            if getattr(self, key) < 1:
+                raise ListenerConfigError(key, f"must be at least 1, got {getattr(self, key)!r}")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ListenerConfigError("max_attempts", "must be at least 1 (or None)")
+        for key in ("ping_interval", "ping_timeout"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ListenerConfigError(key, f"must be > 0 (or None), got {value!r}")
+        for key in ("open_timeout", "ack_timeout", "close_timeout", "http_timeout"):
+            if not getattr(self, key) > 0:
+                raise ListenerConfigError(key, f"must be > 0, got {getattr(self, key)!r}")
+        if not 0 < self.high_water <= 1:
+            raise ListenerConfigError("high_water", f"must be in (0, 1], got {self.high_water!r}")

@@ -1,0 +1,159 @@
+"""Exceptions of the listener package.
+
+Exception tree::
+
+    ListenerError               root of everything changefeed.listener raises
+    ├── RegistrationRefused     the publisher refused the registration for good
+    │                           (bad_frame, invalid_registration, unknown_resource,
+    │                           unauthorized, forbidden; or HTTP 401/403 at the handshake)
+    ├── RetriesExhausted        ``max_attempts`` connection attempts failed in a row
+    ├── ListenerConfigError     a setting is out of range (also a ValueError)
+    ├── LifecycleError          an impossible state transition was requested (a bug)
+    └── SessionError            one connection ended; the listener re-registers with back-off
+        ├── BufferOverflow      the buffer could not hold what arrived (RFD 5: abort, clear,
+        │                       retry with exponential back-off)
+        ├── PublisherClosed     the publisher closed the socket or refused the handshake
+        │                       (close code, error frame, HTTP status), or the connection
+        │                       dropped, or a ping went unanswered
+        ├── BootstrapFailed     the bootstrap walk gave up (its pager's retries ran out)
+        └── BadPublisherFrame   the publisher sent something that breaks the wire contract
+
+``SessionError`` and its subclasses are the retryable ones: the listener
+handles them itself (they show up in ``status().last_error`` and in the log);
+an application only ever sees ``RegistrationRefused``, ``RetriesExhausted``
+and, on a bug, ``LifecycleError``. Failures of the network, of the websocket
+and of the HTTP API are mapped into this tree at the boundary; nothing from
+websockets or httpx crosses the public API (the ``wait_*`` helpers raise
+``TimeoutError``, iteration ends with ``StopAsyncIteration``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadPublisherFrame",
+    "BootstrapFailed",
+    "BufferOverflow",
+    "LifecycleError",
+    "ListenerConfigError",
+    "ListenerError",
+    "PublisherClosed",
+    "RegistrationRefused",
+    "RetriesExhausted",
+    "SessionError",
+]
+
+
+class ListenerError(Exception):
+    """Root of the listener package's exceptions."""
+
+
+class RegistrationRefused(ListenerError):
+    """The publisher refused the registration in a way retrying cannot heal.
+
+    Args:
+        code: the error code of the publisher's error frame (``unknown_resource``),
+            or ``http_<status>`` for a refused handshake.
+        message: the publisher's explanation.
+        close_code: the websocket close code, when there was one.
+    """
+
+    def __init__(self, code: str, message: str, close_code: int | None = None) -> None:
+        super().__init__(f"registration refused ({code}): {message}")
+        self.code = code
+        self.message = message
+        self.close_code = close_code
+
+
+class RetriesExhausted(ListenerError):
+    """The configured number of connection attempts failed in a row.
+
+    Args:
+        attempts: how many attempts were made.
+        last_error: the last failure, as text.
+    """
+
+    def __init__(self, attempts: int, last_error: str | None) -> None:
+        super().__init__(f"gave up after {attempts} connection attempts; last error: {last_error}")
+        self.attempts = attempts
+        self.last_error = last_error
+
+
+class ListenerConfigError(ListenerError, ValueError):
+    """A listener, buffer, back-off or controller setting is out of range.
+
+    Args:
+        key: the setting, e.g. ``backoff.initial``.
+        message: what is wrong with it.
+    """
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class LifecycleError(ListenerError):
+    """A state transition the connection lifecycle does not allow (a bug, not a condition)."""
+
+
+class SessionError(ListenerError):
+    """One connection ended; the listener backs off and registers again."""
+
+
+class BufferOverflow(SessionError):
+    """More items arrived than the buffer holds.
+
+    Args:
+        capacity: the buffer's capacity.
+        size: items it held when the frame arrived.
+        incoming: items in the frame that did not fit.
+    """
+
+    def __init__(self, capacity: int, size: int, incoming: int) -> None:
+        super().__init__(
+            f"buffer overflow: {size} of {capacity} items held, {incoming} more arrived"
+        )
+        self.capacity = capacity
+        self.size = size
+        self.incoming = incoming
+
+
+class PublisherClosed(SessionError):
+    """The connection ended: closed or refused by the publisher, or dropped.
+
+    Args:
+        message: what happened.
+        close_code: the websocket close code, when one was received.
+        error_code: the code of the error frame sent before the close, if any.
+        status: the HTTP status of a refused websocket handshake, if that is how it ended.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        close_code: int | None = None,
+        error_code: str | None = None,
+        *,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.close_code = close_code
+        self.error_code = error_code
+        self.status = status
+
+
+class BootstrapFailed(SessionError):
+    """The bootstrap walk failed for good; the listener backs off and registers again
+    (or stops, when the route answered 401 or 403).
+
+    Args:
+        message: what failed.
+        status: the last HTTP status of the walk, if any.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BadPublisherFrame(SessionError):
+    """The publisher sent a frame that does not follow the wire contract."""

@@ -1,0 +1,92 @@
+"""The controller's mirror store: resource id -> the resource as the publisher last served it.
+
+Like client-go's Store: ``replace`` swaps in a fresh bootstrap in one step
+(no reader ever sees half of an old and half of a new list) and reports what
+changed; ``put`` and ``delete`` apply the result of one fetch. Readers get a
+read-only live view (``view``).
+
+Pure code: a dict and its bookkeeping. It must never be written by anyone
+but the controller, and never hands out a mutable reference to its dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["Change", "Mirror"]
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One id whose mirrored state changed: ``old``/``new`` are None when absent."""
+
+    id: str
+    old: Any
+    new: Any
+
+
+class Mirror(Mapping[str, Any]):
+    """id -> resource; a read-only Mapping to everyone, written by its controller."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Any] = {}
+        self._view = MappingProxyType(self._items)
+        self.replaces = 0
+        """How many times a bootstrap replaced the whole store."""
+        self.writes = 0
+        """Single-id writes (put and delete) that changed something."""
+
+    # -- Mapping ------------------------------------------------------------
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def view(self) -> Mapping[str, Any]:
+        """A read-only live view of the store."""
+        return self._view
+
+    # -- writes -------------------------------------------------------------
+
+    def replace(self, items: Mapping[str, Any]) -> list[Change]:
+        """Swap in ``items`` as the whole store; return every id that was added, changed or
+        removed (in that order: fresh ids first, in ``items`` order, then removed ids)."""
+        old = self._items
+        changes = [
+            Change(key, old.get(key), value)
+            for key, value in items.items()
+            if key not in old or old[key] != value
+        ]
+        changes.extend(Change(key, value, None) for key, value in old.items() if key not in items)
+        # Swap contents in place: the view keeps pointing at the live dict.
+        fresh = dict(items)
+        old.clear()
+        old.update(fresh)
+        self.replaces += 1
+        return changes
+
+    def put(self, key: str, value: Any) -> Any:
+        """Store ``value`` under ``key``; return the previous value (None if absent)."""
+        previous = self._items.get(key)
+        if previous is None or previous != value:
+            self.writes += 1
+        self._items[key] = value
+        return previous
+
+    def delete(self, key: str) -> Any:
+        """Remove ``key``; return the removed value (None if absent)."""
+        previous = self._items.pop(key, None)
+        if previous is not None:
+            self.writes += 1
+        return previous

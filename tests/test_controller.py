@@ -1,0 +1,172 @@
+"""The controller and the example DNS controller end to end: the example VM API with its
+publisher on a real uvicorn, real PostgreSQL, real websockets and HTTP fetches."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import asyncpg
+import httpx
+from helpers import wait_until
+from prometheus_client import CollectorRegistry, generate_latest
+from test_listener_support import VmApiServer, api_state, burst, create_vms
+
+from changefeed.bootstrap import fetch_many
+from changefeed.example.dns import DnsController, Record, derive_records, render_records
+from changefeed.listener import BackoffPolicy, Controller, Listener, ListenerConfig
+from changefeed.schemas import ChangeKind
+
+FAST = ListenerConfig(backoff=BackoffPolicy(initial=0.02, maximum=0.2), page_limit=100)
+
+
+def make_listener(url: str, **kwargs: Any) -> Listener:
+    return Listener(
+        url,
+        instance="0b9e7c6e-27c4-4f0a-8d53-7a3a2f5a1c11",
+        service="test",
+        change_kind=ChangeKind("vm", ("nic", "alias")),
+        config=kwargs.pop("config", FAST),
+        rng=random.Random(11),
+        **kwargs,
+    )
+
+
+async def test_controller_mirrors_the_api_and_calls_back(dsn: str) -> None:
+    registry = CollectorRegistry()
+    added: list[str] = []
+    updated: list[tuple[str, str, str]] = []
+    deleted: list[str] = []
+
+    async def on_add(vm: str, new: dict[str, Any]) -> None:
+        added.append(vm)
+
+    async def on_update(vm: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+        updated.append((vm, old["alias"], new["alias"]))
+
+    async def on_delete(vm: str, old: dict[str, Any]) -> None:
+        deleted.append(vm)
+
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        ids = await create_vms(client, 250)
+        controller = Controller(
+            make_listener(api.ws_url),
+            on_add=on_add,
+            on_update=on_update,
+            on_delete=on_delete,
+            concurrency=2,
+            fetch_batch=20,
+            registry=registry,
+        )
+        async with controller:
+            await controller.wait_synced(20)
+            assert sorted(added) == sorted(ids)
+            assert dict(controller.mirror) == await api_state(dsn)
+            # Many changes at once: fetched in batches.
+            await burst(dsn, ids[:100], 3, per_transaction=100)
+            await client.delete(f"/vms/{ids[-1]}")
+            (new,) = await create_vms(client, 1, "late")
+            expected = await api_state(dsn)
+            await wait_until(lambda: dict(controller.mirror) == expected, 20, message="mirror")
+            await wait_until(lambda: deleted == [ids[-1]] and new in added, 10)
+            stats = controller.stats()
+            metrics = generate_latest(registry).decode()
+    assert {vm for vm, _, _ in updated} == set(ids[:100])
+    last = {vm: new_alias for vm, _, new_alias in updated}  # intermediate states may show
+    assert set(last.values()) == {"burst-2"}
+    assert stats.fetch_requests < stats.fetches  # batched (?ids=a,b,c)
+    assert stats.coalesced > 0 and stats.items >= 302
+    assert stats.resyncs == 1 and stats.synced and stats.mirror_items == 250
+    assert 'changefeed_workqueue_adds_total{controller="test:vm"}' in metrics
+    assert 'changefeed_controller_fetches_total{controller="test:vm"}' in metrics
+    assert 'changefeed_listener_state{listener="test:vm",state="live"} 1.0' not in metrics
+
+
+async def test_1000_changes_to_one_id_during_its_fetch_cost_at_most_two_fetches(dsn: str) -> None:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        (target,) = await create_vms(client, 1)
+        listener = make_listener(api.ws_url)
+        gate = asyncio.Event()
+        gate.set()
+        in_flight = asyncio.Event()
+        fetched: Counter[str] = Counter()
+
+        async def fetch(ids: Sequence[str]) -> Mapping[str, Any]:
+            """The real batched HTTP fetch, held at the gate once it started."""
+            fetched.update(ids)
+            in_flight.set()
+            await gate.wait()
+            assert listener.route is not None
+            return await fetch_many(listener.http, listener.route, ids)
+
+        controller = Controller(listener, fetch=fetch, concurrency=4)
+        async with controller:
+            await controller.wait_synced(20)
+            gate.clear()
+            await burst(dsn, [target], 1)
+            await asyncio.wait_for(in_flight.wait(), 10)
+            conn = await asyncpg.connect(dsn)
+            try:
+                await burst(conn, [target], 999)  # 999 more transactions, one change each
+            finally:
+                await conn.close()
+            await wait_until(lambda: controller.items == 1000, 20, message="all items arrived")
+            assert fetched[target] == 1
+            gate.set()
+            await wait_until(lambda: controller.mirror[target]["alias"] == "burst-998", 10)
+            await controller.wait_idle(10)
+    assert fetched[target] <= 2
+    assert controller.stats().coalesced >= 998
+
+
+async def dns_state(dns: DnsController, dsn: str) -> tuple[dict[str, Record], ...]:
+    expected = derive_records((await api_state(dsn)).values(), dns.zone)
+    return expected, await dns.stored_records(), dns.records()
+
+
+async def test_dns_records_follow_the_vms(dsn: str) -> None:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+
+        async def vm(alias: str, *ips: str) -> str:
+            body = {"alias": alias, "nics": [{"ip": ip} for ip in ips]}
+            response = await client.post("/vms", json=body)
+            response.raise_for_status()
+            return str(response.json()["uuid"])
+
+        web1 = await vm("web", "10.0.0.2", "10.0.0.1")
+        web2 = await vm("Web", "10.0.0.3")  # same name, any case: one record, all ips
+        db = await vm("db", "10.0.1.1")
+        await vm("no nics")  # not a DNS label, and no nics: no record
+        await vm("lonely")  # no nics: no record
+
+        async def converged(dns: DnsController) -> bool:
+            expected, stored, memory = await dns_state(dns, dsn)
+            return expected == stored == memory
+
+        async with DnsController(api.ws_url, dsn, zone="vms.example.", listener_config=FAST) as dns:
+            await dns.wait_synced(20)
+            await wait_until(lambda: converged(dns), 10, message="first sync")
+            records = dns.records()
+            assert set(records) == {"web.vms.example", "db.vms.example"}
+            assert records["web.vms.example"].ips == ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+            assert records["web.vms.example"].vm == min(web1, web2)
+            assert "10.0.1.1" in render_records(records)
+
+            await client.patch(f"/vms/{web1}", json={"alias": "api"})
+            await client.patch(f"/vms/{db}", json={"nics": [{"ip": "10.0.1.9"}]})
+            await wait_until(lambda: converged(dns), 10, message="rename and renumber")
+            records = dns.records()
+            assert records["web.vms.example"] == Record("web.vms.example", ("10.0.0.3",), web2)
+            assert records["api.vms.example"].ips == ("10.0.0.1", "10.0.0.2")
+            assert records["db.vms.example"].ips == ("10.0.1.9",)
+
+        # While the DNS service is down, a VM goes away; the next run drops its record.
+        await client.delete(f"/vms/{db}")
+        async with DnsController(api.ws_url, dsn, zone="vms.example", listener_config=FAST) as dns:
+            await dns.wait_synced(20)
+            await wait_until(lambda: dns.cleaned == 1, 10, message="stale row cleaned")
+            await wait_until(lambda: converged(dns), 10, message="after restart")
+            assert "db.vms.example" not in await dns.stored_records()

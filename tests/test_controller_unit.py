@@ -1,0 +1,295 @@
+"""The controller's logic with a scripted event source and an in-memory "API" (no sockets).
+
+The fakes stand in for the listener and the HTTP fetches only: what is under
+test is the work queue, the mirror and the callbacks. tests/test_controller.py
+runs the same controller against the real publisher, API and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+from helpers import wait_until
+
+from changefeed.listener import (
+    BackoffPolicy,
+    Controller,
+    Listener,
+    ListenerConfigError,
+    RegistrationRefused,
+    Resynced,
+)
+from changefeed.schemas import ChangeItem, ChangeKind
+
+FAST_RETRY = BackoffPolicy(initial=0.005, maximum=0.05, jitter=0.0)
+_cursors = itertools.count()
+
+
+def change(rid: str) -> ChangeItem:
+    return ChangeItem(ChangeKind("vm", ()), rid, f"c{next(_cursors)}", "2026-11-21T23:00:00Z")
+
+
+def vm(rid: str, alias: str = "a") -> dict[str, Any]:
+    return {"uuid": rid, "alias": alias, "nics": []}
+
+
+class Source:
+    """Events pushed by the test; an exception object is raised to the consumer."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def send(self, *events: Any) -> None:
+        for event in events:
+            self.queue.put_nowait(event)
+
+    def end(self) -> None:
+        self.queue.put_nowait(StopAsyncIteration())
+
+    def __aiter__(self) -> Source:
+        return self
+
+    async def __anext__(self) -> Any:
+        event = await self.queue.get()
+        if isinstance(event, BaseException):
+            raise event
+        return event
+
+
+class Api:
+    """The resources, and a fetch that can be held in flight or made to fail."""
+
+    def __init__(self, data: dict[str, dict[str, Any]] | None = None) -> None:
+        self.data = dict(data or {})
+        self.calls: list[list[str]] = []
+        self.fetched: Counter[str] = Counter()
+        self.gate: asyncio.Event | None = None
+        self.in_flight = asyncio.Event()
+        self.failures = 0
+
+    async def fetch(self, ids: Sequence[str]) -> Mapping[str, Any]:
+        self.calls.append(list(ids))
+        self.fetched.update(ids)
+        self.in_flight.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("API unreachable")
+        return {i: dict(self.data[i]) for i in ids if i in self.data}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, Any]] = []
+        self.fail_next = 0
+        self.active: set[str] = set()
+        self.overlaps = 0
+
+    async def reconcile(self, rid: str, old: Any, new: Any) -> None:
+        if rid in self.active:
+            self.overlaps += 1
+        self.active.add(rid)
+        try:
+            await asyncio.sleep(0)
+            if self.fail_next:
+                self.fail_next -= 1
+                raise RuntimeError("downstream write failed")
+            self.calls.append((rid, old, new))
+        finally:
+            self.active.discard(rid)
+
+
+def resync(items: list[dict[str, Any]], initial: bool = True) -> Resynced:
+    return Resynced(items, "http://api/vms", f"c{next(_cursors)}", 1, 0.0, initial)
+
+
+async def test_a_change_repeated_1000_times_during_its_fetch_costs_at_most_two_fetches() -> None:
+    source, api, rec = Source(), Api({"x": vm("x")}), Recorder()
+    controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile, concurrency=4)
+    async with controller:
+        source.send(resync([]))
+        await controller.wait_synced(5)
+        api.gate = asyncio.Event()
+        source.send(change("x"))
+        await asyncio.wait_for(api.in_flight.wait(), 5)
+        source.send(*(change("x") for _ in range(999)))
+        await wait_until(lambda: controller.items == 1000, 5, message="items consumed")
+        assert api.fetched["x"] == 1
+        api.gate.set()
+        await controller.wait_idle(5)
+    assert api.fetched["x"] <= 2
+    assert api.fetched["x"] == 2  # one in flight, one for everything that came meanwhile
+    stats = controller.stats()
+    assert stats.coalesced >= 998 and stats.items == 1000
+    assert rec.calls == [("x", None, vm("x"))]  # the second fetch found nothing new
+
+
+async def test_bootstrap_diff_calls_add_update_delete() -> None:
+    source = Source()
+    api = Api()
+    added: list[str] = []
+    updated: list[tuple[str, str, str]] = []
+    deleted: list[str] = []
+    controller = Controller(
+        source,
+        fetch=api.fetch,
+        on_add=lambda rid, new: added.append(rid),  # plain functions work too
+        on_update=lambda rid, old, new: updated.append((rid, old["alias"], new["alias"])),
+        on_delete=lambda rid, old: deleted.append(rid),
+    )
+    async with controller:
+        source.send(resync([vm("a"), vm("b"), vm("c")]))
+        await controller.wait_synced(5)
+        assert sorted(added) == ["a", "b", "c"] and controller.synced
+        source.send(resync([vm("b", "renamed"), vm("c"), vm("d")], initial=False))
+        await wait_until(lambda: len(deleted) == 1 and len(added) == 4, 5)
+        await controller.wait_idle(5)
+    assert updated == [("b", "a", "renamed")]
+    assert deleted == ["a"]
+    assert dict(controller.mirror) == {"b": vm("b", "renamed"), "c": vm("c"), "d": vm("d")}
+    assert api.calls == []  # a bootstrap needs no fetches
+    assert controller.stats().resyncs == 2
+
+
+async def test_change_items_fetch_current_state_and_404_is_a_delete() -> None:
+    source, api, rec = Source(), Api({"a": vm("a")}), Recorder()
+    controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile)
+    async with controller:
+        source.send(resync([]))
+        await controller.wait_synced(5)
+        source.send(change("a"))
+        await wait_until(lambda: "a" in controller.mirror, 5)
+        api.data["a"] = vm("a", "v2")
+        source.send(change("a"), change("a"))  # duplicates are harmless
+        await wait_until(lambda: controller.mirror["a"]["alias"] == "v2", 5)
+        del api.data["a"]
+        source.send(change("a"), change("zz"))  # "zz" never existed: nothing to report
+        await wait_until(lambda: "a" not in controller.mirror, 5)
+        await controller.wait_idle(5)
+    assert rec.calls == [
+        ("a", None, vm("a")),
+        ("a", vm("a"), vm("a", "v2")),
+        ("a", vm("a", "v2"), None),
+    ]
+
+
+async def test_failed_fetches_are_retried_with_backoff() -> None:
+    source, api, rec = Source(), Api({"a": vm("a")}), Recorder()
+    api.failures = 3
+    controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile, retry=FAST_RETRY)
+    async with controller:
+        source.send(resync([]), change("a"))
+        await wait_until(lambda: rec.calls == [("a", None, vm("a"))], 5)
+    stats = controller.stats()
+    assert stats.fetch_errors == 3 and stats.retries == 3 and api.fetched["a"] == 4
+
+
+async def test_failed_callbacks_are_retried_with_the_same_old_state() -> None:
+    source, api, rec = Source(), Api(), Recorder()
+    rec.fail_next = 2
+    controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile, retry=FAST_RETRY)
+    async with controller:
+        source.send(resync([vm("a")]))
+        await controller.wait_synced(5)
+        source.send(resync([vm("a", "v2")], initial=False))
+        await wait_until(lambda: controller.stats().resyncs == 2, 5)
+        await controller.wait_idle(5)
+    # The first two attempts failed; the application still saw None -> a, then a -> v2.
+    assert rec.calls == [("a", None, vm("a")), ("a", vm("a"), vm("a", "v2"))]
+    assert controller.stats().reconcile_errors == 2
+
+
+async def test_an_id_in_flight_during_a_resync_is_fetched_again() -> None:
+    """A fetch that started before a bootstrap list may finish after it with older state:
+    it must never be the last word."""
+    source, api, rec = Source(), Api({"a": vm("a", "old")}), Recorder()
+    controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile)
+    async with controller:
+        source.send(resync([]))
+        await controller.wait_synced(5)
+        api.gate = asyncio.Event()
+        source.send(change("a"))
+        await asyncio.wait_for(api.in_flight.wait(), 5)  # fetch returns "old" when released
+        api.data["a"] = vm("a", "new")
+        source.send(resync([vm("a", "new")], initial=False))
+        await wait_until(lambda: controller.stats().resyncs == 2, 5)
+        api.gate.set()
+        await controller.wait_idle(5)
+    assert controller.mirror["a"] == vm("a", "new")
+    assert rec.calls[-1][2] == vm("a", "new")
+    assert api.fetched["a"] == 2
+
+
+async def test_no_id_is_reconciled_concurrently() -> None:
+    ids = [f"id{i}" for i in range(20)]
+    source, api, rec = Source(), Api({i: vm(i) for i in ids}), Recorder()
+    controller = Controller(
+        source, fetch=api.fetch, reconcile=rec.reconcile, concurrency=8, fetch_batch=3
+    )
+    async with controller:
+        source.send(resync([]))
+        for round_ in range(30):
+            for i in ids:
+                api.data[i] = vm(i, f"v{round_}")
+                source.send(change(i))
+        await wait_until(lambda: controller.items == 600, 10)
+        await controller.wait_idle(10)
+    assert rec.overlaps == 0
+    assert {i: controller.mirror[i]["alias"] for i in ids} == dict.fromkeys(ids, "v29")
+    assert max(len(call) for call in api.calls) <= 3  # batched, within fetch_batch
+
+
+async def test_max_pending_stops_reading_the_source() -> None:
+    source, api = Source(), Api({f"i{n}": vm(f"i{n}") for n in range(10)})
+    api.gate = asyncio.Event()
+    controller = Controller(source, fetch=api.fetch, concurrency=1, fetch_batch=1, max_pending=3)
+    async with controller:
+        source.send(resync([]), *(change(f"i{n}") for n in range(10)))
+        await asyncio.wait_for(api.in_flight.wait(), 5)
+        await wait_until(lambda: controller.queue.pending >= 3, 5)
+        assert source.queue.qsize() > 0  # events are left in the source: back-pressure
+        assert controller.items < 10
+        api.gate.set()
+        await wait_until(lambda: controller.items == 10, 5)
+        await controller.wait_idle(5)
+    assert len(controller.mirror) == 10
+
+
+async def test_wait_synced_raises_when_the_source_fails() -> None:
+    source, api = Source(), Api()
+    controller = Controller(source, fetch=api.fetch)
+    async with controller:
+        source.send(RegistrationRefused("unknown_resource", "no feed for 'vmz'", 4001))
+        with pytest.raises(RegistrationRefused):
+            await controller.wait_synced(5)
+
+
+async def test_run_returns_when_the_source_ends() -> None:
+    source, api = Source(), Api()
+    controller = Controller(source, fetch=api.fetch)
+    source.send(resync([vm("a")]))
+    source.end()
+    await asyncio.wait_for(controller.run(), 5)
+    assert "a" in controller.mirror and controller.stats().resyncs == 1
+
+
+def test_configuration_errors() -> None:
+    source, api = Source(), Api()
+    with pytest.raises(ListenerConfigError, match="either reconcile"):
+        Controller(source, fetch=api.fetch, reconcile=print, on_add=print)
+    with pytest.raises(ListenerConfigError, match="fetch"):
+        Controller(source)
+    with pytest.raises(ListenerConfigError, match="concurrency"):
+        Controller(source, fetch=api.fetch, concurrency=0)
+    resuming = Listener(
+        "ws://127.0.0.1:9/changefeeds", instance="i", service="s", change_kind=ChangeKind("vm"),
+        cursor="saved",
+    )  # fmt: skip
+    with pytest.raises(ListenerConfigError, match="must bootstrap"):
+        Controller(resuming)

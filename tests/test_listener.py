@@ -1,0 +1,307 @@
+"""The listener end to end: the example VM API with its publisher on a real uvicorn, real
+PostgreSQL, real websockets; connection loss through a real TCP proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from helpers import wait_until
+from prometheus_client import CollectorRegistry, generate_latest
+from test_listener_support import (
+    Proxy,
+    VmApiServer,
+    api_state,
+    burst,
+    capture_events,
+    create_vms,
+)
+from websockets.asyncio.server import ServerConnection, serve
+
+from changefeed.listener import (
+    BackoffPolicy,
+    ConnectionState,
+    Listener,
+    ListenerConfig,
+    RegistrationRefused,
+    Resynced,
+)
+from changefeed.publisher.retention import trim_expired
+from changefeed.schemas import Ack, ChangeItem, ChangeKind, Registration, ResourceRoute
+
+VM = ChangeKind("vm", ("nic", "alias"))
+INSTANCE = "de1aac97-6f85-4ba9-b51e-514f48a6a46c"
+FAST = BackoffPolicy(initial=0.02, maximum=0.2, reset_after=60.0)
+
+
+def make_listener(url: str, **kwargs: Any) -> Listener:
+    config = kwargs.pop("config", None) or ListenerConfig(backoff=FAST, page_limit=50)
+    return Listener(
+        url, instance=INSTANCE, service="tcns", change_kind=kwargs.pop("kind", VM),
+        config=config, rng=random.Random(5), **kwargs,
+    )  # fmt: skip
+
+
+async def next_event(listener: Listener, timeout: float = 10.0) -> Any:
+    return await asyncio.wait_for(anext(listener), timeout)
+
+
+async def items(listener: Listener, count: int, timeout: float = 10.0) -> list[ChangeItem]:
+    got: list[ChangeItem] = []
+    async with asyncio.timeout(timeout):
+        while len(got) < count:
+            event = await anext(listener)
+            assert isinstance(event, ChangeItem), event
+            got.append(event)
+    return got
+
+
+async def test_bootstrap_then_live_items(dsn: str) -> None:
+    registry = CollectorRegistry()
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        ids = await create_vms(client, 120)
+        with capture_events() as events:
+            async with make_listener(api.ws_url, registry=registry) as listener:
+                first = await next_event(listener)
+                assert isinstance(first, Resynced) and first.initial
+                assert sorted(vm["uuid"] for vm in first.items) == sorted(ids)
+                assert first.pages == 3  # page_limit=50
+                assert first.route == f"{api.url}/vms"
+                assert listener.state is ConnectionState.LIVE
+                response = await client.patch(f"/vms/{ids[0]}", json={"alias": "renamed"})
+                response.raise_for_status()
+                new = (await create_vms(client, 1, "late"))[0]
+                got = await items(listener, 2)
+                assert [i.changed_resource_id for i in got] == [ids[0], new]
+                assert got[0].change_kind.sub_resources == ("alias",)
+                status = listener.status()
+                assert status.cursor == got[-1].cursor
+                assert (status.attempts, status.registrations, status.bootstraps) == (1, 1, 1)
+                assert status.items_received == status.items_delivered == 2
+                assert status.buffer_capacity == 10_000 and status.last_error is None
+                assert status.to_json()["state"] == "live"
+                metrics = generate_latest(registry).decode()
+                assert 'changefeed_listener_state{listener="tcns:vm",state="live"} 1.0' in metrics
+                assert (
+                    'changefeed_listener_items_delivered_total{listener="tcns:vm"} 2.0' in metrics
+                )
+            assert listener.state is ConnectionState.STOPPED
+    names = [name for name, _ in events.records]
+    for event in ("listener.connecting", "listener.registered", "listener.bootstrapped"):
+        assert event in names
+    (connecting,) = events.named("listener.connecting")
+    assert connecting["attempt"] == 1 and connecting["buffer"] == 0
+    assert connecting["state"] == "connecting" and connecting["since"] is None
+    assert events.named("listener.registered")[0]["resumed"] is False
+
+
+async def test_resume_after_disconnect_skips_bootstrap_and_delivers_missed_items(dsn: str) -> None:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        ids = await create_vms(client, 5)
+        async with Proxy(api.port or 0) as proxy, make_listener(proxy.ws_url) as listener:
+            assert isinstance(await next_event(listener), Resynced)
+            await client.patch(f"/vms/{ids[0]}", json={"alias": "before"})
+            (seen,) = await items(listener, 1)
+            assert listener.cursor == seen.cursor
+            with capture_events() as events:
+                with proxy.refuse():
+                    proxy.cut()
+                    await wait_until(lambda: listener.status().aborts == 1, 10)
+                    # Missed while disconnected:
+                    for n, vm in enumerate(ids[1:4]):
+                        response = await client.patch(f"/vms/{vm}", json={"alias": f"missed-{n}"})
+                        response.raise_for_status()
+                    await client.delete(f"/vms/{ids[4]}")
+                    await wait_until(lambda: listener.status().attempts >= 2, 10)
+                missed = await items(listener, 4)
+            assert [i.changed_resource_id for i in missed] == [*ids[1:4], ids[4]]
+            status = listener.status()
+            assert status.resumes == 1 and status.bootstraps == 1  # no second bootstrap
+            assert events.named("listener.connecting")[-1]["since"] == seen.cursor
+            assert events.named("listener.registered")[-1]["resumed"] is True
+            assert events.named("listener.backoff")  # it waited before registering again
+
+
+async def test_publisher_restart_is_resumed(dsn: str) -> None:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        ids = await create_vms(client, 3)
+        with capture_events() as events:
+            async with make_listener(api.ws_url) as listener:
+                assert isinstance(await next_event(listener), Resynced)
+                await api.stop()
+                await wait_until(lambda: listener.status().aborts >= 1, 10)
+                await burst(dsn, ids[:2], 1)  # written while no publisher runs
+                await api.start()
+                missed = await items(listener, 2, timeout=15)
+                assert sorted(i.changed_resource_id for i in missed) == sorted(ids[:2])
+                status = listener.status()
+                assert status.resumes == 1 and status.bootstraps == 1
+        first, *retries = events.named("listener.aborted")
+        # 1001 from the publisher's drain, or 1012 when uvicorn closes sockets first.
+        assert first["close_code"] in (1001, 1012) and first["state"] == "live"
+        assert all("cannot connect" in r["reason"] for r in retries)  # refused while down
+
+
+async def test_a_cursor_the_feed_no_longer_holds_means_a_full_bootstrap(dsn: str) -> None:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        ids = await create_vms(client, 4)
+        async with make_listener(api.ws_url) as listener:
+            assert isinstance(await next_event(listener), Resynced)
+            await client.patch(f"/vms/{ids[0]}", json={"alias": "x"})
+            await items(listener, 1)
+            saved = listener.cursor
+        await burst(dsn, ids, 2)
+        conn = await asyncpg.connect(dsn)
+        try:  # retention trims everything: the saved cursor is no longer resumable
+            assert await trim_expired(conn, "changefeed", timedelta(0)) > 0
+        finally:
+            await conn.close()
+        async with make_listener(api.ws_url, cursor=saved) as again:
+            event = await next_event(again)
+            assert isinstance(event, Resynced) and len(event.items) == 4
+            assert again.status().resumes == 0
+            assert event.initial  # the first bootstrap of this listener
+
+
+async def test_bad_cursor_is_dropped_and_the_listener_bootstraps(dsn: str) -> None:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 2)
+        with capture_events() as events:
+            async with make_listener(api.ws_url, cursor="not-a-cursor") as listener:
+                event = await next_event(listener)
+                assert isinstance(event, Resynced) and len(event.items) == 2
+        aborted = events.named("listener.aborted")
+        assert aborted[0]["error_code"] == "bad_cursor"
+        assert aborted[0]["disposition"] == "retry_fresh"
+        assert events.named("listener.connecting")[-1]["since"] is None
+
+
+async def test_unknown_resource_stops_with_a_clear_error(dsn: str) -> None:
+    async with VmApiServer(dsn) as api:
+        listener = make_listener(api.ws_url, kind=ChangeKind("vmz"))
+        async with listener:
+            with pytest.raises(RegistrationRefused) as info:
+                await next_event(listener)
+        assert info.value.code == "unknown_resource"
+        assert info.value.close_code is None or info.value.close_code == 4001
+        assert "vmz" in str(info.value)
+        assert listener.state is ConnectionState.STOPPED
+        assert listener.status().attempts == 1  # not retried
+
+
+async def test_bearer_token_on_the_handshake_and_the_bootstrap(dsn: str) -> None:
+    async with VmApiServer(dsn, auth_tokens=("s3cret",)) as api:
+        headers = {"Authorization": "Bearer s3cret"}
+        async with httpx.AsyncClient(base_url=api.url, headers=headers) as client:
+            await create_vms(client, 3)
+        async with make_listener(api.ws_url, token="s3cret") as listener:
+            event = await next_event(listener)
+            assert isinstance(event, Resynced) and len(event.items) == 3
+        async with make_listener(api.ws_url) as anonymous:
+            with pytest.raises(RegistrationRefused) as info:
+                await next_event(anonymous)
+        assert info.value.code in ("unauthorized", "http_401", "http_403")
+        assert anonymous.status().attempts == 1
+
+
+async def test_overflow_aborts_backs_off_with_growing_capped_jitter_and_converges(
+    dsn: str,
+) -> None:
+    """Buffer of 100, burst of 10,000 changes: abort, clear, back off, re-register, converge."""
+    policy = BackoffPolicy(initial=0.05, maximum=0.4, reset_after=60.0)
+    config = ListenerConfig(buffer_size=100, backoff=policy, page_limit=500)
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        ids = await create_vms(client, 200)
+        with capture_events() as events:
+            async with make_listener(api.ws_url, config=config) as listener:
+                state: dict[str, Any] = {}
+
+                async def consume() -> None:
+                    async for event in listener:
+                        if isinstance(event, Resynced):
+                            state.clear()
+                            state.update({vm["uuid"]: vm for vm in event.items})
+                        else:
+                            # The application is slow: it fetches each changed VM.
+                            vm = event.changed_resource_id
+                            response = await client.get(f"/vms/{vm}")
+                            if response.status_code == 404:
+                                state.pop(vm, None)
+                            else:
+                                state[vm] = response.json()
+
+                consumer = asyncio.create_task(consume())
+                await wait_until(lambda: listener.state is ConnectionState.LIVE, 10)
+                # 10,000 changes in 40 transactions of 250, spread over a second or two.
+                conn = await asyncpg.connect(dsn)
+                try:
+                    for part in range(40):
+                        chunk = ids[(part * 50) % 200 : (part * 50) % 200 + 50]
+                        await burst(conn, chunk, 5, per_transaction=250)
+                        await asyncio.sleep(0.02)  # spreads the burst; not a synchronisation
+                finally:
+                    await conn.close()
+                expected = await api_state(dsn)
+                await wait_until(lambda: state == expected, 30, message="converged")
+                status = listener.status()
+                consumer.cancel()
+                await asyncio.gather(consumer, return_exceptions=True)
+    assert status.overflows >= 3
+    assert status.bootstraps >= 2 and status.registrations >= 3
+    overflows = events.named("listener.overflow")
+    assert len(overflows) == status.overflows
+    assert all(o["capacity"] == 100 for o in overflows)
+    aborted = [a for a in events.named("listener.aborted") if "BufferOverflow" in a["reason"]]
+    assert len(aborted) == status.overflows
+    backoffs = events.named("listener.backoff")
+    ceilings = [b["ceiling"] for b in backoffs]
+    delays = [b["delay"] for b in backoffs]
+    assert ceilings[: min(4, len(ceilings))] == [0.05, 0.1, 0.2, 0.4][: len(ceilings[:4])]
+    assert ceilings == sorted(ceilings)  # growing (no healthy reset in between) ...
+    assert max(ceilings) <= 0.4  # ... and capped
+    assert all(0 <= d <= c for d, c in zip(delays, ceilings, strict=True))  # full jitter
+    assert len(set(delays)) == len(delays)  # jittered, not a fixed sequence
+    assert all(b["resume"] is False for b in backoffs)  # overflow -> full re-bootstrap
+
+
+async def test_a_publisher_that_stops_answering_pings_is_detected_in_bounded_time() -> None:
+    """A raw websockets server that acks the registration, then stops reading the socket
+    (so it never answers a ping). The listener must notice within ping_interval +
+    ping_timeout + close_timeout and register again."""
+    stalled = asyncio.Event()
+    connections: list[int] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        registration = Registration.decode(await ws.recv())
+        connections.append(1)
+        route = ResourceRoute("vm", ("nic", "alias"), "/vms")
+        ack = Ack((route,), registration.since or "c0", resumed=registration.since is not None)
+        await ws.send(ack.encode())
+        if len(connections) == 1:
+            ws.transport.pause_reading()  # never reads again: pings go unanswered
+            stalled.set()
+        await ws.wait_closed()
+
+    config = ListenerConfig(backoff=FAST, ping_interval=0.2, ping_timeout=0.3, close_timeout=0.3)
+    async with serve(handler, "127.0.0.1", 0, ping_interval=None, close_timeout=0.5) as server:
+        port = server.sockets[0].getsockname()[1]
+        url = f"ws://127.0.0.1:{port}/changefeeds"
+        with capture_events() as events:
+            async with make_listener(url, config=config, cursor="c0") as listener:
+                await asyncio.wait_for(stalled.wait(), 10)
+                started = time.monotonic()
+                await wait_until(lambda: listener.status().aborts >= 1, 10)
+                detected = time.monotonic() - started
+                await wait_until(lambda: len(connections) >= 2, 10)
+                await wait_until(lambda: listener.state is ConnectionState.LIVE, 10)
+    bound = config.ping_interval + config.ping_timeout + config.close_timeout  # type: ignore[operator]
+    assert detected <= bound + 0.5, detected
+    (aborted, *_) = events.named("listener.aborted")
+    assert aborted["state"] == "live" and aborted["disposition"] == "retry"
+    assert aborted["close_code"] in (None, 1006, 1011)

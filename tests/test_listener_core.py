@@ -1,0 +1,279 @@
+"""The listener's pure core: lifecycle, failure disposition, buffer, frame decoding, mirror,
+settings and the exported names. No sockets."""
+
+from __future__ import annotations
+
+import importlib
+
+import orjson
+import pytest
+
+import changefeed.listener as listener_pkg
+from changefeed.listener import (
+    BUFFER_KINDS,
+    TRANSITIONS,
+    BadPublisherFrame,
+    Buffer,
+    ConnectionState,
+    Disposition,
+    Lifecycle,
+    LifecycleError,
+    ListenerConfig,
+    ListenerConfigError,
+    ListenerError,
+    MemoryBuffer,
+    Mirror,
+    decode_frame,
+    disposition,
+    make_buffer,
+    register_buffer_kind,
+)
+from changefeed.schemas import ChangeItem, ChangeKind, CloseCode, ErrorFrame
+
+S = ConnectionState
+
+
+def item(n: int, rid: str = "vm-1") -> ChangeItem:
+    return ChangeItem(ChangeKind("vm", ("nic",)), rid, f"cursor-{n}", "2026-11-21T23:00:00.123Z")
+
+
+# -- names -----------------------------------------------------------------------
+
+
+def test_public_names_are_exported_and_documented() -> None:
+    for name in listener_pkg.__all__:
+        assert hasattr(listener_pkg, name), name
+    for module in ("backoff", "buffer", "config", "controller", "errors", "events"):
+        mod = importlib.import_module(f"changefeed.listener.{module}")
+        assert mod.__doc__ and "__all__" in vars(mod), module
+    for module in ("frames", "lifecycle", "listener", "metrics", "mirror", "workqueue"):
+        mod = importlib.import_module(f"changefeed.listener.{module}")
+        assert mod.__doc__ and "__all__" in vars(mod), module
+    errors = importlib.import_module("changefeed.listener.errors")
+    for name in errors.__all__:
+        assert issubclass(getattr(errors, name), ListenerError)
+
+
+# -- lifecycle ---------------------------------------------------------------------
+
+
+def test_happy_path_and_resume_path() -> None:
+    seen: list[tuple[S, S]] = []
+    life = Lifecycle(lambda old, new: seen.append((old, new)))
+    for state in (S.CONNECTING, S.REGISTERED, S.BOOTSTRAPPING, S.LIVE, S.BACKING_OFF):
+        life.to(state)
+    for state in (S.CONNECTING, S.REGISTERED, S.LIVE):  # resumed: no bootstrap
+        life.to(state)
+    life.to(S.STOPPED)
+    assert life.state is S.STOPPED and life.transitions == 9
+    assert seen[0] == (S.IDLE, S.CONNECTING) and seen[-1] == (S.LIVE, S.STOPPED)
+
+
+@pytest.mark.parametrize(
+    ("path", "bad"),
+    [
+        ((), S.LIVE),
+        ((S.CONNECTING,), S.LIVE),  # no ack yet
+        ((S.CONNECTING, S.REGISTERED, S.LIVE), S.BOOTSTRAPPING),
+        ((S.CONNECTING, S.BACKING_OFF), S.LIVE),  # must register again first
+        ((S.STOPPED,), S.CONNECTING),  # terminal
+    ],
+)
+def test_impossible_transitions_raise(path: tuple[S, ...], bad: S) -> None:
+    life = Lifecycle()
+    for state in path:
+        life.to(state)
+    assert not life.can(bad)
+    with pytest.raises(LifecycleError, match=f"to {bad.value}"):
+        life.to(bad)
+
+
+def test_every_state_can_fail_or_stop() -> None:
+    for state in (S.CONNECTING, S.REGISTERED, S.BOOTSTRAPPING, S.LIVE):
+        assert S.BACKING_OFF in TRANSITIONS[state]
+    for state in S:
+        if state is not S.STOPPED:
+            assert S.STOPPED in TRANSITIONS[state]
+
+
+def test_history_is_bounded() -> None:
+    life = Lifecycle(history=4)
+    for _ in range(5):
+        life.to(S.CONNECTING)
+        life.to(S.BACKING_OFF)
+    assert len(life.history) == 4
+
+
+# -- what a connection's end means ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "code", ["bad_frame", "invalid_registration", "unknown_resource", "unauthorized", "forbidden"]
+)
+def test_fatal_error_codes_stop(code: str) -> None:
+    assert disposition(error_code=code) is Disposition.STOP
+
+
+@pytest.mark.parametrize(
+    "close",
+    [CloseCode.BAD_FRAME, CloseCode.UNKNOWN_RESOURCE, CloseCode.UNAUTHORIZED, CloseCode.FORBIDDEN],
+)
+def test_fatal_close_codes_stop(close: int) -> None:
+    assert disposition(close_code=close) is Disposition.STOP
+
+
+@pytest.mark.parametrize(
+    "close",
+    [
+        1001,
+        1006,
+        1011,
+        CloseCode.REGISTRATION_TIMEOUT,
+        CloseCode.FRAME_TOO_LARGE,
+        CloseCode.TOO_MANY_CONNECTIONS,
+        CloseCode.SLOW_LISTENER,
+        CloseCode.UNAVAILABLE,
+        None,
+    ],
+)
+def test_retryable_close_codes(close: int | None) -> None:
+    assert disposition(close_code=close) is Disposition.RETRY
+
+
+def test_bad_cursor_retries_without_the_cursor() -> None:
+    assert disposition(error_code="bad_cursor") is Disposition.RETRY_FRESH
+    assert disposition(close_code=CloseCode.BAD_CURSOR) is Disposition.RETRY_FRESH
+
+
+def test_error_code_wins_over_close_code_and_http_status() -> None:
+    assert disposition(1000, "slow_listener") is Disposition.RETRY
+    assert disposition(None, None, 401) is Disposition.STOP
+    assert disposition(None, None, 403) is Disposition.STOP
+    assert disposition(None, None, 503) is Disposition.RETRY
+
+
+# -- buffer ----------------------------------------------------------------------------
+
+
+async def test_memory_buffer_takes_whole_frames_or_none() -> None:
+    buffer = MemoryBuffer(5)
+    assert isinstance(buffer, Buffer)
+    assert await buffer.put([item(i) for i in range(3)])
+    assert not await buffer.put([item(i) for i in range(3, 6)])  # 3 + 3 > 5: refused whole
+    assert len(buffer) == 3
+    assert await buffer.put([item(3), item(4)])
+    assert len(buffer) == 5 == buffer.capacity == buffer.peak
+    assert [i.cursor for i in await buffer.take(2)] == ["cursor-0", "cursor-1"]
+    assert [i.cursor for i in await buffer.take(10)] == ["cursor-2", "cursor-3", "cursor-4"]
+    assert await buffer.take(1) == []
+    await buffer.put([item(9)])
+    await buffer.clear()
+    assert len(buffer) == 0
+
+
+def test_buffer_kinds() -> None:
+    assert isinstance(make_buffer("memory", 10), MemoryBuffer)
+    with pytest.raises(ListenerConfigError, match="unknown kind 'redis'"):
+        make_buffer("redis", 10)
+    with pytest.raises(ListenerConfigError, match="at least 1"):
+        MemoryBuffer(0)
+    register_buffer_kind("test-kind", MemoryBuffer)
+    try:
+        assert ListenerConfig(buffer_kind="test-kind").buffer_kind == "test-kind"
+    finally:
+        del BUFFER_KINDS["test-kind"]
+
+
+# -- frames -------------------------------------------------------------------------------
+
+
+def test_decode_single_and_batch_frames() -> None:
+    one = item(1)
+    assert decode_frame(one.encode()) == [one]
+    batch = "[" + ",".join(item(n).encode() for n in range(3)) + "]"
+    assert [i.cursor for i in decode_frame(batch)] == ["cursor-0", "cursor-1", "cursor-2"]
+    assert decode_frame(b"[]") == []
+    extra = orjson.dumps({**one.to_json(), "future": 1})  # extra members are allowed
+    assert decode_frame(extra) == [one]
+
+
+def test_decode_error_frame() -> None:
+    frame = ErrorFrame("slow_listener", "your queue overflowed").encode()
+    assert decode_frame(frame) == ErrorFrame("slow_listener", "your queue overflowed")
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ("not json", "not valid JSON"),
+        ('{"changeKind": {"resource": "vm"}}', "required"),
+        ('{"error": {"code": 1}}', "malformed error frame"),
+        ('[{"changeKind": {"resource": "vm", "subResources": []}}]', "changedResourceId"),
+        ("42", "(document)"),
+        (
+            '{"changeKind": {"resource": "vm", "subResources": [{}]}, "changedResourceId": "a",'
+            ' "cursor": "c", "published": "p"}',
+            "subResources/0",
+        ),
+        (
+            '{"changeKind": {"resource": "vm", "subResources": [1]}, "changedResourceId": "a",'
+            ' "cursor": "c", "published": "p"}',
+            "subResources/0",
+        ),
+    ],
+)
+def test_decode_refuses_bad_frames_precisely(raw: str, says: str) -> None:
+    with pytest.raises(BadPublisherFrame, match=says.replace("(", r"\(").replace(")", r"\)")):
+        decode_frame(raw)
+
+
+# -- mirror --------------------------------------------------------------------------------
+
+
+def test_mirror_replace_reports_adds_updates_deletes_and_stays_read_only() -> None:
+    mirror = Mirror()
+    view = mirror.view()
+    assert mirror.replace({"a": 1, "b": 2}) == [
+        listener_pkg.Change("a", None, 1),
+        listener_pkg.Change("b", None, 2),
+    ]
+    changes = mirror.replace({"b": 3, "c": 4})
+    assert {(c.id, c.old, c.new) for c in changes} == {("b", 2, 3), ("c", None, 4), ("a", 1, None)}
+    assert dict(view) == {"b": 3, "c": 4}  # the view is live
+    assert mirror.replace({"b": 3, "c": 4}) == []  # nothing changed
+    with pytest.raises(TypeError):
+        view["x"] = 1  # type: ignore[index]
+    assert mirror.put("d", 5) is None and mirror.put("d", 6) == 5
+    assert mirror.delete("d") == 6 and mirror.delete("d") is None
+    assert mirror.replaces == 3 and "b" in mirror and len(mirror) == 2
+
+
+# -- settings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"buffer_size": 0}, "buffer_size"),
+        ({"buffer_kind": "disk"}, "buffer_kind"),
+        ({"ping_interval": 0}, "ping_interval"),
+        ({"ack_timeout": 0}, "ack_timeout"),
+        ({"max_attempts": 0}, "max_attempts"),
+        ({"high_water": 0}, "high_water"),
+        ({"page_limit": 0}, "page_limit"),
+    ],
+)
+def test_config_refuses_bad_values(kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ListenerConfigError) as info:
+        ListenerConfig(**kwargs)  # type: ignore[arg-type]
+    assert info.value.key == key
+
+
+def test_listener_refuses_a_non_websocket_url() -> None:
+    with pytest.raises(ListenerConfigError, match="ws:// or wss://"):
+        listener_pkg.Listener(
+            "http://127.0.0.1:1/changefeeds",
+            instance="i",
+            service="s",
+            change_kind=ChangeKind("vm"),
+        )
