@@ -167,7 +167,9 @@ async def _steady_writer(dsn: str, stop: asyncio.Event, acked: list[str]) -> Non
                 await publish(conn, "vm", [], changed_id)
             acked.append(changed_id)
             await asyncio.sleep(0.002)
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+        except Exception:  # an API retries whatever the outage throws at it
+            if conn is not None:
+                conn.terminate()
             conn = None
             await asyncio.sleep(0.05)
     if conn is not None:
@@ -214,7 +216,12 @@ async def test_publisher_recovers_from_database_outages_without_loss_or_duplicat
             await asyncio.to_thread(restartable_pg_server.restart)
         await wait_until(lambda: pub.publisher.tailer.reconnects_total > reconnects, timeout=20)
         mark = len(acked)
-        await wait_until(lambda: len(acked) >= mark + 50, timeout=30, message="writers recover too")
+        await wait_until(
+            lambda: len(acked) >= mark + 50 or writer.done(),
+            timeout=60,
+            message="writers recover too",
+        )
+        assert not writer.done(), writer
         stop.set()
         await asyncio.wait_for(writer, 20)
         committed = await _committed_ids(feed_dsn)
