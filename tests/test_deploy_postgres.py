@@ -1,0 +1,206 @@
+"""deploy/postgresql/: the server settings, the feed table's storage settings, the roles.
+
+A PostgreSQL of its own (these settings need a restart, and roles are
+cluster-wide) is started with ``deploy/postgresql/changefeed.conf``; every
+setting must be accepted as written. ``feed-table.sql`` and ``roles.sql`` are
+applied as an operator would, and then a publisher runs with nothing but the
+``changefeed_publisher`` role while an API role that is only a
+``changefeed_writer`` publishes: it tails, trims (retention) and sees the
+writer's open transaction; neither role can do more than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from helpers import wait_until
+from test_deploy_support import DEPLOY
+
+from changefeed.embedded import EmbeddedPostgres, temporary
+from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig
+from changefeed.schemas import apply_schema
+
+SETTING = re.compile(r"^\s*([a-z_]+)\s*=\s*('(?:[^']*)'|[^#\s]+)\s*(?:#.*)?$")
+
+
+def deploy_settings() -> dict[str, str]:
+    """The settings of deploy/postgresql/changefeed.conf, quotes removed."""
+    settings = {}
+    for line in (DEPLOY / "postgresql" / "changefeed.conf").read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = SETTING.match(line)
+        assert match, f"unparsable line in changefeed.conf: {line!r}"
+        settings[match.group(1)] = match.group(2).strip("'")
+    return settings
+
+
+@pytest.fixture(scope="module")
+def deploy_pg() -> Iterator[EmbeddedPostgres]:
+    """A PostgreSQL started with deploy/postgresql/changefeed.conf."""
+    server = temporary(settings=deploy_settings())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+async def owner_dsn(deploy_pg: EmbeddedPostgres) -> AsyncIterator[str]:
+    """A fresh database with the feed schema, as `changefeed db init` leaves it."""
+    name = f"deploy_{uuid.uuid4().hex}"
+    admin = await asyncpg.connect(deploy_pg.dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = deploy_pg.dsn_for(name)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await apply_schema(conn)
+    finally:
+        await conn.close()
+    try:
+        yield dsn
+    finally:
+        admin = await asyncpg.connect(deploy_pg.dsn)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+
+
+def read(path: Path) -> str:
+    return path.read_text()
+
+
+def as_role(dsn: str, role: str) -> str:
+    return dsn.replace("postgresql://postgres@", f"postgresql://{role}@", 1)
+
+
+async def run_sql_file(dsn: str, path: Path) -> None:
+    sql = read(path)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def test_server_settings_are_accepted(deploy_pg: EmbeddedPostgres) -> None:
+    wanted = deploy_settings()
+    assert "idle_in_transaction_session_timeout" in wanted
+    conn = await asyncpg.connect(deploy_pg.dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT name, source, pending_restart FROM pg_settings WHERE name = ANY($1::text[])",
+            list(wanted),
+        )
+    finally:
+        await conn.close()
+    found = {r["name"]: r for r in rows}
+    assert set(found) == set(wanted), set(wanted) - set(found)
+    for name, row in found.items():
+        assert row["source"] == "configuration file", (name, row["source"])
+        assert row["pending_restart"] is False, name
+
+
+async def test_feed_table_settings_apply_twice(owner_dsn: str) -> None:
+    path = DEPLOY / "postgresql" / "feed-table.sql"
+    await run_sql_file(owner_dsn, path)
+    await run_sql_file(owner_dsn, path)  # re-running is harmless
+    conn = await asyncpg.connect(owner_dsn)
+    try:
+        options = await conn.fetchval(
+            "SELECT reloptions FROM pg_class WHERE oid = 'changefeed.feed'::regclass"
+        )
+    finally:
+        await conn.close()
+    got = dict(option.split("=", 1) for option in options)
+    assert got["autovacuum_vacuum_cost_delay"] == "0"
+    assert got["fillfactor"] == "100"
+    assert got["autovacuum_vacuum_insert_scale_factor"] == "0.02"
+
+
+async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
+    roles = DEPLOY / "postgresql" / "roles.sql"
+    await run_sql_file(owner_dsn, roles)
+    await run_sql_file(owner_dsn, roles)  # re-running is harmless
+    owner = await asyncpg.connect(owner_dsn)
+    try:
+        # An API's own role: a writer and nothing else in the feed's schema.
+        await owner.execute(
+            "DO $$ BEGIN CREATE ROLE vmapi LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; "
+            "END $$; GRANT changefeed_writer TO vmapi"
+        )
+    finally:
+        await owner.close()
+
+    publisher = Publisher(
+        PublisherConfig(
+            dsn=as_role(owner_dsn, "changefeed_publisher"),
+            resources=(ResourceConfig("vm", "/vms"),),
+            create_schema=False,
+            poll_interval=0.05,
+            max_age=0.5,
+            retention_interval=0.2,
+        )
+    )
+    writer = await asyncpg.connect(as_role(owner_dsn, "vmapi"))
+    reader = await asyncpg.connect(as_role(owner_dsn, "changefeed_publisher"))
+    await publisher.start()
+    try:
+        await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
+        await writer.execute("SELECT changefeed.publish('vm', ARRAY['nic'], 'vm-1')")
+        await writer.execute(
+            "SELECT changefeed.publish_many(ARRAY['vm','vm'], ARRAY['','alias'], "
+            "ARRAY['vm-2','vm-3'])"
+        )
+        await wait_until(lambda: publisher.tailer.entries_total == 3, 10, message="tailed")
+
+        # Retention trims with the publisher's role and raises the low-water mark.
+        async def trimmed() -> bool:
+            return await reader.fetchval("SELECT count(*) FROM changefeed.feed") == 0
+
+        await wait_until(trimmed, 10, interval=0.05, message="retention trimmed")
+        low_water = await reader.fetchval("SELECT low_water_id FROM changefeed.feed_state")
+        assert low_water >= 3
+
+        # The writer's open transaction is visible to the publisher (pg_read_all_stats).
+        transaction = writer.transaction()
+        await transaction.start()
+        try:
+            await writer.execute("SELECT changefeed.publish('vm', '{}', 'vm-4')")
+            await wait_until(
+                lambda: publisher.tailer.oldest_writer_seconds > 0.5, 10, message="oldest xact"
+            )
+        finally:
+            await transaction.rollback()
+
+        # And no more than that.
+        denied: list[tuple[asyncpg.Connection[Any], str]] = [
+            (reader, "SELECT changefeed.publish('vm', '{}', 'forged')"),
+            (
+                reader,
+                "INSERT INTO changefeed.feed (resource, changed_resource_id) VALUES ('vm','x')",
+            ),
+            (reader, "DROP TABLE changefeed.feed"),
+            (writer, "SELECT count(*) FROM changefeed.feed"),
+            (writer, "DELETE FROM changefeed.feed"),
+            (writer, "UPDATE changefeed.feed_state SET low_water_id = 0"),
+        ]
+        for conn, sql in denied:
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(sql)
+    finally:
+        await publisher.stop()
+        await writer.close()
+        await reader.close()
