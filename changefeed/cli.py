@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from changefeed import __version__
@@ -241,8 +241,10 @@ def render_stats(doc: dict[str, Any]) -> str:
 async def _example_api(args: argparse.Namespace) -> int:
     from changefeed.example.vmapi import create_app
     from changefeed.serving import DrainingServer, server_config
+    from changefeed.standalone import check_database
 
     dsn = _dsn(args)
+    await check_database(dsn, None)
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
     app = create_app(dsn, **overrides)
     server = DrainingServer(server_config(app, args.host, args.port), [app.state.publisher])
@@ -302,6 +304,16 @@ def _compact(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (uvicorn[standard] brings it)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 _ASYNC_COMMANDS = {
     "db": _db_init,
     "stats": _stats,
@@ -320,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "compact":
             return _compact(args)
-        return asyncio.run(_ASYNC_COMMANDS[args.command](args))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(_ASYNC_COMMANDS[args.command](args))
     except CommandError as exc:
         print(f"changefeed {args.command}: {exc}", file=sys.stderr)
         return exc.status

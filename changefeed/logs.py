@@ -60,12 +60,14 @@ class HumanFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "info", json_output: bool | None = None) -> None:
-    """Send the ``changefeed`` loggers to stderr; JSON unless stderr is a terminal."""
+    """Send the ``changefeed`` (and uvicorn's) loggers to stderr; JSON unless stderr
+    is a terminal."""
     if json_output is None:
         json_output = not sys.stderr.isatty()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if json_output else HumanFormatter())
-    root = logging.getLogger("changefeed")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    for name in ("changefeed", "uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level.upper())
+        logger.propagate = False

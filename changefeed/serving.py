@@ -35,6 +35,9 @@ def server_config(app: Any, host: str, port: int, **overrides: Any) -> uvicorn.C
         "lifespan": "on",
         "log_level": "warning",
         "timeout_graceful_shutdown": 10,
+        # uvicorn's own loggers go through changefeed's formatter (JSON or human),
+        # not a second, differently formatted configuration.
+        "log_config": None,
     }
     settings.update(overrides)
     return uvicorn.Config(app, **settings)
@@ -49,8 +52,9 @@ class DrainingServer(uvicorn.Server):
         grace: seconds allowed for the drain.
     """
 
-    def __init__(self, config: uvicorn.Config, publishers: Sequence[Publisher],
-                 grace: float = 5.0) -> None:
+    def __init__(
+        self, config: uvicorn.Config, publishers: Sequence[Publisher], grace: float = 5.0
+    ) -> None:
         super().__init__(config)
         self.publishers = list(publishers)
         self.grace = grace

@@ -16,9 +16,10 @@ from starlette.applications import Starlette
 
 from changefeed.publisher import ConfigError, Publisher
 from changefeed.publisher.config import load_service_config
+from changefeed.schemas import schema_version
 from changefeed.serving import DrainingServer, server_config
 
-__all__ = ["build_app", "run_standalone"]
+__all__ = ["build_app", "check_database", "run_standalone"]
 
 
 def build_app(publisher: Publisher) -> Starlette:
@@ -26,12 +27,27 @@ def build_app(publisher: Publisher) -> Starlette:
     return Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
 
 
-async def _check_database(dsn: str, source: str) -> None:
+async def check_database(dsn: str, source: str | None, *, schema: str | None = None) -> None:
+    """Fail fast, naming the key: the database must be reachable and, when ``schema`` is
+    given, already hold the feed schema.
+
+    Raises:
+        ConfigError: naming ``publisher.dsn`` (or ``publisher.create_schema``) and ``source``.
+    """
     try:
         conn = await asyncpg.connect(dsn, timeout=10)
     except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
         raise ConfigError("publisher.dsn", f"database unreachable: {exc}", source) from None
-    await conn.close()
+    try:
+        if schema is not None and await schema_version(conn, schema) == 0:
+            raise ConfigError(
+                "publisher.create_schema",
+                f"is false and the feed schema {schema!r} does not exist: run "
+                "'changefeed db init --dsn DSN' first",
+                source,
+            )
+    finally:
+        await conn.close()
 
 
 async def run_standalone(path: str, *, host: str | None = None, port: int | None = None) -> int:
@@ -41,7 +57,7 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         raise ConfigError("publisher.dsn", "is required for 'changefeed serve'", path)
     if not config.resources:
         raise ConfigError("resources", "at least one [[resources]] table is required", path)
-    await _check_database(config.dsn, path)
+    await check_database(config.dsn, path, schema=None if config.create_schema else config.schema)
     publisher = Publisher(config)
     uvicorn_config = server_config(
         build_app(publisher),
@@ -51,8 +67,12 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         ws_ping_timeout=server.ping_timeout,
     )
     runner = DrainingServer(uvicorn_config, [publisher], grace=server.drain_grace)
-    print(f"changefeed publisher for {[r.name for r in config.resources]} on "
-          f"http://{uvicorn_config.host}:{uvicorn_config.port}", file=sys.stderr, flush=True)
+    print(
+        f"changefeed publisher for {[r.name for r in config.resources]} on "
+        f"http://{uvicorn_config.host}:{uvicorn_config.port}",
+        file=sys.stderr,
+        flush=True,
+    )
     await runner.serve()
     await asyncio.sleep(0)
     return 0 if runner.started else 1
