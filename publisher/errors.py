@@ -4,12 +4,13 @@ Exception tree::
 
     PublisherError           root of everything the publisher raises
     ├── ConfigError          a configuration value is wrong (names the key and the file)
-    └── FeedUnavailable      the feed database cannot be reached within the retry budget
+    ├── FeedUnavailable      the feed database cannot be reached within the retry budget
+    └── CompactionError      the compaction / garbage-collection job cannot run or failed
 """
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "FeedUnavailable", "PublisherError"]
+__all__ = ["CompactionError", "ConfigError", "FeedUnavailable", "PublisherError"]
 
 
 class PublisherError(Exception):
@@ -34,3 +35,11 @@ class ConfigError(PublisherError):
 
 class FeedUnavailable(PublisherError):
     """The feed database could not be reached within the retry budget."""
+
+
+class CompactionError(PublisherError):
+    """The compaction / garbage-collection job cannot run, or failed part-way.
+
+    A job that failed part-way left the feed consistent (every step it applied
+    is safe on its own); running it again finishes the work.
+    """

@@ -106,24 +106,27 @@ class FeedReader:
     def __init__(self, schema: str = "changefeed") -> None:
         q = quote_schema(schema)
         columns = (
-            "txid::text::bigint AS txid, id, resource, sub_resources, changed_resource_id,"
-            " published"
+            "f.txid::text::bigint AS txid, f.id, f.resource, f.sub_resources,"
+            " f.changed_resource_id, f.published"
         )
         # (txid, id) > cursor is a row comparison the primary key's index serves;
         # txid < horizon keeps out transactions that are still open, whose
         # entries could otherwise commit behind the cursor and be skipped.
+        # ORDER BY names the table's columns (f.txid), not the bigint output
+        # alias: ordering by the alias would sort the whole feed instead of
+        # walking the primary key.
         self._after = (
-            f"SELECT {columns} FROM {q}.feed"
-            " WHERE (txid, id) > ($1::bigint::text::xid8, $2)"
-            " AND txid < pg_snapshot_xmin(pg_current_snapshot())"
-            " ORDER BY txid, id LIMIT $3"
+            f"SELECT {columns} FROM {q}.feed f"
+            " WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2)"
+            " AND f.txid < pg_snapshot_xmin(pg_current_snapshot())"
+            " ORDER BY f.txid, f.id LIMIT $3"
         )
         self._between = (
-            f"SELECT {columns} FROM {q}.feed"
-            " WHERE (txid, id) > ($1::bigint::text::xid8, $2)"
-            " AND (txid, id) <= ($3::bigint::text::xid8, $4)"
-            " AND resource = ANY($5::text[])"
-            " ORDER BY txid, id LIMIT $6"
+            f"SELECT {columns} FROM {q}.feed f"
+            " WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2)"
+            " AND (f.txid, f.id) <= ($3::bigint::text::xid8, $4)"
+            " AND f.resource = ANY($5::text[])"
+            " ORDER BY f.txid, f.id LIMIT $6"
         )
         self._count_after = (
             f"SELECT count(*) FROM (SELECT 1 FROM {q}.feed"
@@ -131,9 +134,9 @@ class FeedReader:
             " AND resource = ANY($3::text[]) LIMIT $4) AS pending"
         )
         self._head = (
-            f"SELECT txid::text::bigint AS txid, id FROM {q}.feed"
-            " WHERE txid < pg_snapshot_xmin(pg_current_snapshot())"
-            " ORDER BY txid DESC, id DESC LIMIT 1"
+            f"SELECT f.txid::text::bigint AS txid, f.id FROM {q}.feed f"
+            " WHERE f.txid < pg_snapshot_xmin(pg_current_snapshot())"
+            " ORDER BY f.txid DESC, f.id DESC LIMIT 1"
         )
         # The write transaction that holds the horizon back: its age is how long
         # delivery of anything committed after it has been waiting.

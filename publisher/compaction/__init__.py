@@ -1,0 +1,49 @@
+"""Compaction and garbage collection of the feed table with Spark, safe beside live publishers.
+
+``run_compaction`` (module ``job``) is the entry point the ``changefeed compact``
+command calls. The rules are in ``plan`` (pure code, also the reference the
+tests hold the Spark job to), the DSN-to-JDBC conversion in ``jdbc``, and the
+PostgreSQL side (snapshot, staging, batched apply) in ``apply``.
+docs/compaction.md explains the algorithm and why invariant I5 holds.
+
+Importing this package does not import pyspark; ``run_compaction`` does.
+"""
+
+from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
+from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
+from .job import CompactionSummary, Progress, run_compaction, spark_session
+from .plan import (
+    GcChunk,
+    Notification,
+    Plan,
+    PlanEntry,
+    covers,
+    merge_subs,
+    notifications,
+    plan_feed,
+    simulate,
+    uncovered,
+)
+
+__all__ = [
+    "COMPACTION_LOCK_KEY",
+    "CompactionStore",
+    "CompactionSummary",
+    "FeedSnapshot",
+    "GcChunk",
+    "JdbcTarget",
+    "Notification",
+    "Plan",
+    "PlanEntry",
+    "Progress",
+    "covers",
+    "find_jdbc_jar",
+    "jdbc_from_dsn",
+    "merge_subs",
+    "notifications",
+    "plan_feed",
+    "run_compaction",
+    "simulate",
+    "spark_session",
+    "uncovered",
+]

@@ -1,0 +1,541 @@
+"""changefeed.publisher.compaction without Spark: the reference plan, the I5 model,
+the DSN -> JDBC conversion, argument checks, and the apply step's safety guards
+against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from changefeed.publisher.compaction import (
+    COMPACTION_LOCK_KEY,
+    CompactionStore,
+    CompactionSummary,
+    PlanEntry,
+    covers,
+    jdbc_from_dsn,
+    merge_subs,
+    notifications,
+    plan_feed,
+    run_compaction,
+    simulate,
+    uncovered,
+)
+from changefeed.publisher.compaction.jdbc import find_jdbc_jar
+from changefeed.publisher.compaction.job import block_ranges, read_predicates
+from changefeed.publisher.compaction.plan import chunk_garbage
+from changefeed.publisher.errors import CompactionError, PublisherError
+from changefeed.schemas import ORIGIN, Position
+
+# --------------------------------------------------------------------------- unions
+
+
+def test_merge_subs_is_the_union_and_whole_resource_absorbs() -> None:
+    assert merge_subs([("nic",), ("alias", "nic")]) == ("alias", "nic")
+    assert merge_subs([("nic",), (), ("alias",)]) == ()
+    assert merge_subs([]) == ()  # nothing to merge: no sub-resource at all
+
+
+def test_covers() -> None:
+    assert covers((), ("nic",)) and covers((), ())
+    assert covers(("alias", "nic"), ("nic",))
+    assert not covers(("nic",), ("alias",))
+    assert not covers(("nic",), ())  # only the whole resource covers the whole resource
+
+
+def test_uncovered_treats_whole_resource_as_covering_every_sub_resource() -> None:
+    before = notifications([("vm", "a", ("nic",)), ("vm", "b", ())])
+    assert uncovered(before, notifications([("vm", "a", ()), ("vm", "b", ())])) == set()
+    assert uncovered(before, notifications([("vm", "a", ("alias",)), ("vm", "b", ("nic",))])) == {
+        ("vm", "a", "nic"),
+        ("vm", "b", None),
+    }
+
+
+# --------------------------------------------------------------------------- the plan
+
+SUBS = st.sampled_from([(), ("nic",), ("alias",), ("alias", "nic"), ("disk", "nic")])
+AGE = st.sampled_from(["garbage", "candidate", "young"])
+
+
+@st.composite
+def feeds(draw: st.DrawFn) -> tuple[list[PlanEntry], Position]:
+    n = draw(st.integers(0, 40))
+    ids = draw(st.permutations(range(1, n + 1)))
+    entries = []
+    for i in range(n):
+        age = draw(AGE)
+        entries.append(
+            PlanEntry(
+                Position(draw(st.integers(1, 30)), ids[i]),
+                draw(st.sampled_from(["vm", "net"])),
+                draw(st.sampled_from(["a", "b", "c", "d"])),
+                draw(SUBS),
+                garbage=age == "garbage",
+                candidate=age != "young",
+            )
+        )
+    low_water = draw(st.sampled_from([ORIGIN, *(e.position for e in entries)]))
+    return entries, low_water
+
+
+def _replay(
+    feed: dict[Position, tuple[str, str, tuple[str, ...]]], cursor: Position
+) -> set[tuple[str, str, str | None]]:
+    return notifications(v for p, v in feed.items() if p > cursor)
+
+
+@given(feeds(), st.data())
+@settings(max_examples=300, deadline=None)
+def test_reference_plan_keeps_every_resumable_notification(
+    feed: tuple[list[PlanEntry], Position], data: st.DataObject
+) -> None:
+    """I5 on the reference algorithm: for every cursor at or after the new low-water
+    mark, a resume after the plan delivers every notification it delivered before."""
+    entries, low_water = feed
+    head = max((e.position for e in entries), default=ORIGIN)
+    plan = plan_feed(entries, head)
+    before = {e.position: (e.resource, e.changed_resource_id, e.sub_resources) for e in entries}
+    after, new_low = simulate(entries, plan, low_water)
+    assert new_low >= low_water
+    assert all(p <= new_low for p in plan.garbage)
+    extra = data.draw(st.lists(st.tuples(st.integers(0, 31), st.integers(0, 41)), max_size=5))
+    cursors = {ORIGIN, low_water, new_low, *before, *(Position(t, i) for t, i in extra)}
+    for cursor in cursors:
+        if cursor < new_low:
+            continue  # not resumable: answered with resumed=false
+        assert uncovered(_replay(before, cursor), _replay(after, cursor)) == set()
+    # The result is a fixed point: planning again changes nothing.
+    again = [
+        PlanEntry(
+            p,
+            r,
+            i,
+            s,
+            garbage=p in {e.position for e in entries if e.garbage},
+            candidate=p in {e.position for e in entries if e.candidate},
+        )
+        for p, (r, i, s) in after.items()
+    ]
+    replan = plan_feed(again, head)
+    assert not replan.garbage and not replan.drops and not replan.updates
+
+
+@given(feeds(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_partial_application_then_replanning_converges(
+    feed: tuple[list[PlanEntry], Position], data: st.DataObject
+) -> None:
+    """Idempotence on the reference: apply any prefix of a plan (in the job's order:
+    garbage, keepers, drops), plan again from what is left, apply that: the same
+    feed and low-water mark as one clean run."""
+    entries, low_water = feed
+    head = max((e.position for e in entries), default=ORIGIN)
+    plan = plan_feed(entries, head)
+    clean, clean_low = simulate(entries, plan, low_water)
+    steps = (
+        [("gc", p) for p in sorted(plan.garbage)]
+        + [("keep", p) for p in sorted(plan.updates)]
+        + [("drop", p) for p in sorted(plan.drops)]
+    )
+    cut = data.draw(st.integers(0, len(steps)))
+    by_pos = {e.position: e for e in entries}
+    low = low_water
+    for kind, p in steps[:cut]:
+        e = by_pos.get(p)
+        if kind == "gc":
+            by_pos.pop(p)
+            low = max(low, p)
+        elif kind == "keep" and e is not None:
+            by_pos[p] = PlanEntry(
+                p,
+                e.resource,
+                e.changed_resource_id,
+                plan.updates[p],
+                garbage=e.garbage,
+                candidate=e.candidate,
+            )
+        elif kind == "drop":
+            by_pos.pop(p)
+    partial = list(by_pos.values())
+    rerun = plan_feed(partial, head)
+    final, final_low = simulate(partial, rerun, low)
+    assert final == clean
+    assert final_low == clean_low
+
+
+def test_plan_ignores_entries_after_the_head() -> None:
+    e = PlanEntry(Position(9, 9), "vm", "a", (), garbage=True, candidate=True)
+    assert plan_feed([e], Position(9, 8)).garbage == frozenset()
+
+
+def test_keeper_is_latest_position_not_latest_id() -> None:
+    old = PlanEntry(Position(5, 100), "vm", "a", ("nic",), garbage=False, candidate=True)
+    new = PlanEntry(Position(6, 1), "vm", "a", ("alias",), garbage=False, candidate=True)
+    plan = plan_feed([old, new], Position(10, 0))
+    assert plan.drops == {Position(5, 100): Position(6, 1)}
+    assert plan.updates == {Position(6, 1): ("alias", "nic")}
+
+
+@given(st.sets(st.tuples(st.integers(1, 50), st.integers(0, 500))), st.integers(1, 64))
+def test_garbage_chunks_hold_at_most_width_entries(
+    positions: set[tuple[int, int]], width: int
+) -> None:
+    unique = {i: Position(t, i) for t, i in positions}  # ids are unique in a feed
+    chunks = chunk_garbage(unique.values(), width)
+    assert sum(c.rows for c in chunks) == len(unique)
+    for c in chunks:
+        assert c.rows <= width == c.id_to - c.id_from
+        inside = [p for p in unique.values() if c.id_from <= p.id < c.id_to]
+        assert len(inside) == c.rows and min(inside) == c.first and max(inside) == c.last
+
+
+def test_block_ranges_cover_the_table_without_overlap() -> None:
+    assert block_ranges(0, 4) == [(0, None)]
+    assert block_ranges(10, 3) == [(0, 3), (3, 6), (6, None)]
+    assert block_ranges(2, 8) == [(0, 1), (1, None)]
+
+
+def test_read_predicates_bound_each_partition_to_its_pages_and_the_head() -> None:
+    from changefeed.publisher.compaction import FeedSnapshot
+
+    snap = FeedSnapshot(7, datetime.now(UTC), Position(5, 42), ORIGIN, 10)
+    preds = read_predicates(snap, [(0, 5), (5, None)], "published < now()")
+    assert preds[0] == (
+        "ctid < '(5,0)'::tid AND (txid, id) <= ('5'::xid8, 42) AND published < now()"
+    )
+    assert preds[1].startswith("ctid >= '(5,0)'::tid AND (txid, id) <= ")
+
+
+# --------------------------------------------------------------------------- DSN -> JDBC
+
+
+@pytest.mark.parametrize(
+    ("dsn", "url", "props"),
+    [
+        (
+            "postgresql://postgres@127.0.0.1:5432/feeds",
+            "jdbc:postgresql://127.0.0.1:5432/feeds",
+            {"user": "postgres"},
+        ),
+        (
+            "postgres://u%40corp:p%3Aw%2Fd@[::1]:6432/my%20db?sslmode=verify-full"
+            "&application_name=cf&connect_timeout=5",
+            "jdbc:postgresql://[::1]:6432/my%20db",
+            {
+                "user": "u@corp",
+                "password": "p:w/d",
+                "sslmode": "verify-full",
+                "ApplicationName": "cf",
+                "connectTimeout": "5",
+            },
+        ),
+        (
+            "postgresql://app:secret@db1:5432,db2/feeds?target_session_attrs=read-write",
+            "jdbc:postgresql://db1:5432,db2/feeds",
+            {"user": "app", "password": "secret", "targetServerType": "primary"},
+        ),
+        (
+            "postgresql:///feeds?host=db&port=7000&user=me",
+            "jdbc:postgresql://db:7000/feeds",
+            {"user": "me"},
+        ),
+        ("postgresql://bob@db", "jdbc:postgresql://db/bob", {"user": "bob"}),
+    ],
+)
+def test_jdbc_from_dsn(dsn: str, url: str, props: dict[str, str]) -> None:
+    target = jdbc_from_dsn(dsn, env={})
+    assert target.url == url
+    assert dict(target.properties) == {**props, "driver": "org.postgresql.Driver"}
+
+
+def test_jdbc_password_never_in_url_or_repr() -> None:
+    target = jdbc_from_dsn("postgresql://u:hunter2@h/db", env={})
+    assert "hunter2" not in target.url and "hunter2" not in repr(target)
+
+
+def test_jdbc_env_fills_in_user_and_password() -> None:
+    target = jdbc_from_dsn("postgresql://h/db", env={"PGUSER": "u", "PGPASSWORD": "p"})
+    assert target.properties["user"] == "u" and target.properties["password"] == "p"
+
+
+@pytest.mark.parametrize(
+    ("dsn", "message"),
+    [
+        ("mysql://h/db", "expected postgresql://"),
+        ("host=h dbname=x", "expected postgresql://"),
+        ("postgresql://h/db?frobnicate=1", "'frobnicate' is not supported"),
+        ("postgresql:///db?host=/var/run/postgresql", "unix-socket"),
+        ("postgresql://h:0/db", "bad port"),
+        ("postgresql://h:x/db", "bad port"),
+        ("postgresql://h/db?sslmode=sometimes", "sslmode='sometimes'"),
+        ("postgresql://h/db?target_session_attrs=weird", "target_session_attrs"),
+    ],
+)
+def test_jdbc_from_dsn_refuses_clearly(dsn: str, message: str) -> None:
+    with pytest.raises(CompactionError, match=message):
+        jdbc_from_dsn(dsn, env={})
+
+
+def test_find_jdbc_jar(tmp_path: object) -> None:
+    with pytest.raises(CompactionError, match="does not exist"):
+        find_jdbc_jar("/nonexistent/postgresql.jar")
+    with pytest.raises(CompactionError, match="CHANGEFEED_JDBC_JAR"):
+        find_jdbc_jar(None, env={"CHANGEFEED_JDBC_JAR": "/nonexistent.jar"})
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_age": 0, "compaction_lag": 1}, "max_age must be a positive"),
+        ({"max_age": 60, "compaction_lag": -1}, "compaction_lag must be a positive"),
+        ({"max_age": 60, "compaction_lag": 600}, "must not be shorter than compaction_lag"),
+        ({"max_age": 600, "compaction_lag": 60, "batch_size": 0}, "batch_size"),
+        ({"max_age": 600, "compaction_lag": 60, "schema": "Bad-Name"}, "schema name"),
+    ],
+)
+def test_run_compaction_refuses_bad_arguments(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(CompactionError, match=message):
+        run_compaction("postgresql://h/db", **kwargs)  # type: ignore[arg-type]
+
+
+def test_compaction_error_is_a_publisher_error() -> None:
+    assert issubclass(CompactionError, PublisherError)
+
+
+async def test_run_compaction_refuses_a_running_event_loop() -> None:
+    with pytest.raises(CompactionError, match=r"asyncio\.to_thread"):
+        run_compaction("postgresql://h/db", max_age=60, compaction_lag=60)
+
+
+def test_summary_text() -> None:
+    s = CompactionSummary(
+        schema="changefeed",
+        dry_run=True,
+        max_age=86400,
+        compaction_lag=600,
+        scanned=1000,
+        collected=400,
+        merged=300,
+        rewritten=50,
+        groups=100,
+        partitions=2,
+        phases={"spark": 1.0, "scan-gc": 0.5},
+        seconds=2.0,
+    )
+    text = s.to_text()
+    assert "dry run" in text and "would delete 400 older than 1d" in text
+    assert "would delete 300" in text and "older than 10m" in text
+    assert "500 entries/s" in text and "total 2.0s" in text
+    assert s.to_dict()["rows_per_second"] == 500.0
+
+
+# --------------------------------------------------------------------------- PostgreSQL, no Spark
+
+
+async def test_refused_while_another_job_holds_the_lock(feed_dsn: str) -> None:
+    holder = await asyncpg.connect(feed_dsn)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", COMPACTION_LOCK_KEY)
+        with pytest.raises(CompactionError, match="another compaction job is running"):
+            await asyncio.to_thread(
+                run_compaction, feed_dsn, max_age=86400, compaction_lag=600, lock_wait=0.2
+            )
+    finally:
+        await holder.close()
+
+
+async def test_refused_without_a_feed_table(dsn: str) -> None:
+    with pytest.raises(CompactionError, match="no feed table"):
+        await asyncio.to_thread(run_compaction, dsn, max_age=86400, compaction_lag=600)
+
+
+async def test_unreachable_database_is_a_compaction_error() -> None:
+    from helpers import free_port
+
+    with pytest.raises(CompactionError, match="cannot connect"):
+        await asyncio.to_thread(
+            run_compaction,
+            f"postgresql://postgres@127.0.0.1:{free_port()}/x?connect_timeout=2",
+            max_age=86400,
+            compaction_lag=600,
+        )
+
+
+async def test_empty_feed_needs_no_spark(feed_dsn: str) -> None:
+    summary = await asyncio.to_thread(
+        run_compaction, feed_dsn, max_age=86400, compaction_lag=600, master="no-such-master"
+    )
+    assert summary.scanned == 0 and summary.head == ORIGIN and "spark" not in summary.phases
+
+
+async def _insert(conn: asyncpg.Connection, rows: list[tuple[str, str, list[str], float]]) -> None:
+    now = datetime.now(UTC)
+    for resource, changed_id, subs, age in rows:
+        await conn.execute(
+            "INSERT INTO changefeed.feed (resource, sub_resources, changed_resource_id, published)"
+            " VALUES ($1, $2, $3, $4)",
+            resource,
+            subs,
+            changed_id,
+            now - timedelta(seconds=age),
+        )
+
+
+async def _staged(conn: asyncpg.Connection, store: CompactionStore, rows: list[tuple]) -> int:
+    snap = await store.snapshot()
+    run_id = await store.begin_run(snap)
+    table = await store.create_staging(run_id)
+    for row in rows:
+        await conn.execute(
+            f"INSERT INTO {table} (kind, txid, id, keep_txid, keep_id, sub_resources)"
+            " VALUES ($1, $2, $3, $4, $5, $6)",
+            *row,
+        )
+    await store.index_staging(run_id)
+    return run_id
+
+
+WALKS = pytest.mark.parametrize(
+    "server_version", [150000, 130000], ids=["page-walk", "keyset-walk (PostgreSQL 13)"]
+)
+
+
+@WALKS
+async def test_drop_guard_keeps_an_entry_its_keeper_does_not_cover(
+    feed_dsn: str, server_version: int
+) -> None:
+    """A stale or wrong plan cannot lose a notification: a drop needs a later entry of
+    the same resource id that covers it, in the feed at the time of the delete."""
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        await _insert(
+            conn,
+            [
+                ("vm", "a", ["nic"], 7200),  # 1: would be dropped into 2
+                ("vm", "a", ["alias"], 7100),  # 2: keeper, not (yet) covering nic
+                ("vm", "b", ["nic"], 7000),  # 3: "keeper" 4 is another resource id
+                ("vm", "c", ["nic"], 6900),  # 4
+                ("vm", "d", ["nic"], 6800),  # 5: keeper 6 is earlier... in a bad plan
+                ("vm", "d", [], 6700),  # 6
+            ],
+        )
+        pos = {
+            r["id"]: (r["txid"], r["id"])
+            for r in await conn.fetch("SELECT txid::text::bigint AS txid, id FROM changefeed.feed")
+        }
+        store = CompactionStore(conn, "changefeed")
+        await store.prepare()
+        store.server_version = server_version
+        run_id = await _staged(
+            conn,
+            store,
+            [
+                (3, *pos[1], *pos[2], None),
+                (3, *pos[3], *pos[4], None),
+                (3, *pos[6], *pos[5], None),
+            ],
+        )
+        assert await store.apply_drops(run_id, 10) == 0
+        assert await conn.fetchval("SELECT count(*) FROM changefeed.feed") == 6
+        # Once the keeper carries the union, the same drop goes through.
+        await conn.execute(
+            f"INSERT INTO {store.staging_table(run_id)} VALUES (2, $1, $2, NULL, NULL, $3)",
+            *pos[2],
+            ["alias", "nic"],
+        )
+        assert await store.apply_keepers(run_id, 10) == 1
+        assert await store.apply_drops(run_id, 10) == 1
+        assert await store.apply_drops(run_id, 10) == 0  # idempotent
+        subs = await conn.fetchval("SELECT sub_resources FROM changefeed.feed WHERE id = 2")
+        assert subs == ["alias", "nic"]
+    finally:
+        await conn.close()
+
+
+@WALKS
+async def test_keeper_update_only_widens(feed_dsn: str, server_version: int) -> None:
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        await _insert(conn, [("vm", "a", ["disk"], 7200), ("vm", "b", [], 7200)])
+        rows = await conn.fetch("SELECT txid::text::bigint AS txid, id FROM changefeed.feed")
+        store = CompactionStore(conn, "changefeed")
+        await store.prepare()
+        store.server_version = server_version
+        run_id = await _staged(
+            conn,
+            store,
+            [(2, r["txid"], r["id"], None, None, ["nic"]) for r in rows],
+        )
+        assert await store.apply_keepers(run_id, 1) == 2
+        got = dict(
+            await conn.fetch("SELECT changed_resource_id, sub_resources FROM changefeed.feed")
+        )
+        assert got == {"a": ["disk", "nic"], "b": []}
+    finally:
+        await conn.close()
+
+
+async def test_gc_rechecks_age_and_never_lowers_the_low_water_mark(feed_dsn: str) -> None:
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        await _insert(conn, [("vm", "a", [], 90000), ("vm", "b", [], 60), ("vm", "c", [], 90000)])
+        rows = await conn.fetch(
+            "SELECT txid::text::bigint AS txid, id FROM changefeed.feed ORDER BY id"
+        )
+        first, last = Position(*rows[0]), Position(*rows[-1])
+        await conn.execute(
+            "UPDATE changefeed.feed_state SET low_water_txid = $1::bigint::text::xid8,"
+            " low_water_id = $2",
+            first.txid,
+            first.id,
+        )
+        store = CompactionStore(conn, "changefeed")
+        await store.prepare()
+        cutoff = datetime.now(UTC) - timedelta(days=1)
+        # One chunk spanning all three entries: the young one survives.
+        chunk = chunk_garbage([first, last], 1000)
+        assert await store.apply_gc(chunk, cutoff) == 2
+        assert [
+            r["changed_resource_id"]
+            for r in await conn.fetch("SELECT changed_resource_id FROM changefeed.feed")
+        ] == ["b"]
+        assert await store.low_water() == last
+        # A rerun deletes nothing and leaves the mark where it is.
+        assert await store.apply_gc(chunk, cutoff) == 0
+        assert await store.low_water() == last
+    finally:
+        await conn.close()
+
+
+def test_spark_errors_report_the_innermost_java_cause() -> None:
+    from changefeed.publisher.compaction.job import _spark_message
+
+    class Java:
+        def __init__(self, text: str, cause: Java | None = None) -> None:
+            self.text, self.cause = text, cause
+
+        def getCause(self) -> Java | None:
+            return self.cause
+
+        def toString(self) -> str:
+            return self.text
+
+    class Py4JLike(Exception):
+        java_exception = Java(
+            "org.apache.spark.SparkException: Job aborted",
+            Java("org.postgresql.util.PSQLException: FATAL: password authentication failed"),
+        )
+
+    assert _spark_message(Py4JLike("An error occurred while calling o42.jdbc.")) == (
+        "org.postgresql.util.PSQLException: FATAL: password authentication failed"
+    )
+    assert _spark_message(ValueError("first\nsecond")) == "first"
