@@ -134,12 +134,30 @@ class PublisherConfig:
         default=256,
         metadata=_doc("Items per frame for listeners that registered with batch.", "items"),
     )
+    send_interval: float = field(
+        default=0.002,
+        metadata=_doc(
+            "Shortest time between two wake-ups of the listeners' send queues. A change read "
+            "after a quiet spell goes out at once; under load, changes read within the "
+            "interval go out together (one batch frame per listener). 0: every tailer read "
+            "at once (docs/fanout.md).",
+            "seconds",
+        ),
+    )
     max_frame_bytes: int = field(
         default=65536, metadata=_doc("Largest frame accepted from a listener.", "bytes")
     )
     registration_timeout: float = field(
         default=10.0,
         metadata=_doc("A connection that sends no registration by then is closed.", "seconds"),
+    )
+    close_timeout: float = field(
+        default=10.0,
+        metadata=_doc(
+            "How long the publisher waits to hand a closing listener its error and close "
+            "frames (an evicted listener may not be reading) before it lets the connection go.",
+            "seconds",
+        ),
     )
     max_registrations: int = field(
         default=32, metadata=_doc("Registrations (change kinds) allowed on one connection.")
@@ -168,7 +186,17 @@ class PublisherConfig:
     auth_tokens: tuple[str, ...] = field(
         default=(),
         metadata=_doc(
-            "Bearer tokens accepted on /changefeeds and bootstrap routes; empty: no auth."
+            "Bearer tokens accepted on /changefeeds, /changefeeds/stats and bootstrap routes, "
+            "each allowed to read every resource; `sha256:<hex>` gives a token by its SHA-256. "
+            "No tokens here or in token_resources: no auth (docs/security.md)."
+        ),
+    )
+    token_resources: dict[str, tuple[str, ...]] = field(
+        default_factory=dict,
+        metadata=_doc(
+            'Bearer tokens allowed to read only some resources: `{"<token>" = ["vm"]}` '
+            '(a `[publisher.token_resources]` table; keys may be `"sha256:<hex>"`). '
+            "Other resources are refused with `forbidden` (close code 4004)."
         ),
     )
 
@@ -216,6 +244,8 @@ _DURATION_KEYS = {
     "retention_interval",
     "poll_interval",
     "registration_timeout",
+    "close_timeout",
+    "send_interval",
     "db_retry_budget",
     "ping_interval",
     "ping_timeout",
@@ -246,6 +276,7 @@ def _check(config: PublisherConfig, source: str | None) -> None:
             f"must be at least tail_batch ({config.tail_batch}): one tailer read is queued at once",
             source,
         )
+    _check_tokens(config, source)
     names = set()
     for i, resource in enumerate(config.resources):
         where = f"resources[{i}]"
@@ -263,6 +294,44 @@ def _check(config: PublisherConfig, source: str | None) -> None:
                 raise ConfigError(f"{where}.sub_resources", f"{sub!r} is not a valid name", source)
 
 
+_SHA256 = re.compile(r"^sha256:[0-9a-fA-F]{64}$")
+
+
+def _check_tokens(config: PublisherConfig, source: str | None) -> None:
+    if not isinstance(config.token_resources, dict):
+        raise ConfigError("publisher.token_resources", "expected a table", source)
+    # Python callers may pass lists; the model keeps tuples.
+    object.__setattr__(
+        config,
+        "token_resources",
+        {token: tuple(resources) for token, resources in config.token_resources.items()},
+    )
+    known = {resource.name for resource in config.resources}
+    for key, tokens in (
+        ("publisher.auth_tokens", list(config.auth_tokens)),
+        ("publisher.token_resources", list(config.token_resources)),
+    ):
+        for token in tokens:
+            if not token or token != token.strip() or any(c.isspace() for c in token):
+                raise ConfigError(key, "a token must be non-empty and without whitespace", source)
+            if token.startswith("sha256:") and not _SHA256.match(token):
+                raise ConfigError(key, "sha256: must be followed by 64 hex digits", source)
+    for token, resources in config.token_resources.items():
+        if token in config.auth_tokens:
+            raise ConfigError(
+                "publisher.token_resources",
+                "a token is listed in auth_tokens too; list it in one place",
+                source,
+            )
+        for name in resources:
+            if known and name != "*" and name not in known:
+                raise ConfigError(
+                    "publisher.token_resources",
+                    f"unknown resource {name!r} (known: {', '.join(sorted(known))})",
+                    source,
+                )
+
+
 def _coerce(key: str, hint: Any, value: Any, source: str | None) -> Any:
     """Check one TOML value against the model's type hint."""
     if key.rsplit(".", 1)[-1] in _DURATION_KEYS:
@@ -277,6 +346,14 @@ def _coerce(key: str, hint: Any, value: Any, source: str | None) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(key, f"expected a list of strings, got {value!r}", source)
         return tuple(value)
+    if origin is dict:
+        if not isinstance(value, dict) or not all(
+            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in value.values()
+        ):
+            raise ConfigError(
+                key, f'expected a table such as {{"<token>" = ["vm"]}}, got {value!r}', source
+            )
+        return {str(k): tuple(v) for k, v in value.items()}
     if hint is bool and not isinstance(value, bool):
         raise ConfigError(key, f"expected true or false, got {value!r}", source)
     if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -342,6 +419,8 @@ def _type_name(cls: type[Any], name: str) -> str:
     hint = typing.get_type_hints(cls)[name]
     if typing.get_origin(hint) is tuple:
         return "list of strings"
+    if typing.get_origin(hint) is dict:
+        return "table of lists of strings"
     if typing.get_origin(hint) in (types.UnionType, typing.Union):
         return "string (optional)"
     return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(hint, str(hint))
@@ -375,7 +454,9 @@ def config_reference() -> str:
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
-            if f.default is dataclasses.MISSING:
+            if f.default_factory is not dataclasses.MISSING:
+                default = "(none)"
+            elif f.default is dataclasses.MISSING:
                 default = "required"
             elif f.default in (None, ()):
                 default = "(none)"

@@ -1,14 +1,28 @@
 """Prometheus metrics of one publisher (invariant I7), on its own registry.
 
 Each Publisher has its own CollectorRegistry, so several publishers (tests,
-multi-feed processes) never clash; ``GET /metrics`` renders it.
+multi-feed processes) never clash; ``GET /metrics`` renders it. Counters
+move as things happen; the gauges marked "at scrape time" are computed from
+the publisher's state when /metrics is read, so they cost nothing between
+scrapes.
+
+Names (all prefixed ``changefeed_``): ``listeners``, ``open_connections``,
+``active_registrations{resource}``, ``registrations_total{resource,resumed}``,
+``connections_total``, ``refusals_total{code,endpoint}``,
+``disconnects_total``, ``evictions_total``, ``dropped_total``,
+``entries_tailed_total``, ``queued_total``, ``deliveries_total``,
+``frames_total``, ``replayed_total``, ``queue_depth_max``, ``queued_items``,
+``tailer_lag_seconds``, ``tailer_up``, ``tailer_position``,
+``oldest_open_transaction_seconds``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["PublisherMetrics"]
 
@@ -22,6 +36,11 @@ class PublisherMetrics:
         self.listeners = Gauge(
             "changefeed_listeners", "Connected, registered listener sockets", registry=r
         )
+        self.connections = Gauge(
+            "changefeed_open_connections",
+            "Open /changefeeds websocket connections, registered or not (at scrape time)",
+            registry=r,
+        )
         self.registrations = Gauge(
             "changefeed_active_registrations", "Registrations by resource", ["resource"], registry=r
         )
@@ -31,28 +50,44 @@ class PublisherMetrics:
             ["resource", "resumed"],
             registry=r,
         )
+        self.connections_total = Counter(
+            "changefeed_connections_total",
+            "Websocket handshakes received on /changefeeds",
+            registry=r,
+        )
         self.refusals_total = Counter(
-            "changefeed_refusals_total", "Connections refused, by error code", ["code"], registry=r
+            "changefeed_refusals_total",
+            "Requests and connections refused, by error code and endpoint (websocket, http)",
+            ["code", "endpoint"],
+            registry=r,
         )
         self.disconnects_total = Counter(
-            "changefeed_disconnects_total", "Listener disconnects", registry=r
+            "changefeed_disconnects_total",
+            "Registered listeners gone, for any reason (evictions included)",
+            registry=r,
         )
         self.evictions_total = Counter(
             "changefeed_evictions_total",
-            "Listeners evicted because their send queue was full",
+            "Listeners evicted because their send queue was full (close code 4009)",
             registry=r,
         )
-        self.entries_total = Counter(
-            "changefeed_entries_tailed_total", "Feed entries read by the tailer", registry=r
-        )
-        self.deliveries_total = Counter(
-            "changefeed_deliveries_total", "Change items sent to listeners", registry=r
+        self.dropped_total = Counter(
+            "changefeed_dropped_total",
+            "Items not delivered because their listener was evicted or went away",
+            registry=r,
         )
         self.replayed_total = Counter(
             "changefeed_replayed_total", "Change items replayed to resuming listeners", registry=r
         )
         self.queue_depth = Gauge(
-            "changefeed_queue_depth_max", "Deepest listener send queue", registry=r
+            "changefeed_queue_depth_max",
+            "Deepest listener send queue, in items (at scrape time)",
+            registry=r,
+        )
+        self.queued_items = Gauge(
+            "changefeed_queued_items",
+            "Items waiting in all listener send queues (at scrape time)",
+            registry=r,
         )
         self.tailer_lag = Gauge(
             "changefeed_tailer_lag_seconds",
@@ -62,19 +97,79 @@ class PublisherMetrics:
         self.tailer_up = Gauge(
             "changefeed_tailer_up", "1 while the tailer is connected and running", registry=r
         )
+        self.tailer_position = Gauge(
+            "changefeed_tailer_position",
+            "Identity of the last entry the tailer read (grows while it makes progress)",
+            registry=r,
+        )
         self.oldest_xact = Gauge(
             "changefeed_oldest_open_transaction_seconds",
             "Age of the oldest open write transaction holding the horizon back",
             registry=r,
         )
+        self._live = _LiveCounters(
+            {
+                "changefeed_entries_tailed": "Feed entries read by the tailer",
+                "changefeed_queued": "Items queued to listener send queues",
+                "changefeed_deliveries": (
+                    "Change items written to listener sockets (replays included)"
+                ),
+                "changefeed_frames": (
+                    "Websocket frames of live change items written (a batch frame counts once)"
+                ),
+            }
+        )
+        r.register(self._live)
 
     def bind(
-        self, queue_depth: Callable[[], float], lag: Callable[[], float], up: Callable[[], float]
+        self,
+        *,
+        queue_depth: Callable[[], float],
+        queued: Callable[[], float],
+        connections: Callable[[], float],
+        lag: Callable[[], float],
+        up: Callable[[], float],
+        oldest_xact: Callable[[], float],
+        position: Callable[[], float],
     ) -> None:
         """Compute the live gauges from the publisher's state at scrape time."""
         self.queue_depth.set_function(queue_depth)
+        self.queued_items.set_function(queued)
+        self.connections.set_function(connections)
         self.tailer_lag.set_function(lag)
         self.tailer_up.set_function(up)
+        self.oldest_xact.set_function(oldest_xact)
+        self.tailer_position.set_function(position)
+
+    def count_live(
+        self,
+        *,
+        entries: Callable[[], int],
+        queued: Callable[[], int],
+        deliveries: Callable[[], int],
+        frames: Callable[[], int],
+    ) -> None:
+        """Read the fan-out's hot counters from the publisher's plain integers at scrape
+        time (a Prometheus ``inc`` per frame would cost more than the frame)."""
+        self._live.sources = {
+            "changefeed_entries_tailed": entries,
+            "changefeed_queued": queued,
+            "changefeed_deliveries": deliveries,
+            "changefeed_frames": frames,
+        }
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LiveCounters(Collector):
+    """Counters read from the publisher's integers when /metrics is scraped (0 until bound)."""
+
+    def __init__(self, documentation: dict[str, str]) -> None:
+        self._documentation = documentation
+        self.sources: dict[str, Callable[[], int]] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, text in self._documentation.items():
+            source = self.sources.get(name)
+            yield CounterMetricFamily(name, text, value=source() if source else 0)

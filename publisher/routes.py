@@ -1,26 +1,41 @@
 """Starlette routes of the publisher; the embedding app mounts ``publisher.routes``.
 
-Thin adapter: each endpoint renders state the Publisher already keeps.
+Thin adapter: each endpoint renders state the Publisher already keeps. The
+/changefeeds websocket is ``ListenerEndpoint``, a plain ASGI app (see
+websocket.py). /changefeeds and /changefeeds/stats need the bearer token when
+auth is configured and show only the resources the token may read; /metrics,
+/healthz and /readyz never do (scrapers and probes; they show counts, not
+listeners). Query parameters are validated: an unknown one, or a bad value,
+is a 400 with the protocol's error body, never ignored.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
-from starlette.websockets import WebSocket
 
 from changefeed.schemas import ErrorFrame
 
-from .websocket import serve_listener
+from .service import AuthUnavailable
+from .websocket import ListenerEndpoint
 
 if TYPE_CHECKING:
     from .service import Publisher
 
 __all__ = ["error_response", "publisher_routes"]
+
+# A running tailer reads at least once per poll interval; one that has not read
+# for this long is stuck (a query blocked on a lock, a half-open connection).
+_STUCK_AFTER_MIN = 5.0
+_STUCK_AFTER_POLLS = 10
+
+_STATS_LIMIT_MAX = 100_000
 
 
 def error_response(
@@ -30,32 +45,102 @@ def error_response(
     return JSONResponse(ErrorFrame(code, message).to_json(), status_code=status, headers=headers)
 
 
+class _BadQuery(Exception):
+    pass
+
+
+def _query(request: Request, allowed: Mapping[str, int]) -> dict[str, str]:
+    """The query parameters of ``request``, each at most once and at most so many characters.
+
+    Raises:
+        _BadQuery: an unknown or repeated parameter, or one that is too long.
+    """
+    values: dict[str, str] = {}
+    for name, value in request.query_params.multi_items():
+        if name not in allowed:
+            known = ", ".join(sorted(allowed)) or "none"
+            raise _BadQuery(f"unknown query parameter {name[:64]!r} (known: {known})")
+        if name in values:
+            raise _BadQuery(f"query parameter {name!r} given more than once")
+        if len(value) > allowed[name]:
+            raise _BadQuery(f"query parameter {name!r} is longer than {allowed[name]} characters")
+        values[name] = value
+    return values
+
+
 def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
     """Routes for ``publisher``: /changefeeds (GET + websocket), /changefeeds/stats,
     /metrics, /healthz, /readyz."""
 
-    async def guard(request: Request) -> Response | None:
-        if not await publisher.authorize_request(request):
-            publisher.metrics.refusals_total.labels("unauthorized").inc()
+    async def access(request: Request) -> frozenset[str] | Response:
+        peer = f"{request.client.host}:{request.client.port}" if request.client else ""
+        try:
+            allowed = await publisher.authenticate(request)
+        except AuthUnavailable as exc:
+            publisher.refused("unavailable", "http", peer, str(exc))
+            return error_response(503, "unavailable", str(exc), {"Retry-After": "1"})
+        if allowed is None:
+            publisher.refused("unauthorized", "http", peer, request.url.path)
             return error_response(
                 401,
                 "unauthorized",
                 "missing or invalid bearer token",
                 {"WWW-Authenticate": "Bearer"},
             )
-        return None
+        return allowed
+
+    def bad_request(message: str) -> Response:
+        publisher.refused("bad_request", "http", "", message)
+        return error_response(400, "bad_request", message)
 
     async def resources(request: Request) -> Response:
-        if (refused := await guard(request)) is not None:
-            return refused
+        allowed = await access(request)
+        if isinstance(allowed, Response):
+            return allowed
+        try:
+            _query(request, {})
+        except _BadQuery as exc:
+            return bad_request(str(exc))
         return JSONResponse(
-            {"resources": [publisher.route_of(r).to_json() for r in publisher.config.resources]}
+            {
+                "resources": [
+                    publisher.route_of(r).to_json()
+                    for r in publisher.config.resources
+                    if "*" in allowed or r.name in allowed
+                ]
+            }
         )
 
     async def stats(request: Request) -> Response:
-        if (refused := await guard(request)) is not None:
-            return refused
-        return JSONResponse(publisher.stats())
+        allowed = await access(request)
+        if isinstance(allowed, Response):
+            return allowed
+        try:
+            query = _query(request, {"resource": 64, "service": 256, "limit": 7})
+        except _BadQuery as exc:
+            return bad_request(str(exc))
+        limit: int | None = None
+        if "limit" in query:
+            text = query["limit"]
+            if not text.isdigit() or not 0 <= int(text) <= _STATS_LIMIT_MAX:
+                return bad_request(f"limit must be an integer from 0 to {_STATS_LIMIT_MAX}")
+            limit = int(text)
+        if "resource" in query:
+            name = query["resource"]
+            if publisher.config.resource(name) is None:
+                return bad_request(f"no change feed for resource {name!r}")
+            if "*" not in allowed and name not in allowed:
+                return error_response(403, "forbidden", f"this token may not read {name!r}")
+            allowed = frozenset({name})
+        document = publisher.stats(allowed)
+        rows = document["registrations"]
+        if "service" in query:
+            rows = [row for row in rows if row["service"] == query["service"]]
+        if limit is not None:
+            document["truncated"] = len(rows) > limit
+            rows = rows[:limit]
+        document["registrations"] = rows
+        return JSONResponse(document)
 
     async def metrics(request: Request) -> Response:
         return Response(publisher.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -65,21 +150,23 @@ def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
 
     async def readyz(request: Request) -> Response:
         tailer = publisher.tailer
-        ready = tailer.status == "running" and not publisher.draining
+        stuck_after = max(_STUCK_AFTER_MIN, _STUCK_AFTER_POLLS * publisher.config.poll_interval)
+        read_ago = None if tailer.last_read_at is None else time.monotonic() - tailer.last_read_at
+        stuck = read_ago is None or read_ago > stuck_after
+        ready = tailer.status == "running" and not stuck and not publisher.draining
         body = {
             "status": "ready" if ready else "not ready",
             "tailer": tailer.status,
+            "lastReadSecondsAgo": None if read_ago is None else round(read_ago, 3),
+            "stuck": stuck,
             "draining": publisher.draining,
             "lastError": tailer.last_error,
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    async def websocket(ws: WebSocket) -> None:
-        await serve_listener(publisher, ws)
-
     return [
         Route("/changefeeds", resources, methods=["GET"]),
-        WebSocketRoute("/changefeeds", websocket),
+        WebSocketRoute("/changefeeds", ListenerEndpoint(publisher)),
         Route("/changefeeds/stats", stats, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +23,7 @@ import asyncpg
 import orjson
 from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
-from starlette.websockets import WebSocket
+from starlette.types import Scope
 
 from changefeed.logs import log_event
 from changefeed.schemas import (
@@ -39,20 +40,63 @@ from .errors import ConfigError
 from .feed import FeedEntry, FeedReader
 from .matching import matches
 from .metrics import PublisherMetrics
+from .outbox import Outbox
 from .registry import Closing, ListenerSession, Registry
 from .retention import trim_expired
 from .tailer import DB_ERRORS, Tailer
 
-__all__ = ["Authorizer", "Publisher"]
+__all__ = ["AuthUnavailable", "Authorizer", "Publisher"]
 
 log = logging.getLogger(__name__)
 
 Authorizer = Callable[[str], Awaitable[frozenset[str] | None]]
 """Maps a bearer token to the resources it may read (``frozenset({"*"})`` for all),
-or None to refuse it."""
+or None to refuse it. Raising (or taking longer than 5 s) refuses the request as
+*unavailable* (HTTP 503 / close code 4010), which listeners retry, not as
+unauthorized, which they do not."""
 
 _REPLAY_PAGE = 1000
 _READY_TIMEOUT = 5.0
+_AUTHORIZE_TIMEOUT = 5.0
+_EVERYTHING = frozenset({"*"})
+
+
+class AuthUnavailable(Exception):
+    """Authentication cannot be decided now: the authorizer failed or timed out."""
+
+
+class _Tokens:
+    """The static bearer tokens of a config: token (or ``sha256:<hex>`` of it) -> resources.
+
+    Comparison is constant-time per entry, and every entry is compared, so the
+    time taken does not say which entry (or which prefix) came close.
+    """
+
+    def __init__(self, everything: Sequence[str], limited: Mapping[str, Sequence[str]]) -> None:
+        self._plain: list[tuple[bytes, frozenset[str]]] = []
+        self._hashed: list[tuple[bytes, frozenset[str]]] = []
+        for token, resources in [(t, _EVERYTHING) for t in everything] + [
+            (t, frozenset(r)) for t, r in limited.items()
+        ]:
+            if token.startswith("sha256:"):
+                self._hashed.append((token[7:].lower().encode(), resources))
+            else:
+                self._plain.append((token.encode(), resources))
+
+    def __bool__(self) -> bool:
+        return bool(self._plain or self._hashed)
+
+    def lookup(self, token: str) -> frozenset[str] | None:
+        presented = token.encode()
+        digest = hashlib.sha256(presented).hexdigest().encode()
+        found: frozenset[str] | None = None
+        for known, resources in self._plain:
+            if hmac.compare_digest(known, presented):
+                found = resources
+        for known, resources in self._hashed:
+            if hmac.compare_digest(known, digest):
+                found = resources
+        return found
 
 
 class Publisher:
@@ -62,8 +106,9 @@ class Publisher:
         config: what to publish and how (see PublisherConfig).
         pool: an asyncpg pool of the embedding API, used for resume and
             retention queries; when None the publisher makes a small one.
-        authorize: optional async callable for bearer tokens; by default the
-            static ``config.auth_tokens`` (any of them may read everything).
+        authorize: optional async callable for bearer tokens (see ``Authorizer``),
+            asked about any token the static ``auth_tokens`` / ``token_resources``
+            do not know. With neither, there is no authentication (docs/security.md).
     """
 
     def __init__(
@@ -92,24 +137,50 @@ class Publisher:
         self._pool = pool
         self._own_pool = pool is None
         self._authorize = authorize
+        self._tokens = _Tokens(config.auth_tokens, config.token_resources)
         self._tasks: list[asyncio.Task[None]] = []
         self.connections = 0
+        """Websocket connections open now (registered or not)."""
+        self.connections_opened = 0
+        self.connections_closed = 0
         self.draining = False
+        self.entries_total = 0
+        self.queued_total = 0
         self.sent_total = 0
+        self.frames_total = 0
+        self.dropped_total = 0
+        self._pending: set[Outbox] = set()
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._last_flush = 0.0
+        self.refusals: dict[str, int] = {}
         self._no_listeners = asyncio.Event()
         self._no_listeners.set()
         self.metrics.bind(
             queue_depth=lambda: max((len(s.outbox) for s in self.registry.sessions), default=0),
+            queued=lambda: sum(len(s.outbox) for s in self.registry.sessions),
+            connections=lambda: self.connections,
             lag=lambda: self.tailer.lag_seconds,
             up=lambda: 1.0 if self.tailer.status == "running" else 0.0,
+            oldest_xact=lambda: self.tailer.oldest_writer_seconds,
+            position=lambda: float(self.tailer.position.id) if self.tailer.position else 0.0,
         )
-        self.metrics.oldest_xact.set_function(lambda: self.tailer.oldest_writer_seconds)
+        self.metrics.count_live(
+            entries=lambda: self.entries_total,
+            queued=lambda: self.queued_total,
+            deliveries=lambda: self.sent_total,
+            frames=lambda: self.frames_total,
+        )
 
     # -- lifecycle ---------------------------------------------------------
 
     async def _connect(self) -> asyncpg.Connection:
+        # command_timeout: a read blocked on a lock or a half-open connection
+        # becomes an error the tailer retries, instead of a silent stall.
         return await asyncpg.connect(
-            self.config.dsn, timeout=5.0, server_settings={"application_name": "changefeed-tailer"}
+            self.config.dsn,
+            timeout=5.0,
+            command_timeout=30.0,
+            server_settings={"application_name": "changefeed-tailer"},
         )
 
     async def start(self) -> None:
@@ -157,20 +228,25 @@ class Publisher:
         for session in list(self.registry.sessions):
             session.close(Closing(1001, None, "publisher shutting down"))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._no_listeners.wait(), grace)
+            async with asyncio.timeout(grace):
+                await self._no_listeners.wait()
 
     async def stop(self, grace: float = 5.0) -> None:
         """Drain, then stop tailing and retention; nothing is half-written (the
         publisher never writes the feed, it only reads and trims it in
         transactions)."""
         await self.drain(grace)
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         if self._own_pool and self._pool is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._pool.close(), grace)
+                async with asyncio.timeout(grace):
+                    await self._pool.close()
             self._pool = None
         log_event(log, "publisher.stopped")
 
@@ -192,6 +268,12 @@ class Publisher:
         return publisher_routes(self)
 
     # -- fan-out -------------------------------------------------------------
+    #
+    # The tailer hands each batch of final entries to _dispatch, synchronously.
+    # The registry encodes each wanted entry once and offers the frames to the
+    # bounded outbox of every matching listener; a listener whose outbox is full
+    # is evicted (4009) there and then. Nothing here awaits, so no listener can
+    # slow the tailer or another listener (I2, I3). See docs/fanout.md.
 
     def encode(self, entry: FeedEntry) -> str:
         """The change item frame for ``entry``: encoded once, sent to every match."""
@@ -209,8 +291,20 @@ class Publisher:
         ).decode()
 
     def _dispatch(self, entries: Sequence[FeedEntry]) -> None:
-        self.metrics.entries_total.inc(len(entries))
-        _, evicted = self.registry.dispatch(entries, self.encode)
+        self.entries_total += len(entries)
+        touched: list[Outbox] = []
+        queued, evicted = self.registry.dispatch(entries, self.encode, touched)
+        self.queued_total += queued
+        self._pending.update(touched)
+        if self._pending and self._flush_timer is None:
+            # Wake the senders now, unless they were woken less than send_interval
+            # ago: then at the end of that interval, with everything read meanwhile.
+            loop = asyncio.get_running_loop()
+            due = self._last_flush + self.config.send_interval
+            if loop.time() >= due:
+                self._flush()
+            else:
+                self._flush_timer = loop.call_at(due, self._flush)
         for session in evicted:
             self.metrics.evictions_total.inc()
             self._count_gone(session)
@@ -222,12 +316,47 @@ class Publisher:
                 service=session.service,
                 peer=session.peer,
                 queue=session.outbox.capacity,
+                delivered=session.sent,
+                dropped=session.dropped,
                 listeners=len(self.registry),
             )
 
-    def count_sent(self, frames: int) -> None:
-        self.sent_total += frames
-        self.metrics.deliveries_total.inc(frames)
+    def _flush(self) -> None:
+        self._flush_timer = None
+        self._last_flush = asyncio.get_running_loop().time()
+        pending, self._pending = self._pending, set()
+        for outbox in pending:
+            outbox.wake()
+
+    def count_sent(self, items: int, frames: int) -> None:
+        """Count ``items`` written to a listener socket in ``frames`` websocket frames."""
+        self.sent_total += items
+        self.frames_total += frames
+
+    def connection_opened(self) -> None:
+        """A websocket handshake arrived on /changefeeds (whatever becomes of it)."""
+        self.connections += 1
+        self.connections_opened += 1
+        self.metrics.connections_total.inc()
+
+    def connection_closed(self) -> None:
+        """A connection counted by ``connection_opened`` ended."""
+        self.connections -= 1
+        self.connections_closed += 1
+
+    def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None:
+        """Count and log one refusal (bad input, auth, limits) with its error code."""
+        self.refusals[code] = self.refusals.get(code, 0) + 1
+        self.metrics.refusals_total.labels(code, endpoint).inc()
+        log_event(
+            log,
+            "registration.refused" if endpoint == "websocket" else "request.refused",
+            logging.WARNING,
+            code=code,
+            endpoint=endpoint,
+            peer=peer,
+            reason=reason,
+        )
 
     def admit(self, session: ListenerSession, kinds: Sequence[tuple[ChangeKind, Position]]) -> None:
         """Add a registered session to the registry (synchronously: see websocket._register)."""
@@ -253,6 +382,8 @@ class Publisher:
 
     def forget(self, session: ListenerSession) -> None:
         """Drop a session whose connection ended."""
+        if session.closing is None:
+            session.close(Closing(1000, None, "connection ended"))
         if self.registry.remove(session):
             self._count_gone(session)
             log_event(
@@ -268,6 +399,8 @@ class Publisher:
     def _count_gone(self, session: ListenerSession) -> None:
         if not len(self.registry):
             self._no_listeners.set()
+        self.dropped_total += session.dropped
+        self.metrics.dropped_total.inc(session.dropped)
         self.metrics.disconnects_total.inc()
         self.metrics.listeners.set(len(self.registry))
         for sub in session.subscriptions:
@@ -281,7 +414,8 @@ class Publisher:
     async def wait_ready(self) -> bool:
         """True once the tailer knows its position (it may be briefly reconnecting)."""
         try:
-            await asyncio.wait_for(self.tailer.ready.wait(), _READY_TIMEOUT)
+            async with asyncio.timeout(_READY_TIMEOUT):
+                await self.tailer.ready.wait()
         except TimeoutError:
             return False
         return self.tailer.status != "unavailable"
@@ -304,7 +438,11 @@ class Publisher:
         return pending <= self.config.replay_limit
 
     async def replay(
-        self, ws: WebSocket, session: ListenerSession, since: Position, upto: Position
+        self,
+        send_text: Callable[[str], Awaitable[None]],
+        session: ListenerSession,
+        since: Position,
+        upto: Position,
     ) -> None:
         """Send the entries in ``(since, upto]`` that match ``session`` (resume)."""
         assert self._pool is not None
@@ -323,18 +461,19 @@ class Publisher:
             if frames:
                 if session.batch:
                     for i in range(0, len(frames), self.config.max_batch):
-                        await ws.send_text(
-                            "[" + ",".join(frames[i : i + self.config.max_batch]) + "]"
-                        )
+                        await send_text("[" + ",".join(frames[i : i + self.config.max_batch]) + "]")
+                        session.frames += 1
                 else:
                     for frame in frames:
-                        await ws.send_text(frame)
+                        await send_text(frame)
+                    session.frames += len(frames)
                 replayed += len(frames)
+                session.sent += len(frames)
             if len(entries) < _REPLAY_PAGE:
                 break
             after = entries[-1].position
         self.metrics.replayed_total.inc(replayed)
-        self.count_sent(replayed)
+        self.sent_total += replayed
         log_event(
             log,
             "resume.replayed",
@@ -346,34 +485,60 @@ class Publisher:
 
     # -- authentication ------------------------------------------------------
 
-    async def _allowed(self, conn: HTTPConnection) -> frozenset[str] | None:
-        """Resources the connection's bearer token may read; None if refused.
-        Without configured auth everything is allowed."""
-        if not self.config.auth_tokens and self._authorize is None:
-            return frozenset({"*"})
-        header = conn.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
+    @property
+    def auth_required(self) -> bool:
+        """Whether requests need a bearer token (static tokens or an authorizer)."""
+        return bool(self._tokens) or self._authorize is not None
+
+    async def authenticate(self, conn: HTTPConnection | Scope) -> frozenset[str] | None:
+        """The resources the bearer token of a request or websocket handshake may read
+        (``{"*"}``: all); None when it is missing or unknown. Without configured auth
+        everything is allowed.
+
+        Static tokens (``auth_tokens``, ``token_resources``) are looked up first; a token
+        they do not know goes to the ``authorize`` callable, if there is one.
+
+        Raises:
+            AuthUnavailable: the authorizer raised or took longer than 5 s.
+        """
+        if not self.auth_required:
+            return _EVERYTHING
+        headers = conn.headers if isinstance(conn, HTTPConnection) else HTTPConnection(conn).headers
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        token = token.strip()
         if scheme.lower() != "bearer" or not token:
             return None
-        if self._authorize is not None:
-            return await self._authorize(token)
-        for known in self.config.auth_tokens:
-            if hmac.compare_digest(known.encode(), token.encode()):
-                return frozenset({"*"})
-        return None
+        found = self._tokens.lookup(token)
+        if found is not None or self._authorize is None:
+            return found
+        try:
+            async with asyncio.timeout(_AUTHORIZE_TIMEOUT):
+                allowed = await self._authorize(token)
+        except Exception as exc:
+            log_event(log, "auth.unavailable", logging.ERROR, error=repr(exc))
+            raise AuthUnavailable("authorization is unavailable; retry later") from exc
+        return None if allowed is None else frozenset(allowed)
 
-    async def authorize_handshake(self, ws: WebSocket) -> bool:
-        allowed = await self._allowed(ws)
-        ws.state.changefeed_allowed = allowed
-        return allowed is not None
+    async def authorize_request(self, request: HTTPConnection, resource: str | None = None) -> bool:
+        """For the embedding API's own routes (bootstrap routes): may this request go on?
 
-    def may_read(self, ws: WebSocket, resource: str) -> bool:
-        allowed: frozenset[str] | None = getattr(ws.state, "changefeed_allowed", None)
-        return allowed is not None and ("*" in allowed or resource in allowed)
+        Args:
+            request: the request (its ``Authorization: Bearer`` header).
+            resource: when given, the token must also be allowed to read this resource.
 
-    async def authorize_request(self, conn: HTTPConnection) -> bool:
-        """For the embedding API's own bootstrap routes: is this request authenticated?"""
-        return await self._allowed(conn) is not None
+        A refusal is counted (``changefeed_refusals_total``, stats) as ``unauthorized``;
+        an unavailable authorizer refuses too (the caller answers 401).
+        """
+        try:
+            allowed = await self.authenticate(request)
+        except AuthUnavailable:
+            allowed = None
+        ok = allowed is not None and (resource is None or "*" in allowed or resource in allowed)
+        if not ok:
+            peer = f"{request.client.host}:{request.client.port}" if request.client else ""
+            code = "unauthorized" if allowed is None else "forbidden"
+            self.refused(code, "http", peer, request.url.path)
+        return ok
 
     # -- retention ---------------------------------------------------------
 
@@ -394,18 +559,30 @@ class Publisher:
 
     # -- observability -----------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """The /changefeeds/stats document."""
+    def stats(self, allowed: frozenset[str] | None = None) -> dict[str, Any]:
+        """The /changefeeds/stats document.
+
+        Args:
+            allowed: show only registrations of these resources (None or ``{"*"}``: all).
+        """
+        registry = self.registry
         return {
-            "listeners": len(self.registry),
-            "registrations": self.registry.registrations(),
+            "listeners": len(registry),
+            "registrations": registry.registrations(allowed),
             "connections": self.connections,
             "draining": self.draining,
             "tailer": self.tailer.stats(),
             "counters": {
-                "registrations": self.registry.registrations_total,
-                "disconnects": self.registry.disconnects_total,
-                "evictions": self.registry.evictions_total,
+                "connections": self.connections_opened,
+                "connectionsClosed": self.connections_closed,
+                "listeners": registry.sessions_total,
+                "registrations": registry.registrations_total,
+                "disconnects": registry.disconnects_total,
+                "evictions": registry.evictions_total,
                 "sent": self.sent_total,
+                "frames": self.frames_total,
+                "dropped": self.dropped_total,
+                "refused": dict(sorted(self.refusals.items())),
             },
+            "recentEvictions": list(registry.recent_evictions),
         }

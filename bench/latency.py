@@ -1,0 +1,319 @@
+"""End-to-end latency: commit -> listener receives, at a steady rate of changes.
+
+    python bench/latency.py [--dsn DSN] [--quick] [--rate 1000] [--seconds 10] [--listeners 100]
+
+A writer process commits one change per transaction at ``--rate`` per second
+(its own process, so that its round trips never share an event loop with
+what is measured). For each change it notes the time just before it sends
+COMMIT; latency is the time the change reaches the other side minus that.
+
+* floor: the writer INSERTs a row and NOTIFYs in one transaction; a LISTENing
+  asyncpg connection in this process receives the notification. Nothing can
+  be faster than this: it is what wakes the publisher's tailer.
+* raw fan-out: no database; a ``websockets`` server in this process calls
+  ``websockets.broadcast`` with each change at the same rate, to the same
+  listeners: what one frame per change per listener costs on this machine,
+  whatever the framework (latency from the broadcast call).
+* publisher: the writer calls ``changefeed.publish`` in its transaction (the
+  same INSERT + NOTIFY); the publisher in this process tails the entry and
+  fans it out to ``--listeners`` websocket listeners in a third process
+  (bench/common.py), which note when each item arrives. Measured with batch
+  listeners (what changefeed.listener negotiates) and with RFD 5 listeners.
+
+Clocks: CLOCK_MONOTONIC, shared by all processes of the machine. The first
+5% of changes are a warm-up and not counted. Targets (2-core machine): p50 <=
+2 ms, p99 <= 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import time
+import uuid
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import asyncpg
+import orjson
+from common import ClientFleet, cpu_seconds, database, percentile, raise_nofile, say, until
+from starlette.applications import Starlette
+
+from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig
+from changefeed.schemas import apply_schema, quote_schema
+from changefeed.serving import server_config
+
+SCHEMA = "changefeed_bench"
+VM = ResourceConfig("vm", "/vms", ("nic", "alias"))
+FLOOR_CHANNEL = "changefeed_bench_floor"
+WARMUP = 0.05
+
+
+# --------------------------------------------------------------------------- the writer process
+
+
+async def _write(dsn: str, kind: str, rate: float, count: int, start_at: float) -> list[float]:
+    conn = await asyncpg.connect(dsn)
+    q = quote_schema(SCHEMA)
+    if kind == "floor":
+        statement = f"INSERT INTO {q}.floor (v) VALUES ($1)"
+        notify = "SELECT pg_notify($1, $2)"
+    else:
+        statement = f"SELECT {q}.publish('vm', ARRAY['nic'], $1)"
+    sent_at: list[float] = []
+    pad = uuid.uuid4().hex
+    try:
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        for seq in range(count):
+            due = start_at + seq / rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            value = f"lat-{seq}-{pad}"
+            transaction = conn.transaction()
+            await transaction.start()
+            await conn.execute(statement, value)
+            if kind == "floor":
+                await conn.execute(notify, FLOOR_CHANNEL, str(seq))
+            sent_at.append(time.monotonic())
+            await transaction.commit()
+    finally:
+        await conn.close()
+    return sent_at
+
+
+def _writer_main(conn: Connection, dsn: str, kind: str, rate: float, count: int) -> None:
+    import uvloop
+
+    start_at = conn.recv()
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        conn.send(runner.run(_write(dsn, kind, rate, count, start_at)))
+
+
+async def run_writer(dsn: str, kind: str, rate: float, count: int) -> list[float]:
+    """Run the paced writer in its own process; the times just before each COMMIT."""
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    process = context.Process(target=_writer_main, args=(there, dsn, kind, rate, count))
+    process.start()
+    there.close()
+    try:
+        here.send(time.monotonic() + 1.5)  # the child needs a moment to import and connect
+        await until(here.poll, 30 + 2 * count / rate, "the writer did not finish")
+        sent_at: list[float] = here.recv()
+        return sent_at
+    finally:
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+
+
+def summary(latencies: list[float]) -> dict[str, float]:
+    latencies = sorted(latencies)
+    return {
+        "count": len(latencies),
+        "p50": percentile(latencies, 0.5),
+        "p90": percentile(latencies, 0.9),
+        "p99": percentile(latencies, 0.99),
+        "max": latencies[-1] if latencies else float("nan"),
+    }
+
+
+def line(label: str, figures: dict[str, Any]) -> str:
+    return (
+        f"  {label:<28} p50 {figures['p50'] * 1e3:6.2f} ms  p90 {figures['p90'] * 1e3:6.2f} ms  "
+        f"p99 {figures['p99'] * 1e3:6.2f} ms  max {figures['max'] * 1e3:7.2f} ms  "
+        f"({figures['count']:,} deliveries)"
+    )
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+async def measure_floor(dsn: str, rate: float, count: int) -> dict[str, float]:
+    received: dict[int, float] = {}
+    listener = await asyncpg.connect(dsn)
+
+    def notified(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+        received[int(payload)] = time.monotonic()
+
+    try:
+        await listener.add_listener(FLOOR_CHANNEL, notified)
+        sent_at = await run_writer(dsn, "floor", rate, count)
+        await until(lambda: len(received) >= count, 10)
+    finally:
+        await listener.close()
+    skip = int(count * WARMUP)
+    return summary([received[i] - sent_at[i] for i in range(skip, count) if i in received])
+
+
+async def measure_broadcast(
+    fleet: ClientFleet, listeners: int, *, rate: float, count: int
+) -> dict[str, Any]:
+    from fanout import raw_server, sample_frames
+    from websockets.asyncio.server import broadcast
+
+    pad = uuid.uuid4().hex
+    frames = sample_frames([f"lat-{seq}-{pad}" for seq in range(count)])
+    async with raw_server() as (url, connections):
+        registration = orjson.dumps({"instance": "i", "service": "bench"}).decode()
+        await fleet.connect(url, listeners, registration, latency_slots=count)
+        await until(lambda: len(connections) >= listeners, 30)
+        await fleet.reset(count)
+        sent_at: list[float] = []
+        start = time.monotonic() + 0.1
+        for seq, frame in enumerate(frames):
+            delay = start + seq / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent_at.append(time.monotonic())
+            broadcast(connections, frame)
+        report = await fleet.wait(60)
+        if not report["complete"]:
+            raise RuntimeError(f"incomplete: {sum(report['items'])} of {listeners * count}")
+        skip = int(count * WARMUP)
+        figures: dict[str, Any] = await fleet.latencies([float("inf")] * skip + sent_at[skip:])
+        figures["count"] = listeners * (count - skip)
+        await fleet.close_all()
+    return figures
+
+
+@contextlib.asynccontextmanager
+async def running_publisher(
+    dsn: str, send_interval: float | None = None
+) -> AsyncIterator[tuple[str, Publisher]]:
+    import uvicorn
+
+    tuning = {} if send_interval is None else {"send_interval": send_interval}
+    config = PublisherConfig(
+        dsn=dsn, schema=SCHEMA, resources=(VM,), retention=False, create_schema=False, **tuning
+    )
+    publisher = Publisher(config)
+    app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
+    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))
+    task = asyncio.create_task(server.serve())
+    await until(lambda: server.started, 30)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    await asyncio.wait_for(publisher.tailer.ready.wait(), 30)
+    try:
+        yield f"ws://127.0.0.1:{port}/changefeeds", publisher
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+
+
+async def measure_publisher(
+    fleet: ClientFleet,
+    dsn: str,
+    listeners: int,
+    *,
+    rate: float,
+    count: int,
+    batch: bool,
+    send_interval: float | None = None,
+) -> dict[str, Any]:
+    registration: dict[str, Any] = {
+        "instance": str(uuid.uuid4()),
+        "service": "bench",
+        "changeKind": {"resource": "vm", "subResources": ["nic"]},
+    }
+    if batch:
+        registration["batch"] = True
+    async with running_publisher(dsn, send_interval) as (url, publisher):
+        frame = orjson.dumps(registration).decode()
+        await fleet.connect(url, listeners, frame, latency_slots=count)
+        await until(lambda: len(publisher.registry) >= listeners, 30)
+        await fleet.reset(count)
+        server_cpu, client_cpu = cpu_seconds(), cpu_seconds(fleet.pid)
+        sent_at = await run_writer(dsn, "publish", rate, count)
+        report = await fleet.wait(30)
+        server_cpu = cpu_seconds() - server_cpu
+        client_cpu = cpu_seconds(fleet.pid) - client_cpu
+        if not report["complete"]:
+            raise RuntimeError(f"incomplete: {sum(report['items'])} of {listeners * count} items")
+        skip = int(count * WARMUP)
+        figures: dict[str, Any] = await fleet.latencies([float("inf")] * skip + sent_at[skip:])
+        figures["count"] = listeners * (count - skip)
+        figures["tailer"] = publisher.tailer.stats()
+        figures["frames"] = publisher.frames_total
+        figures["server_cpu"] = server_cpu / count
+        figures["client_cpu"] = client_cpu / count
+        await fleet.close_all()
+    return figures
+
+
+async def main(args: argparse.Namespace) -> None:
+    raise_nofile(4096)
+    seconds = args.seconds or (3.0 if args.quick else 10.0)
+    count = int(args.rate * seconds)
+    say(
+        f"latency: {args.rate:g} changes/s for {seconds:g} s ({count} changes), "
+        f"{args.listeners} listeners"
+    )
+    with database(args.dsn) as dsn:
+        admin = await asyncpg.connect(dsn)
+        try:
+            await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+            await apply_schema(admin, SCHEMA)
+            await admin.execute(f"CREATE TABLE {SCHEMA}.floor (id bigserial PRIMARY KEY, v text)")
+            floor = await measure_floor(dsn, args.rate, count)
+            say(line("floor: INSERT+NOTIFY -> LISTEN", floor))
+            async with ClientFleet() as fleet:
+                raw = await measure_broadcast(fleet, args.listeners, rate=args.rate, count=count)
+                say(line("raw fan-out: broadcast", raw))
+                results = {}
+                for label, batch in (("batch listeners", True), ("RFD 5 listeners", False)):
+                    figures = await measure_publisher(
+                        fleet,
+                        dsn,
+                        args.listeners,
+                        rate=args.rate,
+                        count=count,
+                        batch=batch,
+                        send_interval=args.send_interval,
+                    )
+                    results[label] = figures
+                    say(line(f"publisher, {label}", figures))
+                    tailer = figures["tailer"]
+                    say(
+                        f"    tailer: {tailer['doorbells']} doorbells, {tailer['polls']} reads, "
+                        f"{figures['frames']:,} websocket frames; cpu per change: server "
+                        f"{figures['server_cpu'] * 1e6:.0f} us, "
+                        f"listeners {figures['client_cpu'] * 1e6:.0f} us"
+                    )
+        finally:
+            with contextlib.suppress(Exception):
+                await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+            await admin.close()
+    best = results["batch listeners"]
+    say(
+        f"result: floor p50 {floor['p50'] * 1e3:.2f} ms p99 {floor['p99'] * 1e3:.2f} ms; "
+        f"publisher (batch) p50 {best['p50'] * 1e3:.2f} ms "
+        f"({best['p50'] / floor['p50']:.1f}x floor, target <= 2 ms), "
+        f"p99 {best['p99'] * 1e3:.2f} ms "
+        f"({best['p99'] / floor['p99']:.1f}x floor, target <= 10 ms); "
+        f"raw broadcast p50 {raw['p50'] * 1e3:.2f} ms p99 {raw['p99'] * 1e3:.2f} ms"
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--dsn", help="PostgreSQL DSN (default: an embedded server)")
+    parser.add_argument("--quick", action="store_true", help="short run, under 30 s")
+    parser.add_argument("--rate", type=float, default=1000.0, help="changes per second")
+    parser.add_argument("--seconds", type=float, default=0.0)
+    parser.add_argument("--listeners", type=int, default=100)
+    parser.add_argument(
+        "--send-interval", type=float, help="publisher send_interval, seconds (default: config)"
+    )
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main(parse_args()))

@@ -1,0 +1,253 @@
+"""Bearer tokens: static tokens with per-token resources, a pluggable authorizer,
+refusal at the websocket handshake (HTTP 401) and on the HTTP routes, counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from helpers import wait_until
+from publisher_fixtures import VM, receive_items, register, registration, running_publisher, write
+from starlette.applications import Starlette
+from starlette.types import Receive, Scope, Send
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from changefeed.publisher import ConfigError, Publisher, PublisherConfig
+from changefeed.publisher.config import load_config
+from changefeed.schemas import CloseCode, validate
+
+OPS = "ops-token-all-resources"
+DNS = "dns-token-vm-only"
+HASHED = "hashed-token-network-only"
+TOKENS: dict[str, Any] = {
+    "auth_tokens": (OPS,),
+    "token_resources": {
+        DNS: ("vm",),
+        "sha256:" + hashlib.sha256(HASHED.encode()).hexdigest(): ("network",),
+    },
+}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def test_the_handshake_without_a_good_token_is_refused_with_401(feed_dsn: str) -> None:
+    async with running_publisher(feed_dsn, **TOKENS) as pub:
+        for headers in ({}, bearer("wrong"), {"Authorization": f"Basic {OPS}"}, bearer("")):
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(pub.ws_url, additional_headers=headers)
+            response = refused.value.response
+            assert response.status_code == 401
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+            body = orjson.loads(response.body)
+            validate("error", body)
+            assert body["error"]["code"] == "unauthorized"
+        stats = pub.publisher.stats()
+        assert stats["counters"]["refused"] == {"unauthorized": 4}
+        assert stats["connections"] == 0 and stats["counters"]["registrations"] == 0
+        text = pub.publisher.metrics.render().decode()
+        assert 'changefeed_refusals_total{code="unauthorized",endpoint="websocket"} 4.0' in text
+
+
+async def test_tokens_read_only_their_resources(feed_dsn: str) -> None:
+    async with running_publisher(feed_dsn, **TOKENS) as pub:
+        ops, ack = await register(
+            pub.ws_url, registration("network", ["subnet"]), additional_headers=bearer(OPS)
+        )
+        assert ack["bootstrapRoute"] == "/networks"
+        dns, ack = await register(pub.ws_url, registration(), additional_headers=bearer(DNS))
+        assert ack["bootstrapRoute"] == "/vms"
+        hashed, ack = await register(
+            pub.ws_url, registration("network", []), additional_headers=bearer(HASHED)
+        )
+        assert ack["bootstrapRoute"] == "/networks"
+        for token, frame in ((DNS, registration("network", [])), (HASHED, registration())):
+            ws, error = await register(pub.ws_url, frame, additional_headers=bearer(token))
+            assert error["error"]["code"] == "forbidden"
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 5)
+            assert closed.value.rcvd is not None
+            assert closed.value.rcvd.code == CloseCode.FORBIDDEN
+        await write(feed_dsn, [("vm", ["nic"], "v1"), ("network", ["subnet"], "n1")])
+        assert [i["changedResourceId"] for i in await receive_items(dns, 1)] == ["v1"]
+        assert [i["changedResourceId"] for i in await receive_items(ops, 1)] == ["n1"]
+        assert [i["changedResourceId"] for i in await receive_items(hashed, 1)] == ["n1"]
+        for ws in (ops, dns, hashed):
+            await ws.close()
+
+
+async def test_http_routes_need_the_token_and_show_only_its_resources(feed_dsn: str) -> None:
+    async with (
+        running_publisher(feed_dsn, **TOKENS) as pub,
+        httpx.AsyncClient(base_url=pub.server.url) as http,
+    ):
+        for path in ("/changefeeds", "/changefeeds/stats"):
+            response = await http.get(path)
+            assert response.status_code == 401, path
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+            assert response.json()["error"]["code"] == "unauthorized"
+            assert (await http.get(path, headers=bearer("nope"))).status_code == 401
+        everything = (await http.get("/changefeeds", headers=bearer(OPS))).json()
+        assert [r["resource"] for r in everything["resources"]] == ["vm", "network"]
+        vm_only = (await http.get("/changefeeds", headers=bearer(DNS))).json()
+        assert [r["resource"] for r in vm_only["resources"]] == ["vm"]
+        ws, _ = await register(
+            pub.ws_url, registration("network", []), additional_headers=bearer(OPS)
+        )
+        stats = (await http.get("/changefeeds/stats", headers=bearer(DNS))).json()
+        assert stats["listeners"] == 1 and stats["registrations"] == []
+        stats = (await http.get("/changefeeds/stats", headers=bearer(OPS))).json()
+        assert len(stats["registrations"]) == 1
+        forbidden = await http.get("/changefeeds/stats?resource=network", headers=bearer(DNS))
+        assert forbidden.status_code == 403
+        # Probes and scrapers need no token.
+        for path in ("/metrics", "/healthz", "/readyz"):
+            assert (await http.get(path)).status_code == 200, path
+        assert pub.publisher.stats()["counters"]["refused"]["unauthorized"] == 4
+        await ws.close()
+
+
+async def test_bootstrap_routes_use_authorize_request_with_a_resource(feed_dsn: str) -> None:
+    async with (
+        running_publisher(feed_dsn, **TOKENS) as pub,
+        httpx.AsyncClient(base_url=pub.server.url) as http,
+    ):
+        publisher = pub.publisher
+
+        def request(token: str | None) -> Any:
+            from starlette.requests import Request
+
+            headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+            return Request({"type": "http", "headers": headers, "path": "/vms", "client": None})
+
+        assert await publisher.authorize_request(request(OPS))
+        assert await publisher.authorize_request(request(DNS), resource="vm")
+        assert not await publisher.authorize_request(request(DNS), resource="network")
+        assert await publisher.authorize_request(request(DNS))  # authenticated, any route
+        assert not await publisher.authorize_request(request(None))
+        refused = publisher.stats()["counters"]["refused"]
+        assert refused == {"forbidden": 1, "unauthorized": 1}
+        assert (await http.get("/healthz")).status_code == 200
+
+
+Authorize = Callable[[str], Awaitable[frozenset[str] | None]]
+
+
+async def _with_authorizer(dsn: str, authorize: Authorize) -> Any:
+    from servers import serve_app
+
+    publisher = Publisher(
+        PublisherConfig(dsn=dsn, resources=(VM,), retention=False, poll_interval=0.2),
+        authorize=authorize,
+    )
+    app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
+    return publisher, serve_app(app)
+
+
+async def test_a_pluggable_authorizer_decides_and_its_failures_are_retryable(
+    feed_dsn: str,
+) -> None:
+    calls: list[str] = []
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        calls.append(token)
+        if token == "broken":
+            raise RuntimeError("identity service down")
+        if token == "slow":
+            await asyncio.sleep(30)
+        return frozenset({"vm"}) if token == "good" else None
+
+    publisher, serving = await _with_authorizer(feed_dsn, authorize)
+    async with serving as server, httpx.AsyncClient(base_url=server.url) as http:
+        await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
+        url = server.ws_url + "/changefeeds"
+        ws, ack = await register(url, registration(), additional_headers=bearer("good"))
+        assert ack["bootstrapRoute"] == "/vms"
+        with pytest.raises(InvalidStatus) as refused:
+            await connect(url, additional_headers=bearer("bad"))
+        assert refused.value.response.status_code == 401
+        # An authorizer that fails is "unavailable" (503, retry), never "unauthorized".
+        with pytest.raises(InvalidStatus) as refused:
+            await connect(url, additional_headers=bearer("broken"))
+        assert refused.value.response.status_code == 503
+        assert orjson.loads(refused.value.response.body)["error"]["code"] == "unavailable"
+        response = await http.get("/changefeeds", headers=bearer("broken"))
+        assert response.status_code == 503
+        assert (await http.get("/changefeeds", headers=bearer("good"))).status_code == 200
+        assert calls.count("good") == 2
+        await write(feed_dsn, [("vm", ["nic"], "still-delivered")])
+        (item,) = await receive_items(ws, 1)
+        assert item["changedResourceId"] == "still-delivered"
+        await ws.close()
+
+
+async def test_without_the_denial_extension_the_refusal_is_an_error_frame_and_4003(
+    feed_dsn: str,
+) -> None:
+    """Servers without the ASGI websocket denial response get the frame form."""
+    from servers import serve_app
+
+    publisher = Publisher(
+        PublisherConfig(dsn=feed_dsn, resources=(VM,), retention=False, auth_tokens=(OPS,))
+    )
+    inner = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            scope = {**scope, "extensions": {}}
+        await inner(scope, receive, send)
+
+    async with serve_app(app) as server:
+        await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
+        ws = await connect(server.ws_url + "/changefeeds")
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "unauthorized"
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 5)
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == CloseCode.UNAUTHORIZED
+        await wait_until(lambda: publisher.connections == 0)
+
+
+def test_token_config_from_toml_and_its_errors(tmp_path: Path) -> None:
+    digest = hashlib.sha256(b"secret").hexdigest()
+    path = tmp_path / "changefeed.toml"
+    path.write_text(
+        f"""
+[publisher]
+dsn = "postgresql://postgres@127.0.0.1/postgres"
+auth_tokens = ["ops"]
+
+[publisher.token_resources]
+dns = ["vm"]
+"sha256:{digest}" = ["vm", "network"]
+
+[[resources]]
+name = "vm"
+bootstrap_route = "/vms"
+
+[[resources]]
+name = "network"
+bootstrap_route = "/networks"
+"""
+    )
+    config = load_config(path)
+    assert config.auth_tokens == ("ops",)
+    assert config.token_resources == {"dns": ("vm",), f"sha256:{digest}": ("vm", "network")}
+    for bad, message in (
+        ({"token_resources": {"dns": ("disk",)}}, "unknown resource 'disk'"),
+        ({"token_resources": {"ops": ("vm",)}, "auth_tokens": ("ops",)}, "in auth_tokens too"),
+        ({"auth_tokens": ("sha256:abc",)}, "64 hex digits"),
+        ({"auth_tokens": ("two words",)}, "without whitespace"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            PublisherConfig(resources=(VM,), **bad)
