@@ -5,12 +5,13 @@ Exception tree::
     PublisherError           root of everything the publisher raises
     ├── ConfigError          a configuration value is wrong (names the key and the file)
     ├── FeedUnavailable      the feed database cannot be reached within the retry budget
+    ├── ResumeGap            the feed was trimmed past a resuming listener's cursor mid-replay
     └── CompactionError      the compaction / garbage-collection job cannot run or failed
 """
 
 from __future__ import annotations
 
-__all__ = ["CompactionError", "ConfigError", "FeedUnavailable", "PublisherError"]
+__all__ = ["CompactionError", "ConfigError", "FeedUnavailable", "PublisherError", "ResumeGap"]
 
 
 class PublisherError(Exception):
@@ -35,6 +36,10 @@ class ConfigError(PublisherError):
 
 class FeedUnavailable(PublisherError):
     """The feed database could not be reached within the retry budget."""
+
+
+class ResumeGap(PublisherError):
+    """Entries after a resuming listener's cursor were trimmed while they were replayed."""
 
 
 class CompactionError(PublisherError):

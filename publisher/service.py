@@ -36,7 +36,7 @@ from changefeed.schemas import (
 )
 
 from .config import PublisherConfig, ResourceConfig
-from .errors import ConfigError
+from .errors import ConfigError, ResumeGap
 from .feed import FeedEntry, FeedReader
 from .matching import matches
 from .metrics import PublisherMetrics
@@ -472,6 +472,13 @@ class Publisher:
             if len(entries) < _REPLAY_PAGE:
                 break
             after = entries[-1].position
+        # Garbage collection (inline or the Spark job) raises the low-water mark in
+        # the same transaction as its deletes: if it passed `since` while we read
+        # page by page, entries may have vanished under the replay. Say so rather
+        # than leave a silent gap; the listener re-registers and bootstraps.
+        async with self._pool.acquire(timeout=_READY_TIMEOUT) as conn:
+            if since < await self.reader.low_water(conn):
+                raise ResumeGap("the feed was trimmed past the cursor during the replay")
         self.metrics.replayed_total.inc(replayed)
         self.sent_total += replayed
         log_event(

@@ -38,6 +38,7 @@ from changefeed.schemas import (
     Registration,
 )
 
+from .errors import ResumeGap
 from .outbox import Outbox
 from .registry import Closing, ListenerSession
 from .service import AuthUnavailable
@@ -281,6 +282,9 @@ class _Connection:
             await self.send({"type": "websocket.send", "text": ack.encode()})
             if resumed and since is not None and since < head:
                 await publisher.replay(self._send_text, session, since, head)
+        except ResumeGap as gap:
+            publisher.forget(session)
+            raise _Refusal("unavailable", str(gap)) from None
         except BaseException:
             publisher.forget(session)
             raise
