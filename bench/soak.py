@@ -564,9 +564,12 @@ def analyse(report: SoakReport, options: SoakOptions, end: dict[str, Any]) -> No
     # than every pool and tailer together, and a trend that does not stop.
     most = max(s.pg_connections for s in samples)
     trend = report.trends["pg_connections"]
+    # Over a short run the second half holds a handful of samples of a count that
+    # moves by one or two as pools breathe: only the ceiling means anything there.
+    trend_ok = trend <= 1.0 or options.minutes < 5
     check(
         "database connections bounded",
-        most <= PG_CEILING and trend <= 1.0,
+        most <= PG_CEILING and trend_ok,
         f"max {most} (pools and tailers allow {PG_CEILING}), {trend:+.2f}/min over the second half",
     )
     churn = options.churners + 2
