@@ -7,13 +7,16 @@ with :func:`wait_until`, which fails with a message when the bound is reached.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import socket
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["dsn_with_database", "free_port", "wait_until"]
+__all__ = ["dsn_with_database", "free_port", "fresh_database", "wait_until"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,3 +55,43 @@ def dsn_with_database(dsn: str, database: str) -> str:
     """``dsn`` with its database (the URL path) replaced by ``database``."""
     parts = urlsplit(dsn)
     return urlunsplit(parts._replace(path="/" + database))
+
+
+class _Server(Protocol):
+    @property
+    def dsn(self) -> str: ...
+
+    def dsn_for(self, database: str) -> str: ...
+
+
+@contextlib.asynccontextmanager
+async def fresh_database(
+    server: _Server, *, feed_schema: bool = False, prefix: str = "test"
+) -> AsyncIterator[str]:
+    """A new, uniquely named database on ``server`` (with the feed schema when asked);
+    yields its DSN and drops it (``WITH (FORCE)``) afterwards."""
+    import asyncpg
+
+    from changefeed.schemas import apply_schema
+
+    name = f"{prefix}_{uuid.uuid4().hex}"
+    admin = await asyncpg.connect(server.dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    dsn = server.dsn_for(name)
+    try:
+        if feed_schema:
+            conn = await asyncpg.connect(dsn)
+            try:
+                await apply_schema(conn)
+            finally:
+                await conn.close()
+        yield dsn
+    finally:
+        admin = await asyncpg.connect(server.dsn)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()

@@ -16,17 +16,17 @@ import os
 import random
 import signal
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
 import pytest
+from helpers import fresh_database
 
 from changefeed.publisher.compaction import notifications, run_compaction, uncovered
 from changefeed.publisher.feed import FeedReader
-from changefeed.schemas import ORIGIN, Position, apply_schema
+from changefeed.schemas import ORIGIN, Position
 
 pytestmark = pytest.mark.spark
 
@@ -63,26 +63,8 @@ def spark() -> Any:
 
 @pytest.fixture
 async def second_feed_dsn(pg_server: Any) -> AsyncIterator[str]:
-    name = f"test_{uuid.uuid4().hex}"
-    admin = await asyncpg.connect(pg_server.dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn: str = pg_server.dsn_for(name)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_schema(conn)
-    finally:
-        await conn.close()
-    try:
+    async with fresh_database(pg_server, feed_schema=True) as dsn:
         yield dsn
-    finally:
-        admin = await asyncpg.connect(pg_server.dsn)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
 
 
 def fixed_rows(top_txid: int) -> list[tuple[int, int, str, str, str, datetime]]:

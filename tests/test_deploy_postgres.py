@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import re
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
-from helpers import wait_until
+from helpers import fresh_database, wait_until
 from test_deploy_support import DEPLOY
 
 from changefeed.embedded import EmbeddedPostgres, temporary
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig
-from changefeed.schemas import apply_schema
 
 SETTING = re.compile(r"^\s*([a-z_]+)\s*=\s*('(?:[^']*)'|[^#\s]+)\s*(?:#.*)?$")
 
@@ -56,26 +54,8 @@ def deploy_pg() -> Iterator[EmbeddedPostgres]:
 @pytest.fixture
 async def owner_dsn(deploy_pg: EmbeddedPostgres) -> AsyncIterator[str]:
     """A fresh database with the feed schema, as `changefeed db init` leaves it."""
-    name = f"deploy_{uuid.uuid4().hex}"
-    admin = await asyncpg.connect(deploy_pg.dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    dsn = deploy_pg.dsn_for(name)
-    conn = await asyncpg.connect(dsn)
-    try:
-        await apply_schema(conn)
-    finally:
-        await conn.close()
-    try:
+    async with fresh_database(deploy_pg, feed_schema=True, prefix="deploy") as dsn:
         yield dsn
-    finally:
-        admin = await asyncpg.connect(deploy_pg.dsn)
-        try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await admin.close()
 
 
 def read(path: Path) -> str:
