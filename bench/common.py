@@ -640,3 +640,27 @@ async def fleet(nofile: int = 8192) -> AsyncIterator[ClientFleet]:
 def say(*parts: object) -> None:
     """Print a figure line now (benchmarks run long; nothing waits in a buffer)."""
     print(*parts, flush=True, file=sys.stdout)
+
+
+@contextlib.asynccontextmanager
+async def serve_publisher(config: Any) -> AsyncIterator[tuple[str, Any]]:
+    """Run ``Publisher(config)`` in a Starlette app on uvicorn (the publisher's own
+    server settings) on a free loopback port; yield its websocket URL and the publisher."""
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from changefeed.publisher import Publisher
+    from changefeed.serving import server_config
+
+    publisher = Publisher(config)
+    app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
+    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))
+    task = asyncio.create_task(server.serve())
+    await until(lambda: server.started, 30)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    await asyncio.wait_for(publisher.tailer.ready.wait(), 30)
+    try:
+        yield f"ws://127.0.0.1:{port}/changefeeds", publisher
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)

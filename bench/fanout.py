@@ -35,14 +35,12 @@ from typing import Any
 
 import asyncpg
 import orjson
-from common import ClientFleet, cpu_seconds, database, raise_nofile, say, until
-from starlette.applications import Starlette
+from common import ClientFleet, cpu_seconds, database, raise_nofile, say, serve_publisher, until
 from websockets.asyncio.server import ServerConnection, broadcast, serve
 
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish_many
 from changefeed.publisher.feed import FeedEntry
 from changefeed.schemas import Position, apply_schema
-from changefeed.serving import server_config
 
 SCHEMA = "changefeed_bench"
 VM = ResourceConfig("vm", "/vms", ("nic", "alias"))
@@ -133,8 +131,6 @@ async def measure_raw(fleet: ClientFleet, listeners: int, frames: list[str]) -> 
 
 @contextlib.asynccontextmanager
 async def running_publisher(dsn: str, queue_size: int) -> AsyncIterator[tuple[str, Publisher]]:
-    import uvicorn
-
     config = PublisherConfig(
         dsn=dsn,
         schema=SCHEMA,
@@ -143,18 +139,8 @@ async def running_publisher(dsn: str, queue_size: int) -> AsyncIterator[tuple[st
         queue_size=queue_size,
         create_schema=False,
     )
-    publisher = Publisher(config)
-    app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
-    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))
-    task = asyncio.create_task(server.serve())
-    await until(lambda: server.started, 30)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    await asyncio.wait_for(publisher.tailer.ready.wait(), 30)
-    try:
-        yield f"ws://127.0.0.1:{port}/changefeeds", publisher
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 30)
+    async with serve_publisher(config) as served:
+        yield served
 
 
 async def measure_publisher(

@@ -39,12 +39,19 @@ from typing import Any
 
 import asyncpg
 import orjson
-from common import ClientFleet, cpu_seconds, database, percentile, raise_nofile, say, until
-from starlette.applications import Starlette
+from common import (
+    ClientFleet,
+    cpu_seconds,
+    database,
+    percentile,
+    raise_nofile,
+    say,
+    serve_publisher,
+    until,
+)
 
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig
 from changefeed.schemas import apply_schema, quote_schema
-from changefeed.serving import server_config
 
 SCHEMA = "changefeed_bench"
 VM = ResourceConfig("vm", "/vms", ("nic", "alias"))
@@ -185,24 +192,12 @@ async def measure_broadcast(
 async def running_publisher(
     dsn: str, send_interval: float | None = None
 ) -> AsyncIterator[tuple[str, Publisher]]:
-    import uvicorn
-
     tuning = {} if send_interval is None else {"send_interval": send_interval}
     config = PublisherConfig(
         dsn=dsn, schema=SCHEMA, resources=(VM,), retention=False, create_schema=False, **tuning
     )
-    publisher = Publisher(config)
-    app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
-    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))
-    task = asyncio.create_task(server.serve())
-    await until(lambda: server.started, 30)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    await asyncio.wait_for(publisher.tailer.ready.wait(), 30)
-    try:
-        yield f"ws://127.0.0.1:{port}/changefeeds", publisher
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 30)
+    async with serve_publisher(config) as served:
+        yield served
 
 
 async def measure_publisher(
