@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["Outbox"]
 
@@ -27,7 +27,17 @@ class Outbox:
         capacity: the most frames it holds; beyond that ``offer`` refuses.
     """
 
-    __slots__ = ("_closed_future", "_frames", "capacity", "closed", "offered", "ready", "refused")
+    __slots__ = (
+        "_closed_future",
+        "_frames",
+        "capacity",
+        "closed",
+        "offered",
+        "ready",
+        "refused",
+        "send_now",
+        "sending",
+    )
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -38,6 +48,14 @@ class Outbox:
         self._closed_future: asyncio.Future[None] | None = None
         self.offered = 0
         self.refused = 0
+        self.sending = False
+        """True while the connection's sender is writing frames it took (an ASGI send
+        in progress): nothing else may write to the connection meanwhile, or frames
+        would overtake each other."""
+        self.send_now: Callable[[], bool] | None = None
+        """Set by a connection that can write synchronously (changefeed.publisher.wire):
+        writes one turn of what is queued now; True when nothing is left, False when
+        the sender must be woken for the rest."""
 
     def __len__(self) -> int:
         return len(self._frames)

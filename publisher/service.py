@@ -44,6 +44,7 @@ from .outbox import Outbox
 from .registry import Closing, ListenerSession, Registry
 from .retention import trim_expired
 from .tailer import DB_ERRORS, Tailer
+from .wire import FrameCache
 
 __all__ = ["AuthUnavailable", "Authorizer", "Publisher"]
 
@@ -150,6 +151,8 @@ class Publisher:
         self.frames_total = 0
         self.dropped_total = 0
         self._pending: set[Outbox] = set()
+        self.frame_cache = FrameCache()
+        """Serialised frames shared by the direct writes of every connection."""
         self._flush_timer: asyncio.TimerHandle | None = None
         self._last_flush = 0.0
         self.refusals: dict[str, int] = {}
@@ -325,8 +328,12 @@ class Publisher:
         self._flush_timer = None
         self._last_flush = asyncio.get_running_loop().time()
         pending, self._pending = self._pending, set()
+        # Each connection that can takes one turn right here, without a task switch
+        # (websocket._DirectSender); its sender task is woken only for what is left.
         for outbox in pending:
-            outbox.wake()
+            send_now = outbox.send_now
+            if send_now is None or not send_now():
+                outbox.wake()
 
     def count_sent(self, items: int, frames: int) -> None:
         """Count ``items`` written to a listener socket in ``frames`` websocket frames."""

@@ -42,6 +42,7 @@ from .errors import ResumeGap
 from .outbox import Outbox
 from .registry import Closing, ListenerSession
 from .service import AuthUnavailable
+from .wire import DIRECT_WRITES, FrameWriter
 
 if TYPE_CHECKING:
     from .service import Publisher
@@ -53,6 +54,11 @@ log = logging.getLogger(__name__)
 _FRAMES_PER_TURN = 128
 """Single-item frames sent before yielding to other connections. Under uvloop the
 frames of one turn leave in one write system call."""
+
+_FRAMES_PER_FLUSH = 16
+"""Single-item frames a flush writes directly to each connection: the flush runs
+for every listener before any of them gets a second turn, so a burst reaches
+all of them early; the senders then go on in turns of _FRAMES_PER_TURN."""
 
 _HTTP_STATUS = {"unauthorized": 401, "forbidden": 403, "unavailable": 503}
 
@@ -136,9 +142,16 @@ class _Connection:
             return
         except _Gone:
             return
+        direct: _DirectSender | None = None
+        writer: FrameWriter | None = self.scope.get("extensions", {}).get(DIRECT_WRITES)
+        if writer is not None:
+            # Only now, after the ack and any resume replay went out through ASGI.
+            direct = _DirectSender(publisher, session, writer)
+            session.outbox.send_now = direct.send_now
         try:
-            await self._pump(session)
+            await self._pump(session, direct)
         finally:
+            session.outbox.send_now = None
             publisher.forget(session)
 
     # -- refusals and closing ----------------------------------------------
@@ -295,12 +308,14 @@ class _Connection:
 
     # -- live delivery -------------------------------------------------------
 
-    async def _pump(self, session: ListenerSession) -> None:
+    async def _pump(self, session: ListenerSession, direct: _DirectSender | None) -> None:
         # The sender and the receiver are tasks of their own, not coroutines awaited
         # here: resuming a task wakes every coroutine frame it awaits through, and
         # this one sits under a dozen (server, middleware, router). A sender woken
         # for each change must resume two frames, not fourteen.
-        sender = asyncio.create_task(self._send_loop(session), name=f"changefeed-send-{session.id}")
+        sender = asyncio.create_task(
+            self._send_loop(session, direct), name=f"changefeed-send-{session.id}"
+        )
         receiver = asyncio.create_task(
             self._receive_loop(session), name=f"changefeed-receive-{session.id}"
         )
@@ -329,7 +344,7 @@ class _Connection:
             error = ErrorFrame(why.error_code, why.message) if why.error_code else None
             await self._close(why.close_code, error)
 
-    async def _send_loop(self, session: ListenerSession) -> None:
+    async def _send_loop(self, session: ListenerSession, direct: _DirectSender | None) -> None:
         publisher = self.publisher
         send = self.send
         outbox = session.outbox
@@ -339,17 +354,28 @@ class _Connection:
             await ready.wait()
             if session.closing is not None:
                 return
-            if session.batch:
-                frames = outbox.take(max_batch)
-                await send({"type": "websocket.send", "text": "[" + ",".join(frames) + "]"})
-                session.frames += 1
-                publisher.count_sent(len(frames), 1)
-            else:
-                frames = outbox.take(_FRAMES_PER_TURN)
-                for frame in frames:
-                    await send({"type": "websocket.send", "text": frame})
-                session.frames += len(frames)
-                publisher.count_sent(len(frames), len(frames))
+            if direct is not None and direct.ready():
+                direct.write_turn()
+                if len(outbox):
+                    await asyncio.sleep(0)  # take turns with the other connections
+                continue
+            outbox.sending = True
+            try:
+                if session.batch:
+                    frames = outbox.take(max_batch)
+                    if not frames:  # a flush's direct write took them first
+                        continue
+                    await send({"type": "websocket.send", "text": "[" + ",".join(frames) + "]"})
+                    session.frames += 1
+                    publisher.count_sent(len(frames), 1)
+                else:
+                    frames = outbox.take(_FRAMES_PER_TURN)
+                    for frame in frames:
+                        await send({"type": "websocket.send", "text": frame})
+                    session.frames += len(frames)
+                    publisher.count_sent(len(frames), len(frames))
+            finally:
+                outbox.sending = False
             session.sent += len(frames)
             if len(outbox):
                 # Yield even when the transport never blocks: without it one busy
@@ -383,3 +409,54 @@ class _Connection:
                 )
                 return
             # Anything else (RFD 5 listeners send "heartbeat") needs no answer.
+
+
+class _DirectSender:
+    """Direct writes for one connection (changefeed.publisher.wire): takes one turn
+    of queued frames and writes them, serialised once for every listener through
+    the publisher's ``FrameCache``, straight to the transport, without a task
+    switch. Used by the fan-out's flush (``send_now``) and by the connection's
+    sender for what one turn left queued. Refuses while the sender is mid-send
+    (frames must never overtake each other) and while the transport is paused or
+    closing; the sender's ASGI send, which waits for the transport, does that part.
+    """
+
+    __slots__ = ("_cache", "_flush_turn", "_publisher", "_session", "_turn", "_writer")
+
+    def __init__(self, publisher: Publisher, session: ListenerSession, writer: FrameWriter) -> None:
+        self._publisher = publisher
+        self._session = session
+        self._writer = writer
+        max_batch = publisher.config.max_batch
+        self._turn = max_batch if session.batch else _FRAMES_PER_TURN
+        self._flush_turn = max_batch if session.batch else _FRAMES_PER_FLUSH
+        self._cache = publisher.frame_cache
+
+    def ready(self) -> bool:
+        """True when a direct write may go out now."""
+        session = self._session
+        return not session.outbox.sending and session.closing is None and self._writer.open
+
+    def send_now(self) -> bool:
+        """The outbox's ``send_now``: one turn now; True when nothing is left queued."""
+        if not self.ready():
+            return False
+        self.write_turn(self._flush_turn)
+        return not len(self._session.outbox)
+
+    def write_turn(self, most: int = 0) -> None:
+        """Write up to ``most`` queued items, default one turn (only when ``ready``)."""
+        session = self._session
+        frames = session.outbox.take(most or self._turn)
+        if not frames:
+            return
+        if session.batch:
+            data = self._cache.batch(frames)
+            count = 1
+        else:
+            data = self._cache.singles(frames)
+            count = len(frames)
+        self._writer.write(data)
+        session.frames += count
+        session.sent += len(frames)
+        self._publisher.count_sent(len(frames), count)

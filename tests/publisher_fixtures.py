@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from websockets.asyncio.client import ClientConnection, connect
 
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish
+from changefeed.serving import FanoutWebSocketProtocol
 
 VM = ResourceConfig("vm", "/vms", ("nic", "alias"))
 NETWORK = ResourceConfig("network", "/networks", ("subnet",))
@@ -31,8 +32,15 @@ class PublisherUnderTest:
         return self.server.ws_url + "/changefeeds"
 
 
+WS_PROTOCOLS = {"direct": FanoutWebSocketProtocol, "asgi": "websockets-sansio"}
+"""uvicorn ``ws`` settings: changefeed's (direct frame writes, what ``changefeed serve``
+runs) and uvicorn's own (every frame an ASGI send, as on any other server)."""
+
+
 @contextlib.asynccontextmanager
-async def running_publisher(dsn: str, **overrides: Any) -> AsyncIterator[PublisherUnderTest]:
+async def running_publisher(
+    dsn: str, *, ws: str = "direct", **overrides: Any
+) -> AsyncIterator[PublisherUnderTest]:
     settings: dict[str, Any] = {
         "dsn": dsn,
         "resources": (VM, NETWORK),
@@ -42,7 +50,7 @@ async def running_publisher(dsn: str, **overrides: Any) -> AsyncIterator[Publish
     settings.update(overrides)
     publisher = Publisher(PublisherConfig(**settings))
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
-    async with serve_app(app) as server:
+    async with serve_app(app, ws=WS_PROTOCOLS[ws]) as server:
         await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
         yield PublisherUnderTest(server, publisher, dsn)
 

@@ -29,6 +29,7 @@ from helpers import wait_until
 from publisher_fixtures import (
     NETWORK,
     VM,
+    WS_PROTOCOLS,
     PublisherUnderTest,
     receive_items,
     register,
@@ -189,14 +190,16 @@ def _fleet_registration(batch: bool) -> str:
     return orjson.dumps(doc).decode()
 
 
+@pytest.mark.parametrize("ws", ["direct", "asgi"])
 @pytest.mark.parametrize("batch", [True, False], ids=["batch", "rfd5"])
-async def test_a_burst_reaches_100_listeners_fairly(feed_dsn: str, batch: bool) -> None:
+async def test_a_burst_reaches_100_listeners_fairly(feed_dsn: str, batch: bool, ws: str) -> None:
     """100 listeners, one burst: every one gets every item, none is starved: the
     first items reach every listener early, and the last ones reach all of them
-    within a short spread (the send loops take turns)."""
+    within a short spread (the send loops take turns), whether frames go out as
+    direct writes or as ASGI sends."""
     items = 3000 if batch else 1000
     async with (
-        running_publisher(feed_dsn, queue_size=items + 1000) as pub,
+        running_publisher(feed_dsn, ws=ws, queue_size=items + 1000) as pub,
         ClientFleet() as fleet,
     ):
         result = await fleet.connect(pub.ws_url, 100, _fleet_registration(batch))
@@ -235,7 +238,7 @@ class SlowListener:
         self.cursor: str | None = None
         self.ids: list[str] = []
 
-    async def connect(self) -> None:
+    async def connect(self, *, batch: bool = False) -> None:
         # A small receive buffer and max_queue=1: once a frame waits unread, the
         # client stops reading its socket, and the kernel absorbs little.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -244,7 +247,7 @@ class SlowListener:
         port = int(self.url.split(":")[2].split("/")[0])
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
         self.ws = await connect(self.url, max_queue=1, sock=sock, compression=None)
-        await self.ws.send(registration(subs=[]))
+        await self.ws.send(registration(subs=[], batch=batch))
         ack = orjson.loads(await asyncio.wait_for(self.ws.recv(), 10))
         self.cursor = ack["cursor"]
 
@@ -313,7 +316,9 @@ async def _paced_round(
 
 
 @contextlib.asynccontextmanager
-async def small_buffer_publisher(dsn: str, **overrides: Any) -> AsyncIterator[PublisherUnderTest]:
+async def small_buffer_publisher(
+    dsn: str, *, ws: str = "direct", **overrides: Any
+) -> AsyncIterator[PublisherUnderTest]:
     """Like ``running_publisher``, on a listening socket whose accepted connections
     have a fixed 64 KiB send buffer: the kernel then absorbs ~128 KiB for a listener
     that does not read, not the several MiB of send-buffer autotuning, so that
@@ -330,7 +335,9 @@ async def small_buffer_publisher(dsn: str, **overrides: Any) -> AsyncIterator[Pu
     sock.bind(("127.0.0.1", 0))
     # No keepalive pings: a listener that stops reading would also stop answering
     # them and be dropped with 1011; this test wants to see the eviction's 4009.
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_ping_interval=None))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", ws_ping_interval=None, ws=WS_PROTOCOLS[ws])
+    )
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     running = RunningServer(server, task, sock.getsockname()[1])
@@ -417,6 +424,46 @@ async def test_a_listener_that_stops_reading_is_evicted_and_slows_nobody(feed_ds
             assert await slow.resume(written - start, 30) is True
             assert len(slow.ids) == written - start == len(set(slow.ids))
         await fleet.close_all()
+
+
+@pytest.mark.parametrize("ws", ["direct", "asgi"])
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "rfd5"])
+async def test_a_listener_that_pauses_gets_everything_in_feed_order(
+    feed_dsn: str, batch: bool, ws: str
+) -> None:
+    """A listener stops reading until its socket backs up, then reads again. With
+    direct writes, frames go out directly, then (transport paused) through the
+    connection's sender, then directly again: the listener must still get every
+    item exactly once, in feed order."""
+    pad = "x" * 200
+    ids = [f"pause-{i:05d}-{pad}" for i in range(4000)]
+    async with small_buffer_publisher(feed_dsn, ws=ws, queue_size=10_000) as pub:
+        slow = SlowListener(pub.ws_url)
+        await slow.connect(batch=batch)
+        assert slow.ws is not None
+        await wait_until(lambda: len(pub.publisher.registry) == 1)
+        (session,) = pub.publisher.registry.sessions
+        await _publish(feed_dsn, ids[:3000], chunk=100)
+        # The socket is full and the rest waits in the publisher's queue.
+        await wait_until(lambda: session.outbox.offered == 3000, timeout=20)
+        assert len(session.outbox) > 0 and session.sent < 3000
+        await _publish(feed_dsn, ids[3000:3900], chunk=100)
+        received: list[str] = []
+        async with asyncio.timeout(30):
+            while len(received) < 3900:
+                received.extend(_ids_in(await slow.ws.recv()))
+            # Caught up: the next items take the fast path again.
+            await _publish(feed_dsn, ids[3900:], chunk=50)
+            while len(received) < len(ids):
+                received.extend(_ids_in(await slow.ws.recv()))
+        assert received == ids
+        assert session.sent == len(ids) and len(session.outbox) == 0
+        await slow.ws.close()
+
+
+def _ids_in(frame: str | bytes) -> list[str]:
+    doc = orjson.loads(frame)
+    return [item["changedResourceId"] for item in (doc if isinstance(doc, list) else [doc])]
 
 
 async def test_drain_closes_every_listener_with_1001_and_stop_ends_the_tailer(
