@@ -138,7 +138,7 @@ class KeysetQuery:
         id_column: str | None = None,
         parse_id: Callable[[str], Any] = str,
         default_limit: int = 100,
-        max_limit: int = 1000,
+        max_limit: int = 5000,
         max_ids: int = 100,
         token_key: bytes = DEFAULT_TOKEN_KEY,
     ) -> None:

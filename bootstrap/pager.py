@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import random
+import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+)
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -144,8 +153,12 @@ async def _get(
     policy: RetryPolicy,
     allow_404: bool = False,
     on_retry: Callable[[], None] | None = None,
+    sent: asyncio.Event | None = None,
 ) -> httpx.Response:
     """GET ``url`` until it answers 200 (or 404 when allowed), retrying per ``policy``.
+
+    ``sent``, when given, is set once a request is on the wire (httpcore's trace
+    extension), so that the caller can do other work while the server answers.
 
     Raises:
         PagingError: a 4xx other than 429, or the retries ran out.
@@ -159,11 +172,12 @@ async def _get(
         wait=attempts.wait,
         reraise=True,
     )
+    extensions = {"trace": _tracer(sent)} if sent is not None else None
     try:
         async for attempt in retrying:
             with attempt:
                 try:
-                    response = await client.get(url, headers=headers)
+                    response = await client.get(url, headers=headers, extensions=extensions)
                 except httpx.TransportError as exc:
                     attempts.record(exc)
                     raise
@@ -191,6 +205,33 @@ async def _get(
     raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
 
+def _tracer(sent: asyncio.Event) -> Callable[[str, dict[str, Any]], Awaitable[None]]:
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        # "http11.send_request_headers.complete" (or http2.): a GET is then sent.
+        if event.endswith("send_request_headers.complete"):
+            sent.set()
+
+    return trace
+
+
+_NEXT_AT_END = re.compile(rb',"next":("(?:[^"\\]|\\.)*"|null)\}\s*\Z')
+
+
+def _peek_next(content: bytes) -> str | bool | None:
+    """The ``next`` of a page body without decoding it: a server that writes
+    ``"next"`` as the last member (changefeed's route does) lets the pager ask
+    for the following page before it decodes this one. False when the body
+    does not end that way (then only decoding tells)."""
+    match = _NEXT_AT_END.search(content, max(0, len(content) - 8192))
+    if match is None:
+        return False
+    try:
+        value = orjson.loads(match.group(1))
+    except orjson.JSONDecodeError:
+        return False
+    return value if isinstance(value, str) else None
+
+
 def _error_message(response: httpx.Response) -> str:
     try:
         doc = orjson.loads(response.content)
@@ -199,13 +240,33 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:200]
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a page is decoded.
+
+    Decoding allocates thousands of containers that all live on as the page;
+    collections triggered meanwhile find no garbage, yet each traverses the
+    young objects again and the full ones the whole heap. The block must not
+    await: the pause covers this synchronous work only.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _auth(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _decode_page(response: httpx.Response) -> Page:
     try:
-        return Page.decode(response.content)
+        with _collector_paused():
+            return Page.decode(response.content)
     except ProtocolError as exc:
         raise PagingError(
             f"GET {response.url}: not a valid page: {exc.message}",
@@ -269,44 +330,78 @@ class Pager:
     def _count_retry(self) -> None:
         self.retries += 1
 
-    async def _fetch(self, url: httpx.URL) -> tuple[list[Any], httpx.URL | None]:
-        """One page: its items and the absolute URL of the next one (None: last)."""
-        response = await _get(
+    async def _request(self, url: httpx.URL, sent: asyncio.Event | None = None) -> httpx.Response:
+        return await _get(
             self.client,
             url,
             headers=self._headers,
             policy=self.policy,
             on_retry=self._count_retry,
+            sent=sent,
         )
-        page = _decode_page(response)
-        if page.next is None:
-            return page.items, None
+
+    async def _request_ahead(self, url: httpx.URL) -> asyncio.Task[httpx.Response]:
+        """Start fetching ``url`` and return once the request is on the wire (or
+        failed), so that the server works on it while this page is decoded."""
+        sent = asyncio.Event()
+        request = asyncio.create_task(self._request(url, sent))
+        on_the_wire = asyncio.create_task(sent.wait())
+        try:
+            await asyncio.wait((request, on_the_wire), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            request.cancel()
+            raise
+        finally:
+            on_the_wire.cancel()
+        return request
+
+    @staticmethod
+    def _following(response: httpx.Response, link: str | None) -> httpx.URL | None:
+        """The absolute URL of ``link`` (a page's ``next``), None for the last page."""
+        if link is None:
+            return None
         # Resolved against the page's own URL, as a browser would; kept parsed,
         # since httpx parses long URLs slowly.
-        following = response.url.join(page.next)
+        following = response.url.join(link)
         if following == response.url:
             raise PagingError(
                 f"GET {response.url}: next link points at the same page",
                 url=str(response.url),
                 status=200,
             )
-        return page.items, following
+        return following
 
     async def pages(self) -> AsyncGenerator[list[Any], None]:
-        """Yield the walk's pages, in order, each a list of items."""
+        """Yield the walk's pages, in order, each a list of items.
+
+        With ``prefetch``, the next page is requested before this one is decoded
+        when its link can be read off the end of the body (``_peek_next``), else
+        right after decoding; either way while the consumer works on this page.
+        """
         started = time.monotonic()
         self.progress = PagerProgress()
         self.retries = 0
         items = pages = 0
-        pending: asyncio.Task[tuple[list[Any], httpx.URL | None]] | None = None
+        pending: asyncio.Task[httpx.Response] | None = None
         try:
             # copy_set_param keeps the route's own query (filters); httpx's params= would drop it.
             first = httpx.URL(self.route).copy_set_param("limit", str(self.limit))
-            page, following = await self._fetch(first)
+            response = await self._request(first)
             while True:
-                if following is not None and self.prefetch:
-                    pending = asyncio.create_task(self._fetch(following))
-                items += len(page)
+                peeked = _peek_next(response.content) if self.prefetch else False
+                if isinstance(peeked, str):
+                    ahead = self._following(response, peeked)
+                    assert ahead is not None
+                    pending = await self._request_ahead(ahead)
+                page = _decode_page(response)
+                if pending is not None and page.next != peeked:
+                    pending.cancel()  # a server whose body fooled the peek: ask again
+                    await asyncio.gather(pending, return_exceptions=True)
+                    pending = None
+                following = self._following(response, page.next)
+                if following is not None and self.prefetch and pending is None:
+                    pending = asyncio.create_task(self._request(following))
+                items += len(page.items)
                 pages += 1
                 elapsed = time.monotonic() - started
                 self.progress = PagerProgress(
@@ -314,13 +409,13 @@ class Pager:
                 )
                 if self.on_progress is not None:
                     self.on_progress(self.progress)
-                yield page
+                yield page.items
                 if following is None:
                     return
                 if pending is not None:
-                    (page, following), pending = await pending, None
+                    response, pending = await pending, None
                 else:
-                    page, following = await self._fetch(following)
+                    response = await self._request(following)
         finally:
             if pending is not None:
                 pending.cancel()

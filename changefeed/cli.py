@@ -247,7 +247,9 @@ async def _example_api(args: argparse.Namespace) -> int:
     await check_database(dsn, None)
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
     app = create_app(dsn, **overrides)
-    server = DrainingServer(server_config(app, args.host, args.port), [app.state.publisher])
+    server = DrainingServer(
+        server_config(app, args.host, args.port), [app.state.publisher], tune_gc=True
+    )
     print(
         f"example VM API with publisher on http://{args.host}:{args.port} "
         f"(websocket ws://{args.host}:{args.port}/changefeeds)",

@@ -51,6 +51,7 @@ from changefeed.bootstrap import (
     fetch_many,
     fetch_one,
 )
+from changefeed.bootstrap import pager as pager_module
 
 ROWS = 50
 
@@ -451,6 +452,80 @@ async def test_pager_walks_everything_and_reports_progress(dsn: str) -> None:
         async with contextlib.aclosing(Pager(client, "/items", limit=5).pages()) as walk:
             async for _ in walk:
                 break
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(_json_values, max_size=5), link=st.none() | st.text())
+def test_peek_reads_next_off_the_end_only_when_it_is_the_last_member(
+    items: list[Any], link: str | None
+) -> None:
+    """Whatever the items and the link hold (quotes, backslashes, "next" keys of
+    their own), the peek agrees with decoding, or declines when "next" is not last."""
+    assert pager_module._peek_next(orjson.dumps({"items": items, "next": link})) == link
+    assert pager_module._peek_next(orjson.dumps({"next": link, "items": items})) is False
+    assert pager_module._peek_next(orjson.dumps({"items": items})) is False
+
+
+async def test_pager_requests_the_next_page_before_decoding_this_one(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With "next" last in the body, page n+1 is asked for before page n is
+    decoded; with "next" first (another server), right after; and a peek that
+    decoding contradicts is dropped. Every walk yields every item once, in order."""
+    await create_items(dsn)
+    requested: list[str] = []
+    requested_at_decode: list[int] = []
+    decode = pager_module._decode_page
+
+    def counting_decode(response: httpx.Response) -> Any:
+        requested_at_decode.append(len(requested))
+        return decode(response)
+
+    monkeypatch.setattr(pager_module, "_decode_page", counting_decode)
+
+    def next_first(route: BootstrapRoute) -> list[Route]:
+        async def endpoint(request: Request) -> Response:
+            page = orjson.loads((await route.list_endpoint(request)).body)
+            body = orjson.dumps({"next": page["next"], "items": page["items"]})
+            return Response(body, 200, media_type="application/json")
+
+        return [Route("/first", endpoint), *route.routes()]
+
+    async def record(request: httpx.Request) -> None:
+        requested.append(str(request.url))
+
+    async with (
+        items_server(dsn, wrap=next_first) as (url, _),
+        httpx.AsyncClient(base_url=url, event_hooks={"request": [record]}) as client,
+    ):
+        ids = [item["id"] async for item in Pager(client, "/items", limit=8)]
+        assert ids == list(range(1, ROWS + 1))
+        # Decoding page n (of 7) finds n + 1 requests made, the last page's n.
+        assert requested_at_decode == [2, 3, 4, 5, 6, 7, 7]
+
+        requested.clear()
+        requested_at_decode.clear()
+        ids = [item["id"] async for item in Pager(client, "/first", limit=8)]
+        assert ids == list(range(1, ROWS + 1))
+        assert requested_at_decode == [1, 2, 3, 4, 5, 6, 7]
+
+        # A peek that the decoded page contradicts: that request is dropped.
+        requested.clear()
+        peek = pager_module._peek_next
+        monkeypatch.setattr(pager_module, "_peek_next", lambda body: "/items?limit=8&after=forged")
+        ids = [item["id"] async for item in Pager(client, "/items", limit=8)]
+        monkeypatch.setattr(pager_module, "_peek_next", peek)
+        assert ids == list(range(1, ROWS + 1))
+        assert sum("after=forged" in u for u in requested) == 7  # one per page, each dropped
 
 
 async def test_pager_retries_a_failing_page_without_restarting(dsn: str) -> None:

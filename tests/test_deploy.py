@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -285,3 +286,22 @@ def test_nginx_timeouts_outlast_the_ping_interval() -> None:
     server = ServerConfig()
     assert nginx_seconds("proxy_read_timeout") > server.ping_interval
     assert nginx_seconds("proxy_send_timeout") > server.ping_interval
+
+
+def test_server_processes_tune_the_garbage_collector() -> None:
+    """``tune_collector`` (applied by the CLI's servers once started) freezes what
+    exists and raises the young-generation threshold. In a child process: it
+    changes process-wide state."""
+    code = (
+        "import gc\n"
+        "from changefeed.serving import tune_collector\n"
+        "before = gc.get_threshold()\n"
+        "tune_collector()\n"
+        "print(before[0], gc.get_threshold()[0], gc.get_freeze_count())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    before, after, frozen = (int(v) for v in result.stdout.split())
+    assert after >= 10_000 > before
+    assert frozen > 10_000  # every module loaded so far: out of every later collection

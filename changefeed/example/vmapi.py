@@ -234,7 +234,7 @@ class VmApi:
         pool_size: int = 10,
         max_body_bytes: int = MAX_BODY_BYTES,
         default_limit: int = 100,
-        max_limit: int = 1000,
+        max_limit: int = 5000,
     ) -> None:
         self.dsn = dsn
         self.publisher = publisher
@@ -411,7 +411,7 @@ def create_app(
     pool_size: int = 10,
     max_body_bytes: int = MAX_BODY_BYTES,
     default_limit: int = 100,
-    max_limit: int = 1000,
+    max_limit: int = 5000,
     **publisher_overrides: Any,
 ) -> Starlette:
     """The VM API as a Starlette app, with the publisher mounted and running in its lifespan.
