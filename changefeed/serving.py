@@ -58,6 +58,7 @@ class _DirectWriter:
             and not protocol.disconnected
             and protocol.writable.is_set()
             and protocol.conn.state is State.OPEN
+            and not protocol.transport.is_closing()
         )
 
     def write(self, data: bytes) -> None:

@@ -137,10 +137,11 @@ class PublisherConfig:
     send_interval: float = field(
         default=0.002,
         metadata=_doc(
-            "Shortest time between two wake-ups of the listeners' send queues. A change read "
-            "after a quiet spell goes out at once; under load, changes read within the "
-            "interval go out together (one batch frame per listener). 0: every tailer read "
-            "at once (docs/fanout.md).",
+            "Longest wait between two flushes of the listeners' send queues. A flush may "
+            "start once twice the previous one's cost has passed: with few listeners a "
+            "change goes out at once; with many, changes read meanwhile go out together "
+            "(one batch frame per listener), and flushing takes at most half the time. "
+            "0: every tailer read at once (docs/fanout.md).",
             "seconds",
         ),
     )

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -154,7 +155,8 @@ class Publisher:
         self.frame_cache = FrameCache()
         """Serialised frames shared by the direct writes of every connection."""
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._last_flush = 0.0
+        self._next_flush = 0.0
+        """Loop time before which a flush waits (see _flush)."""
         self.refusals: dict[str, int] = {}
         self._no_listeners = asyncio.Event()
         self._no_listeners.set()
@@ -300,14 +302,13 @@ class Publisher:
         self.queued_total += queued
         self._pending.update(touched)
         if self._pending and self._flush_timer is None:
-            # Wake the senders now, unless they were woken less than send_interval
-            # ago: then at the end of that interval, with everything read meanwhile.
+            # Flush now, unless the last flush was too recent (see _flush): then
+            # as soon as it may, with everything read meanwhile.
             loop = asyncio.get_running_loop()
-            due = self._last_flush + self.config.send_interval
-            if loop.time() >= due:
+            if loop.time() >= self._next_flush:
                 self._flush()
             else:
-                self._flush_timer = loop.call_at(due, self._flush)
+                self._flush_timer = loop.call_at(self._next_flush, self._flush)
         for session in evicted:
             self.metrics.evictions_total.inc()
             self._count_gone(session)
@@ -325,15 +326,31 @@ class Publisher:
             )
 
     def _flush(self) -> None:
+        """Send what the outboxes received since the last flush.
+
+        Each connection that can takes one turn right here, without a task
+        switch (websocket._DirectSender); its sender task is woken only for what
+        is left. The next flush may start once twice this one's cost has passed,
+        and at most ``send_interval`` later: with few listeners a change goes
+        out at once, with many the flushes (one frame per listener each) take at
+        most half of the process's time and the rest is left to reading and to
+        everything else. A flush that woke sender tasks cannot see what their
+        sends will cost, so it waits the whole ``send_interval``.
+        """
         self._flush_timer = None
-        self._last_flush = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         pending, self._pending = self._pending, set()
-        # Each connection that can takes one turn right here, without a task switch
-        # (websocket._DirectSender); its sender task is woken only for what is left.
+        woke = False
         for outbox in pending:
             send_now = outbox.send_now
             if send_now is None or not send_now():
                 outbox.wake()
+                woke = True
+        interval = self.config.send_interval
+        if not woke:
+            interval = min(interval, 2 * (time.perf_counter() - started))
+        self._next_flush = loop.time() + interval
 
     def count_sent(self, items: int, frames: int) -> None:
         """Count ``items`` written to a listener socket in ``frames`` websocket frames."""

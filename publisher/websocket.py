@@ -456,7 +456,17 @@ class _DirectSender:
         else:
             data = self._cache.singles(frames)
             count = len(frames)
-        self._writer.write(data)
+        try:
+            self._writer.write(data)
+        except Exception as exc:
+            # Never let one connection's failure out of the flush: the tailer
+            # would see its batch fail and read it again for everyone.
+            session.dropped += len(frames)
+            session.close(Closing(1011, None, f"write failed: {exc!r}"))
+            log_event(
+                log, "listener.error", logging.ERROR, instance=session.instance, error=repr(exc)
+            )
+            return
         session.frames += count
         session.sent += len(frames)
         self._publisher.count_sent(len(frames), count)

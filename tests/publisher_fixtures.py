@@ -50,7 +50,9 @@ async def running_publisher(
     settings.update(overrides)
     publisher = Publisher(PublisherConfig(**settings))
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
-    async with serve_app(app, ws=WS_PROTOCOLS[ws]) as server:
+    # No per-message deflate, as in production (server_config): compressed frames
+    # differ per connection, so a deflate connection never gets direct writes.
+    async with serve_app(app, ws=WS_PROTOCOLS[ws], ws_per_message_deflate=False) as server:
         await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
         yield PublisherUnderTest(server, publisher, dsn)
 

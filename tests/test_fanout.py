@@ -35,6 +35,7 @@ from publisher_fixtures import (
     register,
     registration,
     running_publisher,
+    write,
 )
 from servers import RunningServer
 from starlette.applications import Starlette
@@ -45,6 +46,7 @@ from changefeed.publisher import Publisher, PublisherConfig, publish_many
 from changefeed.publisher.feed import FeedEntry
 from changefeed.publisher.outbox import Outbox
 from changefeed.publisher.registry import ListenerSession, Registry
+from changefeed.publisher.websocket import _DirectSender
 from changefeed.schemas import ChangeKind, CloseCode, Position
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -166,6 +168,42 @@ def test_outbox_take_close_and_wake() -> None:
         assert outbox.offer_many(["f"] * 10) and len(outbox) == 0
 
     asyncio.run(scenario())
+
+
+class _Writer:
+    """A FrameWriter stand-in for the pure test below: records, or fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.written: list[bytes] = []
+
+    @property
+    def open(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> None:
+        if self.fail:
+            raise RuntimeError("transport is gone")
+        self.written.append(data)
+
+
+def test_direct_writes_share_bytes_and_a_failing_one_closes_its_connection_only() -> None:
+    publisher = Publisher(PublisherConfig(dsn="postgresql://unused/x", resources=(VM,)))
+    item = '{"changedResourceId": "a"}'
+    sessions = [_session(), _session(), _session()]
+    writers = [_Writer(), _Writer(), _Writer(fail=True)]
+    for session, writer in zip(sessions, writers, strict=True):
+        session.batch = True
+        assert session.outbox.offer_many([item, item], wake=False)
+        sender = _DirectSender(publisher, session, writer)
+        assert sender.send_now() is True  # nothing left queued either way
+    first, second, failed = sessions
+    assert writers[0].written == writers[1].written
+    assert writers[0].written[0] is writers[1].written[0]  # serialised once, shared
+    assert first.sent == second.sent == 2 and first.frames == 1
+    assert failed.closing is not None and failed.closing.close_code == 1011
+    assert failed.dropped == 2 and failed.sent == 0
+    assert first.closing is None and second.closing is None
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -336,7 +374,13 @@ async def small_buffer_publisher(
     # No keepalive pings: a listener that stops reading would also stop answering
     # them and be dropped with 1011; this test wants to see the eviction's 4009.
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", ws_ping_interval=None, ws=WS_PROTOCOLS[ws])
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            ws_ping_interval=None,
+            ws=WS_PROTOCOLS[ws],
+            ws_per_message_deflate=False,
+        )
     )
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -461,6 +505,31 @@ async def test_a_listener_that_pauses_gets_everything_in_feed_order(
         await slow.ws.close()
 
 
+@pytest.mark.parametrize("ws", ["direct", "asgi"])
+async def test_a_cheap_flush_does_not_hold_the_next_change_back(feed_dsn: str, ws: str) -> None:
+    """The flush interval follows the flush's cost: with direct writes to one
+    listener a flush costs microseconds, so a change right after another goes
+    out at once, even with a long send_interval. A flush that woke sender tasks
+    (ASGI sends) cannot know its cost and waits the whole interval."""
+    interval = 0.5
+    async with running_publisher(
+        feed_dsn, ws=ws, send_interval=interval, poll_interval=0.05
+    ) as pub:
+        listener, _ = await register(pub.ws_url, registration(subs=[], batch=True))
+        await write(feed_dsn, [("vm", ["nic"], "first")])
+        (first,) = await receive_items(listener, 1)
+        started = time.monotonic()
+        await write(feed_dsn, [("vm", ["nic"], "second")])
+        (second,) = await receive_items(listener, 1)
+        waited = time.monotonic() - started
+        assert (first["changedResourceId"], second["changedResourceId"]) == ("first", "second")
+        if ws == "direct":
+            assert waited < interval / 2, waited
+        else:
+            assert waited > interval / 2, waited
+        await listener.close()
+
+
 def _ids_in(frame: str | bytes) -> list[str]:
     doc = orjson.loads(frame)
     return [item["changedResourceId"] for item in (doc if isinstance(doc, list) else [doc])]
@@ -572,7 +641,8 @@ async def _observe(
         httpx.AsyncClient(base_url=pub.server.url) as http,
     ):
         before = values((await http.get("/metrics")).text)
-        ws, _ = await register(pub.ws_url, registration(subs=["nic"]))
+        # max_queue=None: this listener keeps up (its client reads whatever arrives).
+        ws, _ = await register(pub.ws_url, registration(subs=["nic"]), max_queue=None)
         slow = SlowListener(pub.ws_url)
         await slow.connect()
         ids = [f"metric-{i}-{'x' * 400}" for i in range(1500)]

@@ -200,6 +200,69 @@ async def test_resume_replays_exactly_what_was_missed(feed_dsn: str) -> None:
         await ws.close()
 
 
+async def test_a_replay_trimmed_under_its_feet_ends_with_an_error_not_a_gap(
+    feed_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Garbage collection (another instance's retention, the Spark job) may run
+    while a resume replays page by page. When it took entries the replay still
+    needed, the listener must hear so (4010: register again, bootstrap), not
+    carry on from a silent gap; and everyone else is served meanwhile."""
+    from datetime import timedelta
+
+    from changefeed.publisher import service
+    from changefeed.publisher.feed import FeedReader
+    from changefeed.publisher.retention import trim_expired
+
+    monkeypatch.setattr(service, "_REPLAY_PAGE", 100)
+    read_between = FeedReader.read_between
+    pages_read = 0
+
+    async def read_then_collect(self: FeedReader, *args: object) -> object:
+        nonlocal pages_read
+        entries = await read_between(self, *args)  # type: ignore[arg-type]
+        pages_read += 1
+        if pages_read == 1:  # the collector runs between the replay's first two pages
+            conn = await asyncpg.connect(feed_dsn)
+            try:
+                await conn.execute("UPDATE changefeed.feed SET published = now() - interval '2d'")
+                assert await trim_expired(conn, "changefeed", timedelta(days=1)) > 0
+            finally:
+                await conn.close()
+        return entries
+
+    async with running_publisher(feed_dsn) as pub:
+        bystander, _ = await register(pub.ws_url, registration(subs=[]))
+        ws, _ = await register(pub.ws_url, registration(subs=["nic"]))
+        await write(feed_dsn, [("vm", ["nic"], "before")])
+        (seen,) = await receive_items(ws, 1)
+        await ws.close()
+        await write(feed_dsn, [("vm", ["nic"], f"m{i}") for i in range(300)])
+        await wait_until(lambda: pub.publisher.tailer.entries_total >= 301)
+        assert len(await receive_items(bystander, 301)) == 301
+
+        monkeypatch.setattr(FeedReader, "read_between", read_then_collect)
+        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=seen["cursor"]))
+        assert ack["resumed"] is True
+        items: list[str] = []
+        errors: list[str] = []
+        with pytest.raises(ConnectionClosed) as closed:
+            async with asyncio.timeout(10):
+                while True:
+                    doc = orjson.loads(await ws.recv())
+                    if "error" in doc:
+                        errors.append(doc["error"]["code"])
+                    else:
+                        items.append(doc["changedResourceId"])
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == CloseCode.UNAVAILABLE
+        assert errors == ["unavailable"]
+        assert items == [f"m{i}" for i in range(100)]  # the first page, then the error
+        # The bystander was served all along and still is.
+        await write(feed_dsn, [("vm", [], "after")])
+        (after,) = await receive_items(bystander, 1)
+        assert after["changedResourceId"] == "after"
+        await bystander.close()
+
+
 async def test_cursor_older_than_the_low_water_mark_is_not_resumed(feed_dsn: str) -> None:
     async with running_publisher(feed_dsn) as pub:
         ws, _ = await register(pub.ws_url, registration())
@@ -233,7 +296,8 @@ async def test_a_slow_listener_is_evicted_and_others_keep_receiving(feed_dsn: st
         slow = await connect(pub.ws_url, max_queue=1, sock=sock, compression=None)
         await slow.send(registration())
         await asyncio.wait_for(slow.recv(), 5)
-        fast, _ = await register(pub.ws_url, registration())
+        # max_queue=None: the fast one's client reads whatever arrives, at once.
+        fast, _ = await register(pub.ws_url, registration(), max_queue=None)
         payload = "x" * 1000  # enough to fill the slow client's socket buffers
         count = 8000  # 8 MB: more than the slow client's socket buffers hold
         conn = await asyncpg.connect(feed_dsn)
