@@ -47,6 +47,8 @@ class FrameCache:
     Listeners that want the same entries get the same item strings from the
     registry, so the lookups below hash each item once and compare by identity.
     Recent is bounded by bytes: past ``max_bytes`` the cache starts afresh.
+    A frame is only worth keeping while the connections of one flush, or the
+    sender turns after a burst, still ask for it; older ones are dead weight.
 
     Args:
         max_bytes: serialised bytes kept, at most.
@@ -54,7 +56,7 @@ class FrameCache:
 
     __slots__ = ("_batches", "_bytes", "_singles", "max_bytes")
 
-    def __init__(self, max_bytes: int = 8 << 20) -> None:
+    def __init__(self, max_bytes: int = 1 << 20) -> None:
         self.max_bytes = max_bytes
         self._batches: dict[tuple[str, ...], bytes] = {}
         self._singles: dict[str, bytes] = {}

@@ -47,6 +47,7 @@ from changefeed.publisher.feed import FeedEntry
 from changefeed.publisher.outbox import Outbox
 from changefeed.publisher.registry import ListenerSession, Registry
 from changefeed.publisher.websocket import _DirectSender
+from changefeed.publisher.wire import FrameCache
 from changefeed.schemas import ChangeKind, CloseCode, Position
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -168,6 +169,21 @@ def test_outbox_take_close_and_wake() -> None:
         assert outbox.offer_many(["f"] * 10) and len(outbox) == 0
 
     asyncio.run(scenario())
+
+
+def test_frame_cache_serialises_once_and_stays_bounded() -> None:
+    cache = FrameCache(max_bytes=1000)
+    items = ['{"a":1}', '{"b":2}']
+    batch = cache.batch(items)
+    assert batch == b"\x81" + bytes([len('[{"a":1},{"b":2}]')]) + b'[{"a":1},{"b":2}]'
+    assert cache.batch(list(items)) is batch  # equal items: the same bytes object
+    singles = cache.singles(items)
+    assert singles == b"\x81\x07" + items[0].encode() + b"\x81\x07" + items[1].encode()
+    big = "x" * 300  # 126 and a 16-bit length: the header of a frame over 125 bytes
+    assert cache.singles([big])[:4] == b"\x81\x7e\x01\x2c"
+    for i in range(5):  # past max_bytes the cache starts afresh
+        cache.singles([f"{i}{big}"])
+    assert cache.batch(items) == batch and cache.batch(items) is not batch
 
 
 class _Writer:
