@@ -4,19 +4,27 @@ publisher on a real uvicorn, real PostgreSQL, real websockets and HTTP fetches."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import asyncpg
 import httpx
+import pytest
 from helpers import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 from test_listener_support import VmApiServer, api_state, burst, create_vms
 
 from changefeed.bootstrap import fetch_many
-from changefeed.example.dns import DnsController, Record, derive_records, render_records
+from changefeed.example.dns import (
+    DnsController,
+    Record,
+    derive_records,
+    ensure_schema,
+    render_records,
+)
 from changefeed.listener import BackoffPolicy, Controller, Listener, ListenerConfig
 from changefeed.schemas import ChangeKind
 
@@ -170,3 +178,53 @@ async def test_dns_records_follow_the_vms(dsn: str) -> None:
             await wait_until(lambda: dns.cleaned == 1, 10, message="stale row cleaned")
             await wait_until(lambda: converged(dns), 10, message="after restart")
             assert "db.vms.example" not in await dns.stored_records()
+
+
+class _DiesAfterCommit:
+    """Hands out the pool's connections; the next checkout given back (after its
+    transaction committed) raises as a connection lost at that moment would."""
+
+    def __init__(self, pool: asyncpg.Pool[asyncpg.Record]) -> None:
+        self.pool = pool
+        self.armed = False
+
+    def acquire(self, timeout: float | None = None) -> Any:
+        @contextlib.asynccontextmanager
+        async def checkout() -> AsyncIterator[asyncpg.Connection]:
+            async with self.pool.acquire(timeout=timeout) as conn:
+                yield conn
+            if self.armed:
+                self.armed = False
+                raise asyncpg.ConnectionDoesNotExistError("connection lost after COMMIT")
+
+        return checkout()
+
+
+async def test_a_write_that_committed_but_reported_failure_is_not_left_behind(dsn: str) -> None:
+    """The ambiguous commit: the DNS write commits, then the connection dies, so
+    the controller sees a failure and memory keeps the old record. If the VM then
+    changes back to what memory holds, the table must still be rewritten."""
+    vm = "3f0c6f1e-58a4-4d2a-9a57-0d1f5b0f8c21"
+    old = {"uuid": vm, "alias": "web", "nics": [{"ip": "10.0.0.1"}]}
+    moved = {**old, "alias": "db"}
+    dns = DnsController("ws://127.0.0.1:9/changefeeds", dsn, zone="vms.example")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    try:
+        async with pool.acquire() as conn:
+            await ensure_schema(conn)
+            await conn.execute("TRUNCATE cns.records")
+        flaky = _DiesAfterCommit(pool)
+        dns._pool = flaky  # type: ignore[assignment]
+        await dns._reconcile(vm, None, old)
+        flaky.armed = True
+        with pytest.raises(asyncpg.ConnectionDoesNotExistError):
+            await dns._reconcile(vm, old, moved)  # committed: the table says db
+        assert set(await dns.stored_records()) == {"db.vms.example"}
+        assert set(dns.records()) == {"web.vms.example"}  # memory follows commits it saw
+        await dns._reconcile(vm, moved, old)  # and back: memory already says so
+        expected = derive_records([old], "vms.example")
+        assert dns.records() == expected
+        assert await dns.stored_records() == expected
+    finally:
+        dns._pool = None
+        await pool.close()

@@ -216,6 +216,7 @@ class DnsController:
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None
         self._lock = asyncio.Lock()
         self._entries: dict[str, tuple[str, tuple[str, ...]]] = {}  # vm -> (name, ips)
+        self._unsure: dict[str, set[str]] = {}  # vm -> names a failed write may have changed
         self._by_name: dict[str, dict[str, tuple[str, ...]]] = {}  # name -> {vm: ips}
         self._records: dict[str, Record] = {}
         self._task: asyncio.Task[None] | None = None
@@ -287,22 +288,33 @@ class DnsController:
         async with self._lock:
             entry = _entry(new, self.zone) if new is not None else None
             previous = self._entries.get(vm)
-            if entry == previous:
+            unsure = self._unsure.get(vm, set())
+            if entry == previous and not unsure:
                 return
-            names = {e[0] for e in (previous, entry) if e is not None}
+            # A failed write may still have committed (the connection died after
+            # COMMIT was sent): its names are written again, from what memory
+            # knows was committed, whatever this change is.
+            names = {e[0] for e in (previous, entry) if e is not None} | unsure
             by_name = {name: dict(self._by_name.get(name, {})) for name in names}
             if previous is not None:
                 by_name[previous[0]].pop(vm, None)
             if entry is not None:
                 by_name[entry[0]][vm] = entry[1]
             records = {name: _record(name, members) for name, members in by_name.items()}
-            async with self._pool_or_fail().acquire(timeout=5.0) as conn, conn.transaction():
-                for name, record in records.items():
-                    if record is None:
-                        await conn.execute("DELETE FROM cns.records WHERE name = $1", name)
-                    else:
-                        await conn.execute(_UPSERT, name, list(record.ips), uuid.UUID(record.vm))
+            try:
+                async with self._pool_or_fail().acquire(timeout=5.0) as conn, conn.transaction():
+                    for name, record in records.items():
+                        if record is None:
+                            await conn.execute("DELETE FROM cns.records WHERE name = $1", name)
+                        else:
+                            await conn.execute(
+                                _UPSERT, name, list(record.ips), uuid.UUID(record.vm)
+                            )
+            except BaseException:
+                self._unsure[vm] = names
+                raise
             # Committed: only now does memory follow.
+            self._unsure.pop(vm, None)
             self.writes += 1
             if entry is None:
                 self._entries.pop(vm, None)
