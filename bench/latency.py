@@ -19,6 +19,9 @@ COMMIT; latency is the time the change reaches the other side minus that.
   fans it out to ``--listeners`` websocket listeners in a third process
   (bench/common.py), which note when each item arrives. Measured with batch
   listeners (what changefeed.listener negotiates) and with RFD 5 listeners.
+  Beside it, where the time goes inside the publisher: commit to the start of
+  the change's fan-out (against the floor), and how long one flush to every
+  listener takes.
 
 Clocks: CLOCK_MONOTONIC, shared by all processes of the machine. The first
 5% of changes are a warm-up and not counted. Targets (2-core machine): p50 <=
@@ -222,6 +225,7 @@ async def measure_publisher(
         await fleet.connect(url, listeners, frame, latency_slots=count)
         await until(lambda: len(publisher.registry) >= listeners, 30)
         await fleet.reset(count)
+        dispatched_at, flush_seconds = _instrument(publisher)
         server_cpu, client_cpu = cpu_seconds(), cpu_seconds(fleet.pid)
         sent_at = await run_writer(dsn, "publish", rate, count)
         report = await fleet.wait(30)
@@ -236,8 +240,37 @@ async def measure_publisher(
         figures["frames"] = publisher.frames_total
         figures["server_cpu"] = server_cpu / count
         figures["client_cpu"] = client_cpu / count
+        figures["to_dispatch"] = summary(
+            [dispatched_at[i] - sent_at[i] for i in range(skip, count) if i in dispatched_at]
+        )
+        figures["flush"] = summary(flush_seconds)
         await fleet.close_all()
     return figures
+
+
+def _instrument(publisher: Publisher) -> tuple[dict[int, float], list[float]]:
+    """Where a change's time goes inside the publisher: when the tailer hands each
+    entry to the fan-out, and how long each flush (one frame per listener) takes.
+    Wraps the tailer's sink and the publisher's flush: bench instrumentation only."""
+    dispatched_at: dict[int, float] = {}
+    flush_seconds: list[float] = []
+    tailer: Any = publisher.tailer
+    sink, flush = tailer._sink, publisher._flush
+
+    def timed_sink(entries: Any) -> None:
+        now = time.monotonic()
+        for entry in entries:
+            dispatched_at[int(entry.changed_resource_id.split("-")[1])] = now
+        sink(entries)
+
+    def timed_flush() -> None:
+        started = time.perf_counter()
+        flush()
+        flush_seconds.append(time.perf_counter() - started)
+
+    tailer._sink = timed_sink
+    publisher._flush = timed_flush  # type: ignore[method-assign]
+    return dispatched_at, flush_seconds
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -278,6 +311,14 @@ async def main(args: argparse.Namespace) -> None:
                         f"{figures['frames']:,} websocket frames; cpu per change: server "
                         f"{figures['server_cpu'] * 1e6:.0f} us, "
                         f"listeners {figures['client_cpu'] * 1e6:.0f} us"
+                    )
+                    to_dispatch, flush = figures["to_dispatch"], figures["flush"]
+                    say(
+                        f"    commit -> fan-out starts: p50 {to_dispatch['p50'] * 1e3:.2f} ms "
+                        f"p99 {to_dispatch['p99'] * 1e3:.2f} ms (floor p50 "
+                        f"{floor['p50'] * 1e3:.2f} ms); one flush to {args.listeners} listeners: "
+                        f"p50 {flush['p50'] * 1e3:.2f} ms p99 {flush['p99'] * 1e3:.2f} ms "
+                        f"({flush['count']:,} flushes)"
                     )
         finally:
             with contextlib.suppress(Exception):
