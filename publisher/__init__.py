@@ -11,11 +11,15 @@ and append an entry in the same transaction as each write::
     async with conn.transaction():
         await conn.execute("UPDATE vms SET alias = $1 WHERE uuid = $2", alias, uuid)
         await publish(conn, "vm", ["alias"], uuid)
+
+or let the table publish its own changes, with no extra round trip::
+
+    await install_trigger(conn, "vms", "vm", "uuid")
 """
 
 from .config import PublisherConfig, ResourceConfig, load_config, parse_duration
 from .errors import ConfigError, FeedUnavailable, PublisherError
-from .feed import FeedEntry, FeedReader, publish, publish_many
+from .feed import FeedEntry, FeedReader, install_trigger, publish, publish_many
 from .service import Authorizer, Publisher
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "PublisherConfig",
     "PublisherError",
     "ResourceConfig",
+    "install_trigger",
     "load_config",
     "parse_duration",
     "publish",

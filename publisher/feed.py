@@ -17,7 +17,7 @@ import asyncpg
 
 from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema
 
-__all__ = ["FeedEntry", "FeedReader", "publish", "publish_many"]
+__all__ = ["FeedEntry", "FeedReader", "install_trigger", "publish", "publish_many"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +84,63 @@ async def publish_many(
         ids,
     )
     return int(count)
+
+
+_CREATE_TRIGGER = (
+    "SELECT format('CREATE OR REPLACE TRIGGER %I AFTER %s ON %s"
+    " FOR EACH ROW EXECUTE FUNCTION %I.publish_row(%s)',"
+    " $1::text,"
+    " CASE WHEN cardinality($5::text[]) = 0 THEN 'INSERT OR UPDATE OR DELETE'"
+    " ELSE 'UPDATE OF ' || (SELECT string_agg(quote_ident(c), ', ') FROM unnest($5::text[]) c)"
+    " END,"
+    " $2::text::regclass, $3::text,"
+    " (SELECT string_agg(quote_literal(a), ', ') FROM unnest($4::text[]) a))"
+)
+
+
+async def install_trigger(
+    conn: PgConnection,
+    table: str,
+    resource: str,
+    id_column: str,
+    sub_resources: Sequence[str] = (),
+    *,
+    columns: Sequence[str] = (),
+    schema: str = "changefeed",
+    name: str | None = None,
+) -> None:
+    """Let ``table`` publish its own changes: a trigger (``publish_row``, schema
+    migration 3) appends a feed entry for each row the API's own INSERT, UPDATE
+    or DELETE changes, in its transaction, with no statement of its own; no
+    write path can forget it. An UPDATE that leaves a row as it was publishes
+    nothing. Replaces a trigger of the same name on ``table``.
+
+    Args:
+        table: the API's table, optionally schema-qualified (``"public.vms"``).
+        resource: the resource its rows belong to (``"vm"``).
+        id_column: the column holding that resource's id (``"uuid"``; for a
+            table of sub-resource rows, the owner's id, e.g. ``"vm_uuid"``).
+        sub_resources: what each entry names as changed; none: the whole resource.
+        columns: only UPDATEs that set one of these columns publish (``UPDATE
+            OF``); none: every INSERT, UPDATE and DELETE does.
+        schema: the feed's schema.
+        name: the trigger's name; default ``changefeed_publish``, or
+            ``changefeed_<columns>`` for a trigger on some columns.
+
+    Raises:
+        ValueError: an empty resource, column or sub-resource name.
+        asyncpg.PostgresError: e.g. the table or a column does not exist.
+    """
+    quote_schema(schema)  # validates it; the server quotes every name in the DDL
+    for value in (resource, id_column, *sub_resources, *columns):
+        if not value:
+            raise ValueError("install_trigger: names must not be empty")
+    if name is None:
+        name = "changefeed_" + "_".join(columns) if columns else "changefeed_publish"
+    ddl = await conn.fetchval(
+        _CREATE_TRIGGER, name, table, schema, [resource, id_column, *sub_resources], list(columns)
+    )
+    await conn.execute(ddl)
 
 
 def _entry(row: asyncpg.Record) -> FeedEntry:

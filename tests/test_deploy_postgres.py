@@ -23,7 +23,7 @@ from helpers import fresh_database, wait_until
 from test_deploy_support import DEPLOY
 
 from changefeed.embedded import EmbeddedPostgres, temporary
-from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig
+from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, install_trigger
 
 SETTING = re.compile(r"^\s*([a-z_]+)\s*=\s*('(?:[^']*)'|[^#\s]+)\s*(?:#.*)?$")
 
@@ -119,7 +119,8 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
         # An API's own role: a writer and nothing else in the feed's schema.
         await owner.execute(
             "DO $$ BEGIN CREATE ROLE vmapi LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; "
-            "END $$; GRANT changefeed_writer TO vmapi"
+            "END $$; GRANT changefeed_writer TO vmapi;"
+            " CREATE SCHEMA IF NOT EXISTS vmapi AUTHORIZATION vmapi"
         )
     finally:
         await owner.close()
@@ -144,7 +145,11 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
             "SELECT changefeed.publish_many(ARRAY['vm','vm'], ARRAY['','alias'], "
             "ARRAY['vm-2','vm-3'])"
         )
-        await wait_until(lambda: publisher.tailer.entries_total == 3, 10, message="tailed")
+        # Or its own table does, through a publish_row trigger it attached itself.
+        await writer.execute("CREATE TABLE vmapi.vms (uuid text PRIMARY KEY)")
+        await install_trigger(writer, "vmapi.vms", "vm", "uuid")
+        await writer.execute("INSERT INTO vmapi.vms VALUES ('vm-t')")
+        await wait_until(lambda: publisher.tailer.entries_total == 4, 10, message="tailed")
 
         # Retention trims with the publisher's role and raises the low-water mark.
         async def trimmed() -> bool:
@@ -152,7 +157,7 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
 
         await wait_until(trimmed, 10, interval=0.05, message="retention trimmed")
         low_water = await reader.fetchval("SELECT low_water_id FROM changefeed.feed_state")
-        assert low_water >= 3
+        assert low_water >= 4
 
         # The writer's open transaction is visible to the publisher (pg_read_all_stats).
         transaction = writer.transaction()

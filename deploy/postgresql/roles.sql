@@ -9,7 +9,8 @@
 --                         open transaction. It cannot write entries or DDL.
 --   changefeed_writer     granted to each API role that publishes: may append
 --                         entries with changefeed.publish()/publish_many(),
---                         and nothing else in the schema.
+--                         or attach changefeed.publish_row() triggers to its
+--                         own tables, and nothing else in the schema.
 -- APIs that embed a publisher (the example VM API) need both.
 -- The Spark job (deploy/spark/) needs its own grants: see there.
 
@@ -44,3 +45,7 @@ REVOKE EXECUTE ON FUNCTION changefeed.publish(text, text[], text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION changefeed.publish_many(text[], text[], text[]) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION changefeed.publish(text, text[], text) TO changefeed_writer;
 GRANT EXECUTE ON FUNCTION changefeed.publish_many(text[], text[], text[]) TO changefeed_writer;
+-- Triggers: EXECUTE is checked when the API's role creates one; the trigger then
+-- appends as whoever writes the table (INSERT above).
+REVOKE EXECUTE ON FUNCTION changefeed.publish_row() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION changefeed.publish_row() TO changefeed_writer;
