@@ -250,12 +250,15 @@ async def measure_publisher(
 
 def _instrument(publisher: Publisher) -> tuple[dict[int, float], list[float]]:
     """Where a change's time goes inside the publisher: when the tailer hands each
-    entry to the fan-out, and how long each flush (one frame per listener) takes.
-    Wraps the tailer's sink and the publisher's flush: bench instrumentation only."""
+    entry to the fan-out, and what each flush (one frame per listener, in slices)
+    cost. Wraps the tailer's sink and the flush histogram's ``observe``: bench
+    instrumentation only."""
     dispatched_at: dict[int, float] = {}
     flush_seconds: list[float] = []
     tailer: Any = publisher.tailer
-    sink, flush = tailer._sink, publisher._flush
+    sink = tailer._sink
+    histogram: Any = publisher.metrics.flush_seconds
+    observe = histogram.observe
 
     def timed_sink(entries: Any) -> None:
         now = time.monotonic()
@@ -263,13 +266,12 @@ def _instrument(publisher: Publisher) -> tuple[dict[int, float], list[float]]:
             dispatched_at[int(entry.changed_resource_id.split("-")[1])] = now
         sink(entries)
 
-    def timed_flush() -> None:
-        started = time.perf_counter()
-        flush()
-        flush_seconds.append(time.perf_counter() - started)
+    def timed_flush(seconds: float) -> None:
+        flush_seconds.append(seconds)
+        observe(seconds)
 
     tailer._sink = timed_sink
-    publisher._flush = timed_flush  # type: ignore[method-assign]
+    histogram.observe = timed_flush
     return dispatched_at, flush_seconds
 
 

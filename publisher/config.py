@@ -138,10 +138,10 @@ class PublisherConfig:
         default=0.002,
         metadata=_doc(
             "Longest wait between two flushes of the listeners' send queues. A flush may "
-            "start once twice the previous one's cost has passed: with few listeners a "
-            "change goes out at once; with many, changes read meanwhile go out together "
-            "(one batch frame per listener), and flushing takes at most half the time. "
-            "0: every tailer read at once (docs/fanout.md).",
+            "start once three times the previous one's cost has passed since it started: "
+            "with few listeners a change goes out at once; with many, changes read "
+            "meanwhile go out together (one batch frame per listener), and flushing takes "
+            "at most a third of the time. 0: every tailer read at once (docs/fanout.md).",
             "seconds",
         ),
     )

@@ -13,14 +13,15 @@ Names (all prefixed ``changefeed_``): ``listeners``, ``open_connections``,
 ``entries_tailed_total``, ``queued_total``, ``deliveries_total``,
 ``frames_total``, ``replayed_total``, ``queue_depth_max``, ``queued_items``,
 ``tailer_lag_seconds``, ``tailer_up``, ``tailer_position``,
-``oldest_open_transaction_seconds``.
+``oldest_open_transaction_seconds``, ``flush_seconds`` (histogram: the CPU
+time of each fan-out flush, all its slices together).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -105,6 +106,12 @@ class PublisherMetrics:
         self.oldest_xact = Gauge(
             "changefeed_oldest_open_transaction_seconds",
             "Age of the oldest open write transaction holding the horizon back",
+            registry=r,
+        )
+        self.flush_seconds = Histogram(
+            "changefeed_flush_seconds",
+            "Time one fan-out flush spent writing to listener connections (all its slices)",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
             registry=r,
         )
         self._live = _LiveCounters(

@@ -58,6 +58,8 @@ or None to refuse it. Raising (or taking longer than 5 s) refuses the request as
 unauthorized, which they do not."""
 
 _REPLAY_PAGE = 1000
+_FLUSH_SLICE = 0.00025
+"""Seconds a flush writes before it lets the event loop run (see Publisher._flush)."""
 _READY_TIMEOUT = 5.0
 _AUTHORIZE_TIMEOUT = 5.0
 _EVERYTHING = frozenset({"*"})
@@ -154,7 +156,8 @@ class Publisher:
         self._pending: set[Outbox] = set()
         self.frame_cache = FrameCache()
         """Serialised frames shared by the direct writes of every connection."""
-        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flush_timer: asyncio.Handle | None = None
+        """The next flush, or the next slice of the one under way."""
         self._next_flush = 0.0
         """Loop time before which a flush waits (see _flush)."""
         self.refusals: dict[str, int] = {}
@@ -330,27 +333,62 @@ class Publisher:
 
         Each connection that can takes one turn right here, without a task
         switch (websocket._DirectSender); its sender task is woken only for what
-        is left. The next flush may start once twice this one's cost has passed,
-        and at most ``send_interval`` later: with few listeners a change goes
-        out at once, with many the flushes (one frame per listener each) take at
-        most half of the process's time and the rest is left to reading and to
-        everything else. A flush that woke sender tasks cannot see what their
-        sends will cost, so it waits the whole ``send_interval``.
+        is left. The flush runs in slices of at most ``_FLUSH_SLICE`` seconds
+        (``_flush_slice``), and between two slices the event loop runs: a
+        doorbell, or the tailer's next read, need not wait for the last
+        listener of a large flush. The next flush may start once three times
+        this one's cost has passed since it started, and at most
+        ``send_interval`` after its start: with few listeners a change goes out
+        at once, with many the flushes (one frame per listener each) take at
+        most a third of the process's time and the rest is left to reading and
+        to everything else. A flush that woke sender tasks cannot see what
+        their sends will cost, so the next one waits ``send_interval`` after it.
         """
+        pending, self._pending = list(self._pending), set()
+        self._flush_slice(pending, 0, 0.0, [], asyncio.get_running_loop().time())
+
+    def _flush_slice(
+        self,
+        pending: list[Outbox],
+        start: int,
+        cost: float,
+        unsent: list[Outbox],
+        flush_started: float,
+    ) -> None:
         self._flush_timer = None
         loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        pending, self._pending = self._pending, set()
-        woke = False
-        for outbox in pending:
+        perf_counter = time.perf_counter
+        started = perf_counter()
+        deadline = started + _FLUSH_SLICE
+        i, end = start, len(pending)
+        while i < end:
+            outbox = pending[i]
+            i += 1
             send_now = outbox.send_now
             if send_now is None or not send_now():
-                outbox.wake()
-                woke = True
-        interval = self.config.send_interval
-        if not woke:
-            interval = min(interval, 2 * (time.perf_counter() - started))
-        self._next_flush = loop.time() + interval
+                unsent.append(outbox)
+            if perf_counter() >= deadline:
+                break
+        cost += perf_counter() - started
+        if i < end:
+            # Meanwhile _dispatch only queues (_flush_timer is set): an outbox
+            # still ahead in this flush sends what it gets; one behind waits for
+            # the next flush, as it would have anyway.
+            self._flush_timer = loop.call_soon(
+                self._flush_slice, pending, i, cost, unsent, flush_started
+            )
+            return
+        # Senders are woken only now: every listener has had its turn in this
+        # flush before any of them takes a second one.
+        for outbox in unsent:
+            outbox.wake()
+        self.metrics.flush_seconds.observe(cost)
+        if unsent:
+            self._next_flush = loop.time() + self.config.send_interval
+        else:
+            self._next_flush = flush_started + min(self.config.send_interval, 3 * cost)
+        if self._pending:
+            self._flush_timer = loop.call_at(self._next_flush, self._flush)
 
     def count_sent(self, items: int, frames: int) -> None:
         """Count ``items`` written to a listener socket in ``frames`` websocket frames."""

@@ -222,6 +222,42 @@ def test_direct_writes_share_bytes_and_a_failing_one_closes_its_connection_only(
     assert first.closing is None and second.closing is None
 
 
+async def test_a_long_flush_lets_the_event_loop_run_and_wakes_senders_last() -> None:
+    """A flush longer than a slice yields to the event loop (the tailer's doorbell
+    and reads need not wait for the last listener), yet every listener gets its
+    turn of the flush before any sender task is woken for a second one. Pure
+    scheduling: each ``send_now`` stands in for ~0.1 ms of socket writes."""
+    publisher = Publisher(PublisherConfig(dsn="postgresql://unused/x", resources=(VM,)))
+    outboxes = [Outbox(10) for _ in range(40)]
+    turns: list[object] = []
+
+    def writer(index: int) -> Callable[[], bool]:
+        def send_now() -> bool:
+            until = time.perf_counter() + 0.0001
+            while time.perf_counter() < until:
+                pass
+            turns.append(index)
+            return index != 0  # the first one's transport is paused: its sender must go on
+
+        return send_now
+
+    for index, outbox in enumerate(outboxes):
+        assert outbox.offer_many(["item"], wake=False)
+        outbox.send_now = writer(index)
+    publisher._pending.update(outboxes)
+    loop = asyncio.get_running_loop()
+    loop.call_soon(lambda: turns.append(("loop ran", outboxes[0].ready.is_set())))
+    publisher._flush()
+    await asyncio.wait_for(outboxes[0].ready.wait(), 5)
+    written = [t for t in turns if isinstance(t, int)]
+    assert sorted(written) == list(range(40))
+    ran = turns.index(("loop ran", False))  # mid-flush, and the paused one not yet woken
+    assert 0 < ran < len(turns) - 1
+    samples = {s.name: s.value for s in publisher.metrics.flush_seconds.collect()[0].samples}
+    assert samples["changefeed_flush_seconds_count"] == 1
+    assert samples["changefeed_flush_seconds_sum"] >= 40 * 0.0001
+
+
 # --------------------------------------------------------------------------- scenarios
 
 
@@ -679,6 +715,8 @@ async def _observe(
             "changefeed_disconnects_total",
             "changefeed_dropped_total",
             "changefeed_registrations_total{resource=vm,resumed=false}",
+            "changefeed_flush_seconds_count",
+            "changefeed_flush_seconds_sum",
         ):
             assert after[name] > before.get(name, 0.0), name
         assert after["changefeed_listeners"] == 1.0
