@@ -43,26 +43,30 @@ def tune_collector() -> None:
 
 
 class _DirectWriter:
-    """changefeed.publisher.wire.FrameWriter for one uvicorn websocket connection."""
+    """changefeed.publisher.wire.FrameWriter for one uvicorn websocket connection.
 
-    __slots__ = ("_protocol",)
+    Called for every listener on every flush: it keeps what ``open`` reads at
+    hand, and ``write`` is the transport's own method."""
+
+    __slots__ = ("_conn", "_protocol", "_transport", "_writable", "write")
 
     def __init__(self, protocol: WebSocketsSansIOProtocol) -> None:
         self._protocol = protocol
+        self._transport = protocol.transport
+        self._writable = protocol.writable
+        self._conn = protocol.conn
+        self.write = protocol.transport.write
 
     @property
     def open(self) -> bool:
         protocol = self._protocol
         return (
-            not protocol.close_sent
+            self._writable.is_set()
+            and not protocol.close_sent
             and not protocol.disconnected
-            and protocol.writable.is_set()
-            and protocol.conn.state is State.OPEN
-            and not protocol.transport.is_closing()
+            and self._conn.state is State.OPEN
+            and not self._transport.is_closing()
         )
-
-    def write(self, data: bytes) -> None:
-        self._protocol.transport.write(data)
 
 
 class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):

@@ -438,24 +438,28 @@ class _DirectSender:
         return not session.outbox.sending and session.closing is None and self._writer.open
 
     def send_now(self) -> bool:
-        """The outbox's ``send_now``: one turn now; True when nothing is left queued."""
-        if not self.ready():
-            return False
-        self.write_turn(self._flush_turn)
-        return not len(self._session.outbox)
+        """The outbox's ``send_now``: one turn now; True when nothing is left queued.
 
-    def write_turn(self, most: int = 0) -> None:
-        """Write up to ``most`` queued items, default one turn (only when ``ready``)."""
+        Called for every listener on every flush: kept to one call deep."""
         session = self._session
-        frames = session.outbox.take(most or self._turn)
-        if not frames:
-            return
-        if session.batch:
-            data = self._cache.batch(frames)
-            count = 1
-        else:
-            data = self._cache.singles(frames)
-            count = len(frames)
+        outbox = session.outbox
+        if outbox.sending or session.closing is not None or not self._writer.open:
+            return False
+        frames = outbox.take(self._flush_turn)
+        if frames:
+            self._write(frames)
+        return not len(outbox)
+
+    def write_turn(self) -> None:
+        """Write one turn of queued items (only when ``ready``)."""
+        frames = self._session.outbox.take(self._turn)
+        if frames:
+            self._write(frames)
+
+    def _write(self, frames: list[str]) -> None:
+        session = self._session
+        batch = session.batch
+        data = self._cache.batch(frames) if batch else self._cache.singles(frames)
         try:
             self._writer.write(data)
         except Exception as exc:
@@ -467,6 +471,9 @@ class _DirectSender:
                 log, "listener.error", logging.ERROR, instance=session.instance, error=repr(exc)
             )
             return
+        count = 1 if batch else len(frames)
         session.frames += count
         session.sent += len(frames)
-        self._publisher.count_sent(len(frames), count)
+        publisher = self._publisher
+        publisher.sent_total += len(frames)
+        publisher.frames_total += count
