@@ -17,7 +17,14 @@ import asyncpg
 
 from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema
 
-__all__ = ["FeedEntry", "FeedReader", "install_trigger", "publish", "publish_many"]
+__all__ = [
+    "FeedEntry",
+    "FeedHealth",
+    "FeedReader",
+    "install_trigger",
+    "publish",
+    "publish_many",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +36,20 @@ class FeedEntry:
     sub_resources: tuple[str, ...]
     changed_resource_id: str
     published: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class FeedHealth:
+    """What the feed table looks like from outside the tailer (FeedReader.health)."""
+
+    oldest_writer_seconds: float
+    """Age of the oldest open or prepared write transaction, cluster-wide: it holds
+    the snapshot horizon back, and with it delivery of everything committed after."""
+    oldest_entry_seconds: float
+    """Age of the oldest entry still in the table (0 when it is empty): retention,
+    or the Spark job, keeps it near ``max_age``."""
+    feed_bytes: int
+    """The table's size on disk, indexes and TOAST included."""
 
 
 async def publish(
@@ -195,11 +216,17 @@ class FeedReader:
             " WHERE f.txid < pg_snapshot_xmin(pg_current_snapshot())"
             " ORDER BY f.txid DESC, f.id DESC LIMIT 1"
         )
-        # The write transaction that holds the horizon back: its age is how long
-        # delivery of anything committed after it has been waiting.
-        self._oldest_writer = (
-            "SELECT coalesce(extract(epoch FROM clock_timestamp() - min(xact_start)), 0)::float8"
-            " FROM pg_stat_activity WHERE backend_xid IS NOT NULL"
+        # The write transaction that holds the horizon back (open, or prepared for
+        # two-phase commit): its age is how long delivery of anything committed
+        # after it has been waiting. min(published) walks the published index.
+        self._health = (
+            "SELECT (SELECT coalesce(extract(epoch FROM clock_timestamp() - min(started)), 0)"
+            " FROM (SELECT xact_start AS started FROM pg_stat_activity"
+            " WHERE backend_xid IS NOT NULL"
+            " UNION ALL SELECT prepared FROM pg_prepared_xacts) AS writers)::float8 AS writer,"
+            " coalesce((SELECT extract(epoch FROM clock_timestamp() - min(published))"
+            f" FROM {q}.feed), 0)::float8 AS entry,"
+            f" pg_total_relation_size('{q}.feed'::regclass) AS bytes"
         )
         self._low_water = (
             f"SELECT low_water_txid::text::bigint AS txid, low_water_id AS id FROM {q}.feed_state"
@@ -237,9 +264,11 @@ class FeedReader:
         row = await conn.fetchrow(self._head)
         return Position(row["txid"], row["id"]) if row else ORIGIN
 
-    async def oldest_writer_age(self, conn: PgConnection) -> float:
-        """Seconds the oldest open write transaction (cluster-wide) has been open."""
-        return float(await conn.fetchval(self._oldest_writer))
+    async def health(self, conn: PgConnection) -> FeedHealth:
+        """The oldest writer, the oldest entry and the table's size, in one query."""
+        row = await conn.fetchrow(self._health)
+        assert row is not None
+        return FeedHealth(max(0.0, row["writer"]), max(0.0, row["entry"]), int(row["bytes"]))
 
     async def low_water(self, conn: PgConnection) -> Position:
         """Return the oldest resumable position: a cursor at or after it can resume."""

@@ -13,7 +13,8 @@ Names (all prefixed ``changefeed_``): ``listeners``, ``open_connections``,
 ``entries_tailed_total``, ``queued_total``, ``deliveries_total``,
 ``frames_total``, ``replayed_total``, ``queue_depth_max``, ``queued_items``,
 ``tailer_lag_seconds``, ``tailer_up``, ``tailer_position``,
-``oldest_open_transaction_seconds``, ``flush_seconds`` (histogram: the CPU
+``oldest_open_transaction_seconds``, ``feed_oldest_entry_seconds``,
+``feed_bytes``, ``flush_seconds`` (histogram: the CPU
 time of each fan-out flush, all its slices together).
 """
 
@@ -114,6 +115,16 @@ class PublisherMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
             registry=r,
         )
+        self.feed_oldest_entry = Gauge(
+            "changefeed_feed_oldest_entry_seconds",
+            "Age of the oldest entry in the feed table (retention keeps it near max_age)",
+            registry=r,
+        )
+        self.feed_bytes = Gauge(
+            "changefeed_feed_bytes",
+            "Size of the feed table on disk, indexes included",
+            registry=r,
+        )
         self._live = _LiveCounters(
             {
                 "changefeed_entries_tailed": "Feed entries read by the tailer",
@@ -138,6 +149,8 @@ class PublisherMetrics:
         up: Callable[[], float],
         oldest_xact: Callable[[], float],
         position: Callable[[], float],
+        oldest_entry: Callable[[], float],
+        feed_bytes: Callable[[], float],
     ) -> None:
         """Compute the live gauges from the publisher's state at scrape time."""
         self.queue_depth.set_function(queue_depth)
@@ -147,6 +160,8 @@ class PublisherMetrics:
         self.tailer_up.set_function(up)
         self.oldest_xact.set_function(oldest_xact)
         self.tailer_position.set_function(position)
+        self.feed_oldest_entry.set_function(oldest_entry)
+        self.feed_bytes.set_function(feed_bytes)
 
     def count_live(
         self,

@@ -38,7 +38,7 @@ from changefeed.schemas import (
 
 from .config import PublisherConfig, ResourceConfig
 from .errors import ConfigError, ResumeGap
-from .feed import FeedEntry, FeedReader
+from .feed import FeedEntry, FeedHealth, FeedReader
 from .matching import matches
 from .metrics import PublisherMetrics
 from .outbox import Outbox
@@ -58,6 +58,8 @@ or None to refuse it. Raising (or taking longer than 5 s) refuses the request as
 unauthorized, which they do not."""
 
 _REPLAY_PAGE = 1000
+_WATCH_INTERVAL = 1.0
+"""Seconds between two looks at the feed's health (FeedReader.health)."""
 _FLUSH_SLICE = 0.00025
 """Seconds a flush writes before it lets the event loop run (see Publisher._flush)."""
 _READY_TIMEOUT = 5.0
@@ -160,6 +162,8 @@ class Publisher:
         """The next flush, or the next slice of the one under way."""
         self._next_flush = 0.0
         """Loop time before which a flush waits (see _flush)."""
+        self.feed_health = FeedHealth(0.0, 0.0, 0)
+        """The feed as last seen by _watch_loop (oldest writer, oldest entry, size)."""
         self.refusals: dict[str, int] = {}
         self._no_listeners = asyncio.Event()
         self._no_listeners.set()
@@ -169,7 +173,9 @@ class Publisher:
             connections=lambda: self.connections,
             lag=lambda: self.tailer.lag_seconds,
             up=lambda: 1.0 if self.tailer.status == "running" else 0.0,
-            oldest_xact=lambda: self.tailer.oldest_writer_seconds,
+            oldest_xact=lambda: self.feed_health.oldest_writer_seconds,
+            oldest_entry=lambda: self.feed_health.oldest_entry_seconds,
+            feed_bytes=lambda: self.feed_health.feed_bytes,
             position=lambda: float(self.tailer.position.id) if self.tailer.position else 0.0,
         )
         self.metrics.count_live(
@@ -201,6 +207,7 @@ class Publisher:
             async with self._pool.acquire() as conn:
                 await apply_schema(conn, self.config.schema)
         self._spawn(self.tailer.run(), "changefeed-tailer")
+        self._spawn(self._watch_loop(), "changefeed-watch")
         if self.config.retention:
             self._spawn(self._retention_loop(), "changefeed-retention")
         log_event(
@@ -626,6 +633,17 @@ class Publisher:
             except DB_ERRORS as exc:
                 log_event(log, "retention.failed", logging.WARNING, error=repr(exc))
 
+    async def _watch_loop(self) -> None:
+        # On the pool, not the tailer's connection: a slow look never delays a read.
+        # While the database is away the last figures stay (the tailer reports it).
+        while True:
+            assert self._pool is not None
+            with contextlib.suppress(*DB_ERRORS):
+                async with self._pool.acquire(timeout=_READY_TIMEOUT) as conn:
+                    async with asyncio.timeout(_READY_TIMEOUT):
+                        self.feed_health = await self.reader.health(conn)
+            await asyncio.sleep(_WATCH_INTERVAL)
+
     # -- observability -----------------------------------------------------
 
     def stats(self, allowed: frozenset[str] | None = None) -> dict[str, Any]:
@@ -640,7 +658,14 @@ class Publisher:
             "registrations": registry.registrations(allowed),
             "connections": self.connections,
             "draining": self.draining,
-            "tailer": self.tailer.stats(),
+            "tailer": {
+                **self.tailer.stats(),
+                "oldestOpenTransactionSeconds": round(self.feed_health.oldest_writer_seconds, 3),
+            },
+            "feed": {
+                "oldestEntrySeconds": round(self.feed_health.oldest_entry_seconds, 3),
+                "bytes": self.feed_health.feed_bytes,
+            },
             "counters": {
                 "connections": self.connections_opened,
                 "connectionsClosed": self.connections_closed,

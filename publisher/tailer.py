@@ -34,8 +34,6 @@ from .feed import FeedEntry, FeedReader
 
 __all__ = ["DB_ERRORS", "Tailer"]
 
-_WRITER_CHECK_INTERVAL = 1.0
-
 log = logging.getLogger(__name__)
 
 DB_ERRORS: tuple[type[BaseException], ...] = (
@@ -92,8 +90,6 @@ class Tailer:
         self.last_published: datetime | None = None
         self.last_read_at: float | None = None
         self.lag_seconds = 0.0
-        self.oldest_writer_seconds = 0.0
-        self._writer_checked_at = 0.0
 
     def ring(self, *_: Any) -> None:
         """Doorbell: read now (called by NOTIFY, or by anyone who knows there is news)."""
@@ -172,10 +168,6 @@ class Tailer:
 
     async def _drain(self, conn: asyncpg.Connection) -> None:
         assert self.position is not None
-        now = time.monotonic()
-        if now - self._writer_checked_at >= _WRITER_CHECK_INTERVAL:
-            self._writer_checked_at = now
-            self.oldest_writer_seconds = await self._reader.oldest_writer_age(conn)
         while True:
             entries = await self._reader.read_after(conn, self.position, self._batch)
             self.last_read_at = time.monotonic()
@@ -198,7 +190,6 @@ class Tailer:
             "position": list(self.position) if self.position else None,
             "entries": self.entries_total,
             "lagSeconds": round(self.lag_seconds, 6),
-            "oldestOpenTransactionSeconds": round(self.oldest_writer_seconds, 3),
             "lastPublished": self.last_published.isoformat() if self.last_published else None,
             "doorbells": self.doorbells_total,
             "polls": self.polls_total,

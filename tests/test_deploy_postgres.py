@@ -165,7 +165,7 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
         try:
             await writer.execute("SELECT changefeed.publish('vm', '{}', 'vm-4')")
             await wait_until(
-                lambda: publisher.tailer.oldest_writer_seconds > 0.5, 10, message="oldest xact"
+                lambda: publisher.feed_health.oldest_writer_seconds > 0.5, 10, message="oldest xact"
             )
         finally:
             await transaction.rollback()

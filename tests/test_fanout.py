@@ -729,6 +729,8 @@ async def _observe(
             "changefeed_tailer_lag_seconds",
             "changefeed_tailer_position",
             "changefeed_oldest_open_transaction_seconds",
+            "changefeed_feed_oldest_entry_seconds",
+            "changefeed_feed_bytes",
         ):
             assert gauge in after, gauge
         assert after["changefeed_tailer_position"] > before["changefeed_tailer_position"]

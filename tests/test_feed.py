@@ -9,15 +9,18 @@ import asyncio
 import contextlib
 import random
 from collections import Counter
+from typing import Any
 
 import asyncpg
+import httpx
 import orjson
 import pytest
 from helpers import wait_until
 from publisher_fixtures import receive_items, register, registration, running_publisher
 
-from changefeed.embedded import EmbeddedPostgres
+from changefeed.embedded import EmbeddedPostgres, temporary
 from changefeed.publisher import publish
+from changefeed.schemas import apply_schema
 
 WRITERS = 16
 ENTRIES = 20_000
@@ -234,3 +237,71 @@ async def test_publisher_recovers_from_database_outages_without_loss_or_duplicat
         assert pub.publisher.tailer.status == "running"
     # In feed order, each exactly once: nothing lost, nothing repeated.
     assert received == committed
+
+
+async def test_a_prepared_transaction_holds_delivery_back_and_stats_say_so() -> None:
+    """Two-phase commit: a prepared transaction that appended an entry holds the
+    snapshot horizon back like an open one. Stats and metrics show its age (it
+    has no backend in pg_stat_activity), the feed's oldest entry and its size;
+    once it commits, its entry is delivered, after the one committed before it."""
+    with temporary(settings={"max_prepared_transactions": "2"}) as server:
+        dsn = server.start()
+        conn = await asyncpg.connect(dsn)
+        try:
+            await apply_schema(conn)
+            async with (
+                running_publisher(dsn) as pub,
+                httpx.AsyncClient(base_url=pub.server.url) as http,
+            ):
+                ws, _ = await register(pub.ws_url, registration(subs=[]))
+                # publish() rings the doorbell, and PostgreSQL cannot prepare a
+                # transaction that did NOTIFY: a two-phase writer inserts the entry
+                # itself and the tailer's poll finds it (docs/design.md).
+                await conn.execute(
+                    "BEGIN; INSERT INTO changefeed.feed (resource, changed_resource_id)"
+                    " VALUES ('vm', 'prepared'); PREPARE TRANSACTION 'changefeed-test'"
+                )
+                await conn.execute("SELECT changefeed.publish('vm', '{}', 'after')")
+
+                async def stats() -> dict[str, Any]:
+                    doc: dict[str, Any] = (await http.get("/changefeeds/stats")).json()
+                    return doc
+
+                async def held() -> bool:
+                    doc = await stats()
+                    return bool(
+                        doc["tailer"]["oldestOpenTransactionSeconds"] >= 1.0
+                        and doc["feed"]["oldestEntrySeconds"] >= 1.0
+                        and doc["feed"]["bytes"] > 0
+                    )
+
+                await wait_until(held, 15, 0.1, "the prepared writer shows in stats")
+                metrics = (await http.get("/metrics")).text
+                for gauge in (
+                    "changefeed_oldest_open_transaction_seconds",
+                    "changefeed_feed_oldest_entry_seconds",
+                    "changefeed_feed_bytes",
+                ):
+                    value = next(
+                        float(line.split()[-1])
+                        for line in metrics.splitlines()
+                        if line.startswith(gauge + " ")
+                    )
+                    assert value > 0, gauge
+                # Nothing committed after it went out while it was prepared.
+                with pytest.raises(TimeoutError):
+                    await receive_items(ws, 1, timeout=0.5)
+
+                await conn.execute("COMMIT PREPARED 'changefeed-test'")
+                items = await receive_items(ws, 2)
+                assert [i["changedResourceId"] for i in items] == ["prepared", "after"]
+
+                async def released() -> bool:
+                    return bool((await stats())["tailer"]["oldestOpenTransactionSeconds"] < 1.0)
+
+                await wait_until(released, 15, 0.1, "the writer is gone from stats")
+                await ws.close()
+        finally:
+            with contextlib.suppress(Exception):
+                await conn.execute("ROLLBACK PREPARED 'changefeed-test'")
+            await conn.close()
