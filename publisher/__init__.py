@@ -17,10 +17,11 @@ or let the table publish its own changes, with no extra round trip::
     await install_trigger(conn, "vms", "vm", "uuid")
 """
 
+from .auth import Authorizer
 from .config import PublisherConfig, ResourceConfig, load_config, parse_duration
 from .errors import ConfigError, FeedUnavailable, PublisherError
 from .feed import FeedEntry, FeedReader, install_trigger, publish, publish_many
-from .service import Authorizer, Publisher
+from .service import Publisher
 
 __all__ = [
     "Authorizer",

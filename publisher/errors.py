@@ -6,6 +6,7 @@ Exception tree::
     ├── ConfigError          a configuration value is wrong (names the key and the file)
     ├── FeedUnavailable      the feed database cannot be reached within the retry budget
     ├── ResumeGap            the feed was trimmed past a resuming listener's cursor mid-replay
+    ├── AuthUnavailable      the authorizer failed or timed out (publisher/auth.py)
     └── CompactionError      the compaction / garbage-collection job cannot run or failed
 """
 

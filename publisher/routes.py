@@ -22,7 +22,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from changefeed.schemas import ErrorFrame
 
-from .service import AuthUnavailable
+from .auth import AuthUnavailable
 from .websocket import ListenerEndpoint
 
 if TYPE_CHECKING:

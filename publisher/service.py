@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +34,7 @@ from changefeed.schemas import (
     notify_channel,
 )
 
+from .auth import Authorizer, AuthUnavailable, BearerAuth
 from .config import PublisherConfig, ResourceConfig
 from .errors import ConfigError, ResumeGap
 from .feed import FeedEntry, FeedHealth, FeedReader
@@ -47,15 +46,9 @@ from .retention import trim_expired
 from .tailer import DB_ERRORS, Tailer
 from .wire import FrameCache
 
-__all__ = ["AuthUnavailable", "Authorizer", "Publisher"]
+__all__ = ["Publisher"]
 
 log = logging.getLogger(__name__)
-
-Authorizer = Callable[[str], Awaitable[frozenset[str] | None]]
-"""Maps a bearer token to the resources it may read (``frozenset({"*"})`` for all),
-or None to refuse it. Raising (or taking longer than 5 s) refuses the request as
-*unavailable* (HTTP 503 / close code 4010), which listeners retry, not as
-unauthorized, which they do not."""
 
 _REPLAY_PAGE = 1000
 _WATCH_INTERVAL = 1.0
@@ -63,46 +56,6 @@ _WATCH_INTERVAL = 1.0
 _FLUSH_SLICE = 0.00025
 """Seconds a flush writes before it lets the event loop run (see Publisher._flush)."""
 _READY_TIMEOUT = 5.0
-_AUTHORIZE_TIMEOUT = 5.0
-_EVERYTHING = frozenset({"*"})
-
-
-class AuthUnavailable(Exception):
-    """Authentication cannot be decided now: the authorizer failed or timed out."""
-
-
-class _Tokens:
-    """The static bearer tokens of a config: token (or ``sha256:<hex>`` of it) -> resources.
-
-    Comparison is constant-time per entry, and every entry is compared, so the
-    time taken does not say which entry (or which prefix) came close.
-    """
-
-    def __init__(self, everything: Sequence[str], limited: Mapping[str, Sequence[str]]) -> None:
-        self._plain: list[tuple[bytes, frozenset[str]]] = []
-        self._hashed: list[tuple[bytes, frozenset[str]]] = []
-        for token, resources in [(t, _EVERYTHING) for t in everything] + [
-            (t, frozenset(r)) for t, r in limited.items()
-        ]:
-            if token.startswith("sha256:"):
-                self._hashed.append((token[7:].lower().encode(), resources))
-            else:
-                self._plain.append((token.encode(), resources))
-
-    def __bool__(self) -> bool:
-        return bool(self._plain or self._hashed)
-
-    def lookup(self, token: str) -> frozenset[str] | None:
-        presented = token.encode()
-        digest = hashlib.sha256(presented).hexdigest().encode()
-        found: frozenset[str] | None = None
-        for known, resources in self._plain:
-            if hmac.compare_digest(known, presented):
-                found = resources
-        for known, resources in self._hashed:
-            if hmac.compare_digest(known, digest):
-                found = resources
-        return found
 
 
 class Publisher:
@@ -142,8 +95,7 @@ class Publisher:
         )
         self._pool = pool
         self._own_pool = pool is None
-        self._authorize = authorize
-        self._tokens = _Tokens(config.auth_tokens, config.token_resources)
+        self.auth = BearerAuth(config.auth_tokens, config.token_resources, authorize)
         self._tasks: list[asyncio.Task[None]] = []
         self.connections = 0
         """Websocket connections open now (registered or not)."""
@@ -564,36 +516,17 @@ class Publisher:
     @property
     def auth_required(self) -> bool:
         """Whether requests need a bearer token (static tokens or an authorizer)."""
-        return bool(self._tokens) or self._authorize is not None
+        return self.auth.required
 
     async def authenticate(self, conn: HTTPConnection | Scope) -> frozenset[str] | None:
         """The resources the bearer token of a request or websocket handshake may read
-        (``{"*"}``: all); None when it is missing or unknown. Without configured auth
-        everything is allowed.
-
-        Static tokens (``auth_tokens``, ``token_resources``) are looked up first; a token
-        they do not know goes to the ``authorize`` callable, if there is one.
+        (``{"*"}``: all); None when it is missing or unknown (see ``BearerAuth``).
 
         Raises:
             AuthUnavailable: the authorizer raised or took longer than 5 s.
         """
-        if not self.auth_required:
-            return _EVERYTHING
         headers = conn.headers if isinstance(conn, HTTPConnection) else HTTPConnection(conn).headers
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            return None
-        found = self._tokens.lookup(token)
-        if found is not None or self._authorize is None:
-            return found
-        try:
-            async with asyncio.timeout(_AUTHORIZE_TIMEOUT):
-                allowed = await self._authorize(token)
-        except Exception as exc:
-            log_event(log, "auth.unavailable", logging.ERROR, error=repr(exc))
-            raise AuthUnavailable("authorization is unavailable; retry later") from exc
-        return None if allowed is None else frozenset(allowed)
+        return await self.auth.resolve(headers.get("authorization", ""))
 
     async def authorize_request(self, request: HTTPConnection, resource: str | None = None) -> bool:
         """For the embedding API's own routes (bootstrap routes): may this request go on?

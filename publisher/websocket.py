@@ -38,10 +38,10 @@ from changefeed.schemas import (
     Registration,
 )
 
+from .auth import AuthUnavailable
 from .errors import ResumeGap
 from .outbox import Outbox
 from .registry import Closing, ListenerSession
-from .service import AuthUnavailable
 from .wire import DIRECT_WRITES, FrameWriter
 
 if TYPE_CHECKING:

@@ -1,0 +1,118 @@
+"""Bearer-token authentication of registrations and bootstrap routes (docs/security.md).
+
+Static tokens from the config are looked up first, in constant time per
+entry; a token they do not know goes to the embedding API's ``Authorizer``,
+when it has one. Without either, everything is allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from changefeed.logs import log_event
+
+from .errors import PublisherError
+
+__all__ = ["AuthUnavailable", "Authorizer", "BearerAuth"]
+
+log = logging.getLogger(__name__)
+
+Authorizer = Callable[[str], Awaitable[frozenset[str] | None]]
+"""Maps a bearer token to the resources it may read (``frozenset({"*"})`` for all),
+or None to refuse it. Raising (or taking longer than 5 s) refuses the request as
+*unavailable* (HTTP 503 / close code 4010), which listeners retry, not as
+unauthorized, which they do not."""
+
+_AUTHORIZE_TIMEOUT = 5.0
+_EVERYTHING = frozenset({"*"})
+
+
+class AuthUnavailable(PublisherError):
+    """Authentication cannot be decided now: the authorizer failed or timed out."""
+
+
+class _Tokens:
+    """The static bearer tokens of a config: token (or ``sha256:<hex>`` of it) -> resources.
+
+    Comparison is constant-time per entry, and every entry is compared, so the
+    time taken does not say which entry (or which prefix) came close.
+    """
+
+    def __init__(self, everything: Sequence[str], limited: Mapping[str, Sequence[str]]) -> None:
+        self._plain: list[tuple[bytes, frozenset[str]]] = []
+        self._hashed: list[tuple[bytes, frozenset[str]]] = []
+        for token, resources in [(t, _EVERYTHING) for t in everything] + [
+            (t, frozenset(r)) for t, r in limited.items()
+        ]:
+            if token.startswith("sha256:"):
+                self._hashed.append((token[7:].lower().encode(), resources))
+            else:
+                self._plain.append((token.encode(), resources))
+
+    def __bool__(self) -> bool:
+        return bool(self._plain or self._hashed)
+
+    def lookup(self, token: str) -> frozenset[str] | None:
+        presented = token.encode()
+        digest = hashlib.sha256(presented).hexdigest().encode()
+        found: frozenset[str] | None = None
+        for known, resources in self._plain:
+            if hmac.compare_digest(known, presented):
+                found = resources
+        for known, resources in self._hashed:
+            if hmac.compare_digest(known, digest):
+                found = resources
+        return found
+
+
+class BearerAuth:
+    """Who may read what, from the ``Authorization: Bearer`` header.
+
+    Args:
+        everything: tokens that may read every resource (``auth_tokens``).
+        limited: token -> the resources it may read (``token_resources``).
+        authorize: asked about any token the static ones do not know.
+    """
+
+    def __init__(
+        self,
+        everything: Sequence[str],
+        limited: Mapping[str, Sequence[str]],
+        authorize: Authorizer | None = None,
+    ) -> None:
+        self._tokens = _Tokens(everything, limited)
+        self._authorize = authorize
+
+    @property
+    def required(self) -> bool:
+        """Whether requests need a bearer token (static tokens or an authorizer)."""
+        return bool(self._tokens) or self._authorize is not None
+
+    async def resolve(self, authorization: str) -> frozenset[str] | None:
+        """The resources an ``Authorization`` header's bearer token may read
+        (``{"*"}``: all); None when it is missing or unknown. Without configured
+        auth everything is allowed.
+
+        Raises:
+            AuthUnavailable: the authorizer raised or took longer than 5 s.
+        """
+        if not self.required:
+            return _EVERYTHING
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None
+        found = self._tokens.lookup(token)
+        if found is not None or self._authorize is None:
+            return found
+        try:
+            async with asyncio.timeout(_AUTHORIZE_TIMEOUT):
+                allowed = await self._authorize(token)
+        except Exception as exc:
+            log_event(log, "auth.unavailable", logging.ERROR, error=repr(exc))
+            raise AuthUnavailable("authorization is unavailable; retry later") from exc
+        return None if allowed is None else frozenset(allowed)
