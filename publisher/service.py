@@ -44,7 +44,7 @@ from .outbox import Outbox
 from .registry import Closing, ListenerSession, Registry
 from .retention import trim_expired
 from .tailer import DB_ERRORS, Tailer
-from .wire import FrameCache
+from .wire import FrameCache, batch_text
 
 __all__ = ["Publisher"]
 
@@ -482,7 +482,7 @@ class Publisher:
             if frames:
                 if session.batch:
                     for i in range(0, len(frames), self.config.max_batch):
-                        await send_text("[" + ",".join(frames[i : i + self.config.max_batch]) + "]")
+                        await send_text(batch_text(frames[i : i + self.config.max_batch]))
                         session.frames += 1
                 else:
                     for frame in frames:

@@ -42,7 +42,7 @@ from .auth import AuthUnavailable
 from .errors import ResumeGap
 from .outbox import Outbox
 from .registry import Closing, ListenerSession
-from .wire import DIRECT_WRITES, FrameWriter
+from .wire import DIRECT_WRITES, FrameWriter, batch_text
 
 if TYPE_CHECKING:
     from .service import Publisher
@@ -365,7 +365,7 @@ class _Connection:
                     frames = outbox.take(max_batch)
                     if not frames:  # a flush's direct write took them first
                         continue
-                    await send({"type": "websocket.send", "text": "[" + ",".join(frames) + "]"})
+                    await send({"type": "websocket.send", "text": batch_text(frames)})
                     session.frames += 1
                     publisher.count_sent(len(frames), 1)
                 else:
@@ -438,13 +438,10 @@ class _DirectSender:
         return not session.outbox.sending and session.closing is None and self._writer.open
 
     def send_now(self) -> bool:
-        """The outbox's ``send_now``: one turn now; True when nothing is left queued.
-
-        Called for every listener on every flush: kept to one call deep."""
-        session = self._session
-        outbox = session.outbox
-        if outbox.sending or session.closing is not None or not self._writer.open:
+        """The outbox's ``send_now``: one turn now; True when nothing is left queued."""
+        if not self.ready():
             return False
+        outbox = self._session.outbox
         frames = outbox.take(self._flush_turn)
         if frames:
             self._write(frames)

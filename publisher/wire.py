@@ -18,7 +18,7 @@ from typing import Protocol
 
 from websockets.frames import Frame, Opcode
 
-__all__ = ["DIRECT_WRITES", "FrameCache", "FrameWriter"]
+__all__ = ["DIRECT_WRITES", "FrameCache", "FrameWriter", "batch_text"]
 
 DIRECT_WRITES = "changefeed.direct_writes"
 """ASGI scope extension: the connection's ``FrameWriter``."""
@@ -34,6 +34,11 @@ class FrameWriter(Protocol):
 
     def write(self, data: bytes) -> None:
         """Write ``data`` (whole frames); only when ``open``."""
+
+
+def batch_text(items: Sequence[str]) -> str:
+    """The payload of a batch frame: the JSON array of already-encoded ``items``."""
+    return "[" + ",".join(items) + "]"
 
 
 def text_frame(payload: str) -> bytes:
@@ -74,7 +79,7 @@ class FrameCache:
         key = tuple(items)
         data = self._batches.get(key)
         if data is None:
-            data = text_frame("[" + ",".join(items) + "]")
+            data = text_frame(batch_text(items))
             self._kept(data)
             self._batches[key] = data
         return data
