@@ -650,9 +650,10 @@ def say(*parts: object) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_publisher(config: Any) -> AsyncIterator[tuple[str, Any]]:
+async def serve_publisher(config: Any, **server: Any) -> AsyncIterator[tuple[str, Any]]:
     """Run ``Publisher(config)`` in a Starlette app on uvicorn (the publisher's own
-    server settings) on a free loopback port; yield its websocket URL and the publisher."""
+    server settings, ``server`` overriding them) on a free loopback port; yield its
+    websocket URL and the publisher."""
     import uvicorn
     from starlette.applications import Starlette
 
@@ -661,13 +662,13 @@ async def serve_publisher(config: Any) -> AsyncIterator[tuple[str, Any]]:
 
     publisher = Publisher(config)
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
-    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))
-    task = asyncio.create_task(server.serve())
-    await until(lambda: server.started, 30)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    runner = uvicorn.Server(server_config(app, "127.0.0.1", 0, **server))
+    task = asyncio.create_task(runner.serve())
+    await until(lambda: runner.started, 30)
+    port = runner.servers[0].sockets[0].getsockname()[1]
     await asyncio.wait_for(publisher.tailer.ready.wait(), 30)
     try:
         yield f"ws://127.0.0.1:{port}/changefeeds", publisher
     finally:
-        server.should_exit = True
+        runner.should_exit = True
         await asyncio.wait_for(task, 30)

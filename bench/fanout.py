@@ -2,7 +2,7 @@
 
     python bench/fanout.py [--dsn DSN] [--quick] [--listeners 100] [--items 20000]
 
-Three measurements in one run, with the same client fleet (another process,
+Five measurements in one run, with the same client fleet (another process,
 see bench/common.py) and the same number of ~200-byte change items:
 
 * raw: a ``websockets`` asyncio server that only calls ``websockets.broadcast``
@@ -10,7 +10,9 @@ see bench/common.py) and the same number of ~200-byte change items:
 * publisher, batch listeners: entries committed with ``publish_many`` (1,000
   per transaction), tailed, encoded once, queued per listener, sent as JSON
   arrays to listeners that registered with ``"batch": true``;
-* publisher, RFD 5 listeners: the same, one item per frame.
+* publisher, RFD 5 listeners: the same, one item per frame;
+* the same two through ASGI sends: uvicorn's own websocket protocol, as on any
+  server without changefeed's direct frame writes (``FanoutWebSocketProtocol``).
 
 Each figure is deliveries/s = listeners x items / (time the last listener got
 its last item - time the first item was written or broadcast), the median of
@@ -130,7 +132,9 @@ async def measure_raw(fleet: ClientFleet, listeners: int, frames: list[str]) -> 
 
 
 @contextlib.asynccontextmanager
-async def running_publisher(dsn: str, queue_size: int) -> AsyncIterator[tuple[str, Publisher]]:
+async def running_publisher(
+    dsn: str, queue_size: int, asgi: bool = False
+) -> AsyncIterator[tuple[str, Publisher]]:
     config = PublisherConfig(
         dsn=dsn,
         schema=SCHEMA,
@@ -139,16 +143,24 @@ async def running_publisher(dsn: str, queue_size: int) -> AsyncIterator[tuple[st
         queue_size=queue_size,
         create_schema=False,
     )
-    async with serve_publisher(config) as served:
+    server = {"ws": "websockets-sansio"} if asgi else {}
+    async with serve_publisher(config, **server) as served:
         yield served
 
 
 async def measure_publisher(
-    fleet: ClientFleet, dsn: str, listeners: int, ids: list[str], *, batch: bool, queue_size: int
+    fleet: ClientFleet,
+    dsn: str,
+    listeners: int,
+    ids: list[str],
+    *,
+    batch: bool,
+    queue_size: int,
+    asgi: bool = False,
 ) -> Figure:
     writer = await asyncpg.connect(dsn)
     try:
-        async with running_publisher(dsn, queue_size) as (url, publisher):
+        async with running_publisher(dsn, queue_size, asgi) as (url, publisher):
             await fleet.connect(url, listeners, registration(batch))
             await until(lambda: len(publisher.registry) >= listeners, 30)
             await fleet.reset(len(ids))
@@ -211,16 +223,27 @@ async def main(args: argparse.Namespace) -> None:
                     f"{cpu(raw)}  {every}"
                 )
                 results = {}
-                for label, batch in (("batch listeners", True), ("RFD 5 listeners", False)):
+                for label, batch, asgi in (
+                    ("batch listeners", True, False),
+                    ("RFD 5 listeners", False, False),
+                    ("batch, ASGI sends", True, True),
+                    ("RFD 5, ASGI sends", False, True),
+                ):
                     figure, every = await median_of(
                         rounds,
-                        lambda batch=batch: measure_publisher(
-                            fleet, dsn, listeners, ids, batch=batch, queue_size=queue_size
+                        lambda batch=batch, asgi=asgi: measure_publisher(
+                            fleet,
+                            dsn,
+                            listeners,
+                            ids,
+                            batch=batch,
+                            queue_size=queue_size,
+                            asgi=asgi,
                         ),
                     )
                     results[label] = figure.rate
                     say(
-                        f"  publisher, {label:<15} {figure.rate:>10,.0f} deliveries/s  "
+                        f"  publisher, {label:<17} {figure.rate:>10,.0f} deliveries/s  "
                         f"{figure.rate / raw.rate:5.2f}x raw  {cpu(figure)}  {every}"
                     )
         finally:
@@ -231,7 +254,9 @@ async def main(args: argparse.Namespace) -> None:
     say(
         f"result: raw {raw.rate:,.0f}/s; publisher with batch listeners {batch:,.0f}/s "
         f"({batch / raw.rate:.2f}x raw, target >= 0.8x); "
-        f"with RFD 5 listeners {single:,.0f}/s ({single / raw.rate:.2f}x raw)"
+        f"with RFD 5 listeners {single:,.0f}/s ({single / raw.rate:.2f}x raw); through ASGI "
+        f"sends {results['batch, ASGI sends'] / raw.rate:.2f}x and "
+        f"{results['RFD 5, ASGI sends'] / raw.rate:.2f}x raw"
     )
 
 
