@@ -14,7 +14,7 @@ Names (all prefixed ``changefeed_``): ``listeners``, ``open_connections``,
 ``frames_total``, ``replayed_total``, ``queue_depth_max``, ``queued_items``,
 ``tailer_lag_seconds``, ``tailer_up``, ``tailer_position``,
 ``oldest_open_transaction_seconds``, ``feed_oldest_entry_seconds``,
-``feed_bytes``, ``flush_seconds`` (histogram: the CPU
+``feed_max_age_seconds``, ``feed_bytes``, ``flush_seconds`` (histogram: the CPU
 time of each fan-out flush, all its slices together).
 """
 
@@ -118,6 +118,11 @@ class PublisherMetrics:
         self.feed_oldest_entry = Gauge(
             "changefeed_feed_oldest_entry_seconds",
             "Age of the oldest entry in the feed table (retention keeps it near max_age)",
+            registry=r,
+        )
+        self.feed_max_age = Gauge(
+            "changefeed_feed_max_age_seconds",
+            "Configured max_age: entries older than this are trimmed (inline or by the Spark job)",
             registry=r,
         )
         self.feed_bytes = Gauge(

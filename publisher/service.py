@@ -83,6 +83,7 @@ class Publisher:
         self.codec = CursorCodec(config.cursor_key.encode())
         self.registry = Registry()
         self.metrics = PublisherMetrics()
+        self.metrics.feed_max_age.set(config.max_age)
         self.reader = FeedReader(config.schema)
         self.tailer = Tailer(
             self._connect,
