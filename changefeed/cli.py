@@ -248,7 +248,7 @@ async def _example_api(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
     app = create_app(dsn, **overrides)
     server = DrainingServer(
-        server_config(app, args.host, args.port), [app.state.publisher], tune_gc=True
+        server_config(app, args.host, args.port), [app.state.publisher], owns_process=True
     )
     print(
         f"example VM API with publisher on http://{args.host}:{args.port} "

@@ -150,7 +150,7 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
     app = create_app(api_dsn, poll_interval=0.2)
     publisher = app.state.publisher
     server = DrainingServer(
-        server_config(app, "127.0.0.1", args.port), [publisher], grace=3.0, tune_gc=True
+        server_config(app, "127.0.0.1", args.port), [publisher], grace=3.0, owns_process=True
     )
     serving = asyncio.create_task(server.serve(), name="demo-api")
     async with asyncio.timeout(30):

@@ -8,9 +8,13 @@ after the listening socket stopped accepting, and within a bounded time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import signal
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -120,6 +124,10 @@ def server_config(app: Any, host: str, port: int, **overrides: Any) -> uvicorn.C
     return uvicorn.Config(app, **settings)
 
 
+def _drained(_signum: int, _frame: FrameType | None) -> None:
+    """SIGTERM raised again by uvicorn after the drain it asked for: nothing left to do."""
+
+
 class DrainingServer(uvicorn.Server):
     """A uvicorn server that drains ``publishers`` before it shuts down.
 
@@ -127,8 +135,9 @@ class DrainingServer(uvicorn.Server):
         config: the uvicorn config.
         publishers: publishers to drain (close listeners with 1001) on shutdown.
         grace: seconds allowed for the drain.
-        tune_gc: once started, apply ``tune_collector`` (for a process that is
-            this server; not for one that merely embeds it, like a test).
+        owns_process: this server is the process (a CLI server, not a test or
+            an application that embeds it): once started, apply
+            ``tune_collector``, and after a SIGTERM drain end with status 0.
     """
 
     def __init__(
@@ -137,17 +146,38 @@ class DrainingServer(uvicorn.Server):
         publishers: Sequence[Publisher],
         grace: float = 5.0,
         *,
-        tune_gc: bool = False,
+        owns_process: bool = False,
     ) -> None:
         super().__init__(config)
         self.publishers = list(publishers)
         self.grace = grace
-        self.tune_gc = tune_gc
+        self.owns_process = owns_process
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.tune_gc and self.started:
+        if self.owns_process and self.started:
             tune_collector()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, and then a SIGTERM that was drained is done with.
+
+        Once shut down, uvicorn raises the signals it handled again, for the
+        handlers that were there before it: for SIGTERM that is the default
+        one, which kills the process (status 143 in a shell). A server process
+        that drained on SIGTERM has stopped as asked and ends with status 0;
+        SIGINT still ends it as an interrupt.
+        """
+        if not self.owns_process or threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        before = signal.signal(signal.SIGTERM, _drained)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(signal.SIGTERM, before)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:

@@ -66,7 +66,9 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         ws_ping_interval=server.ping_interval,
         ws_ping_timeout=server.ping_timeout,
     )
-    runner = DrainingServer(uvicorn_config, [publisher], grace=server.drain_grace, tune_gc=True)
+    runner = DrainingServer(
+        uvicorn_config, [publisher], grace=server.drain_grace, owns_process=True
+    )
     print(
         f"changefeed publisher for {[r.name for r in config.resources]} on "
         f"http://{uvicorn_config.host}:{uvicorn_config.port}",
