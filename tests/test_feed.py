@@ -16,10 +16,10 @@ import httpx
 import orjson
 import pytest
 from helpers import wait_until
-from publisher_fixtures import receive_items, register, registration, running_publisher
+from publisher_fixtures import VM, receive_items, register, registration, running_publisher
 
 from changefeed.embedded import EmbeddedPostgres, temporary
-from changefeed.publisher import publish
+from changefeed.publisher import Publisher, PublisherConfig, publish
 from changefeed.schemas import apply_schema
 
 WRITERS = 16
@@ -280,6 +280,7 @@ async def test_a_prepared_transaction_holds_delivery_back_and_stats_say_so() -> 
                 for gauge in (
                     "changefeed_oldest_open_transaction_seconds",
                     "changefeed_feed_oldest_entry_seconds",
+                    "changefeed_feed_max_age_seconds",
                     "changefeed_feed_bytes",
                 ):
                     value = next(
@@ -305,3 +306,33 @@ async def test_a_prepared_transaction_holds_delivery_back_and_stats_say_so() -> 
             with contextlib.suppress(Exception):
                 await conn.execute("ROLLBACK PREPARED 'changefeed-test'")
             await conn.close()
+
+
+async def test_the_tailer_reuses_one_plan_for_its_read_on_an_analysed_feed(feed_dsn: str) -> None:
+    """Once the feed has statistics (autovacuum analyses any real one), PostgreSQL
+    would plan the tailer's prepared read afresh on every execution, planning
+    costing more than the read. The tailer's connection keeps the generic plan."""
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        await conn.execute(
+            "SELECT changefeed.publish_many(array_fill('vm'::text, ARRAY[5000]),"
+            " array_fill('nic'::text, ARRAY[5000]),"
+            " ARRAY(SELECT 'vm-' || g FROM generate_series(1, 5000) g))"
+        )
+        await conn.execute("ANALYZE changefeed.feed")
+    finally:
+        await conn.close()
+    publisher = Publisher(PublisherConfig(dsn=feed_dsn, resources=(VM,), retention=False))
+    tailer = await publisher._connect()
+    try:
+        head = await publisher.reader.head(tailer)
+        for _ in range(10):
+            assert await publisher.reader.read_after(tailer, head, 1000) == []
+        plans = await tailer.fetchrow(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE statement LIKE '%LIMIT $3'"
+        )
+        assert plans is not None
+        assert (plans["custom_plans"], plans["generic_plans"]) == (0, 10)
+    finally:
+        await tailer.close()
