@@ -1,6 +1,8 @@
 """End-to-end latency: commit -> listener receives, at a steady rate of changes.
 
     python bench/latency.py [--dsn DSN] [--quick] [--rate 1000] [--seconds 10] [--listeners 100]
+                            [--history 100000]
+    python bench/latency.py --sweep 1,10,25,50,100 [--rate 1000] [--seconds 10]
 
 A writer process commits one change per transaction at ``--rate`` per second
 (its own process, so that its round trips never share an event loop with
@@ -21,7 +23,13 @@ COMMIT; latency is the time the change reaches the other side minus that.
   listeners (what changefeed.listener negotiates) and with RFD 5 listeners.
   Beside it, where the time goes inside the publisher: commit to the start of
   the change's fan-out (against the floor), and how long one flush to every
-  listener takes.
+  listener takes. The feed holds ``--history`` older entries, analysed, as a
+  feed in service does.
+
+``--sweep`` measures, for each listener count, the raw fan-out and the
+publisher with batch listeners at the same rate (the floor once), and prints a
+sizing table: how many listeners one publisher process serves within the
+targets on this machine.
 
 Clocks: CLOCK_MONOTONIC, shared by all processes of the machine. The first
 5% of changes are a warm-up and not counted. Targets (2-core machine): p50 <=
@@ -48,6 +56,7 @@ from common import (
     database,
     percentile,
     raise_nofile,
+    readable,
     say,
     serve_publisher,
     until,
@@ -112,13 +121,30 @@ async def run_writer(dsn: str, kind: str, rate: float, count: int) -> list[float
     there.close()
     try:
         here.send(time.monotonic() + 1.5)  # the child needs a moment to import and connect
-        await until(here.poll, 30 + 2 * count / rate, "the writer did not finish")
+        await readable(here, 30 + 2 * count / rate, "the writer did not finish")
         sent_at: list[float] = here.recv()
         return sent_at
     finally:
         process.join(10)
         if process.is_alive():
             process.kill()
+
+
+async def fill_history(conn: asyncpg.Connection, entries: int) -> None:
+    """A feed that has been running: ``entries`` older entries, analysed (as
+    autovacuum would have done), so that the tailer's reads meet the table, its
+    index and its statistics as they are in service, not an empty table."""
+    q = quote_schema(SCHEMA)
+    for start in range(0, entries, 10_000):
+        n = min(10_000, entries - start)
+        await conn.execute(
+            f"SELECT {q}.publish_many(array_fill('vm'::text, ARRAY[$1::int]),"
+            " array_fill('nic'::text, ARRAY[$1::int]),"
+            " ARRAY(SELECT 'history-' || g FROM generate_series($2::int, $2::int + $1 - 1) g))",
+            n,
+            start,
+        )
+    await conn.execute(f"ANALYZE {q}.feed")
 
 
 def summary(latencies: list[float]) -> dict[str, float]:
@@ -275,9 +301,57 @@ def _instrument(publisher: Publisher) -> tuple[dict[int, float], list[float]]:
     return dispatched_at, flush_seconds
 
 
+async def sweep(args: argparse.Namespace, counts: list[int], seconds: float) -> None:
+    """The publisher (batch listeners) and the raw fan-out at each listener count."""
+    count = int(args.rate * seconds)
+    say(f"latency sweep: {args.rate:g} changes/s for {seconds:g} s at each of {counts} listeners")
+    rows: list[tuple[int, dict[str, Any], dict[str, Any]]] = []
+    with database(args.dsn) as dsn:
+        admin = await asyncpg.connect(dsn)
+        try:
+            await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+            await apply_schema(admin, SCHEMA)
+            await fill_history(admin, args.history)
+            await admin.execute(f"CREATE TABLE {SCHEMA}.floor (id bigserial PRIMARY KEY, v text)")
+            floor = await measure_floor(dsn, args.rate, count)
+            say(line("floor: INSERT+NOTIFY -> LISTEN", floor))
+            async with ClientFleet() as fleet:
+                for listeners in counts:
+                    raw = await measure_broadcast(fleet, listeners, rate=args.rate, count=count)
+                    figures = await measure_publisher(
+                        fleet, dsn, listeners, rate=args.rate, count=count, batch=True
+                    )
+                    rows.append((listeners, raw, figures))
+                    say(line(f"{listeners} listeners: raw fan-out", raw))
+                    say(line(f"{listeners} listeners: publisher", figures))
+        finally:
+            with contextlib.suppress(Exception):
+                await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+            await admin.close()
+    say("")
+    say("  listeners | raw p50 / p99 (ms) | publisher p50 / p99 (ms) | cpu per change (us)")
+    within = []
+    for listeners, raw, figures in rows:
+        ok = figures["p50"] <= 0.002 and figures["p99"] <= 0.010
+        if ok:
+            within.append(listeners)
+        say(
+            f"  {listeners:>9} | {raw['p50'] * 1e3:6.2f} / {raw['p99'] * 1e3:6.2f}   "
+            f"| {figures['p50'] * 1e3:6.2f} / {figures['p99'] * 1e3:6.2f}{' ok' if ok else '   '}"
+            f"      | {figures['server_cpu'] * 1e6:5.0f}"
+        )
+    say(
+        f"result: floor p50 {floor['p50'] * 1e3:.2f} ms; within p50 <= 2 ms and p99 <= 10 ms at "
+        f"{args.rate:g} changes/s: {', '.join(map(str, within)) or 'none'} listeners"
+    )
+
+
 async def main(args: argparse.Namespace) -> None:
     raise_nofile(4096)
     seconds = args.seconds or (3.0 if args.quick else 10.0)
+    if args.sweep:
+        await sweep(args, [int(n) for n in args.sweep.split(",")], seconds)
+        return
     count = int(args.rate * seconds)
     say(
         f"latency: {args.rate:g} changes/s for {seconds:g} s ({count} changes), "
@@ -288,6 +362,7 @@ async def main(args: argparse.Namespace) -> None:
         try:
             await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
             await apply_schema(admin, SCHEMA)
+            await fill_history(admin, args.history)
             await admin.execute(f"CREATE TABLE {SCHEMA}.floor (id bigserial PRIMARY KEY, v text)")
             floor = await measure_floor(dsn, args.rate, count)
             say(line("floor: INSERT+NOTIFY -> LISTEN", floor))
@@ -344,6 +419,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=1000.0, help="changes per second")
     parser.add_argument("--seconds", type=float, default=0.0)
     parser.add_argument("--listeners", type=int, default=100)
+    parser.add_argument(
+        "--history", type=int, default=100_000, help="older entries in the feed (analysed)"
+    )
+    parser.add_argument(
+        "--sweep", metavar="N,N,...", help="listener counts: a sizing table instead"
+    )
     parser.add_argument(
         "--send-interval", type=float, help="publisher send_interval, seconds (default: config)"
     )
