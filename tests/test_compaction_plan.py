@@ -26,8 +26,8 @@ from changefeed.publisher.compaction import (
     simulate,
     uncovered,
 )
+from changefeed.publisher.compaction.frames import block_ranges, read_predicates
 from changefeed.publisher.compaction.jdbc import find_jdbc_jar
-from changefeed.publisher.compaction.job import block_ranges, read_predicates
 from changefeed.publisher.compaction.plan import chunk_garbage
 from changefeed.publisher.errors import CompactionError, PublisherError
 from changefeed.schemas import ORIGIN, Position

@@ -2,8 +2,9 @@
 
 ``run_compaction`` (module ``job``) is the entry point the ``changefeed compact``
 command calls. The rules are in ``plan`` (pure code, also the reference the
-tests hold the Spark job to), the DSN-to-JDBC conversion in ``jdbc``, and the
-PostgreSQL side (snapshot, staging, batched apply) in ``apply``.
+tests hold the Spark job to), the same rules as Spark DataFrames in ``frames``,
+the Spark session in ``session``, the DSN-to-JDBC conversion in ``jdbc``, and
+the PostgreSQL side (snapshot, staging, batched apply) in ``apply``.
 docs/compaction.md explains the algorithm and why invariant I5 holds.
 
 Importing this package does not import pyspark; ``run_compaction`` does.
@@ -11,7 +12,7 @@ Importing this package does not import pyspark; ``run_compaction`` does.
 
 from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .job import CompactionSummary, Progress, run_compaction, spark_session
+from .job import CompactionSummary, Progress, run_compaction
 from .plan import (
     GcChunk,
     Notification,
@@ -24,6 +25,7 @@ from .plan import (
     simulate,
     uncovered,
 )
+from .session import spark_session
 
 __all__ = [
     "COMPACTION_LOCK_KEY",

@@ -19,9 +19,12 @@ One run:
 5. **apply** (control connection): garbage chunks, then keeper updates, then
    drops, each batch its own short transaction (see ``apply``).
 
+This module runs the steps in order; the Spark DataFrames of steps 2-4 are
+built in ``frames``, the PostgreSQL statements of steps 1 and 5 in ``apply``.
+
 The job prints nothing; it reports through ``progress``. Spark is started
 quietly on one machine (loopback only, UI off, log level WARN, scratch space
-under the temp dir) unless a session is handed in.
+under the temp dir; see ``session``) unless a session is handed in.
 """
 
 from __future__ import annotations
@@ -30,15 +33,10 @@ import asyncio
 import contextlib
 import importlib
 import json
-import os
-import re
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -47,46 +45,25 @@ from changefeed.publisher.errors import CompactionError
 from changefeed.schemas import ORIGIN, Position, quote_schema
 from changefeed.schemas.errors import ProtocolError
 
-from .apply import KIND_DROP, KIND_KEEP, CompactionStore, FeedSnapshot
+from .apply import CompactionStore
+from .frames import _plan_and_stage, _ts, block_ranges, head_bound, plan_garbage, read_predicates
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .plan import GcChunk
+from .session import spark_session
 
 __all__ = [
     "CompactionSummary",
     "Progress",
     "run_compaction",
-    "spark_session",
 ]
 
 Progress = Callable[[str, dict[str, Any]], None]
 """``progress(event, fields)``: how the job reports (``start``, ``snapshot``,
 ``phase``, ``planned``, ``staged``, ``batch``, ``done``)."""
 
-_FETCH_SIZE = 10_000
-_WRITE_BATCH = 10_000
 _BLOCKS_PER_PARTITION = 8192  # 64 MiB of heap per read partition
 _MAX_PARTITIONS = 4096
 _TID_RANGE_SCAN = 140000  # server_version_num with TID range scans
 _CONNECT_TIMEOUT = 30.0
-_LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
-
-_LOG4J2 = """\
-status = error
-rootLogger.level = warn
-rootLogger.appenderRef.stderr.ref = stderr
-appender.stderr.type = Console
-appender.stderr.name = stderr
-appender.stderr.target = SYSTEM_ERR
-appender.stderr.layout.type = PatternLayout
-appender.stderr.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
-logger.nativecode.name = org.apache.hadoop.util.NativeCodeLoader
-logger.nativecode.level = error
-logger.sparkconf.name = org.apache.spark.SparkConf
-logger.sparkconf.filter.localdir.type = RegexFilter
-logger.sparkconf.filter.localdir.regex = .*spark[.]local[.]dir will be overridden.*
-logger.sparkconf.filter.localdir.onMatch = DENY
-logger.sparkconf.filter.localdir.onMismatch = NEUTRAL
-"""
 
 
 @dataclass
@@ -184,307 +161,6 @@ def _age(seconds: float) -> str:
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
     return f"{seconds:g}s"
-
-
-# --------------------------------------------------------------------------- Spark session
-
-
-def _local_threads(master: str) -> int | None:
-    match = _LOCAL_MASTER.match(master)
-    if not match:
-        return None
-    threads = match.group(2)
-    if threads is None:
-        return 1
-    if threads == "*":
-        return os.cpu_count() or 1
-    return int(threads)
-
-
-def session_conf(
-    master: str, jdbc_jar: str | None, scratch: Path, extra: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The Spark settings the job starts with (``extra`` wins)."""
-    log_conf = scratch / "log4j2.properties"
-    conf = {
-        "spark.ui.enabled": "false",
-        "spark.ui.showConsoleProgress": "false",
-        "spark.local.dir": str(scratch),
-        "spark.sql.session.timeZone": "UTC",
-        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
-    }
-    if jdbc_jar:
-        conf["spark.jars"] = jdbc_jar
-    threads = _local_threads(master)
-    if threads is not None:
-        conf.update(
-            {
-                "spark.driver.host": "127.0.0.1",
-                "spark.driver.bindAddress": "127.0.0.1",
-                "spark.driver.memory": "2g",
-                "spark.sql.shuffle.partitions": str(max(4, 4 * threads)),
-            }
-        )
-    conf.update(extra or {})
-    return conf
-
-
-@contextlib.contextmanager
-def spark_session(
-    master: str = "local[*]",
-    *,
-    jdbc_jar: str | None = None,
-    conf: Mapping[str, str] | None = None,
-    app_name: str = "changefeed-compaction",
-) -> Iterator[Any]:
-    """Start a quiet SparkSession for the job; stop it (and remove its scratch space) after.
-
-    When this process already runs a SparkContext, its session is used as it
-    is and left running (``master``, ``jdbc_jar`` and ``conf`` do not apply).
-
-    On a ``local`` master the driver binds to 127.0.0.1 only (``SPARK_LOCAL_IP``
-    is set for this process if unset). ``jdbc_jar`` defaults to
-    :func:`~changefeed.publisher.compaction.jdbc.find_jdbc_jar`.
-
-    Raises:
-        CompactionError: pyspark is not installed, or Java cannot start.
-    """
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError as exc:
-        raise CompactionError(
-            "the compaction job needs pyspark (pip install 'changefeed[spark]') and Java 17+"
-        ) from exc
-    from pyspark import SparkContext
-
-    if SparkContext._active_spark_context is not None:
-        # A session already runs in this process: use it, leave it running.
-        yield SparkSession.builder.getOrCreate()
-        return
-    jar = jdbc_jar if jdbc_jar is not None else find_jdbc_jar()
-    scratch = Path(tempfile.mkdtemp(prefix="changefeed-spark-"))
-    try:
-        (scratch / "log4j2.properties").write_text(_LOG4J2)
-        if _local_threads(master) is not None:
-            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        builder = SparkSession.builder.appName(app_name).master(master)
-        for key, value in session_conf(master, jar, scratch, conf).items():
-            builder = builder.config(key, value)
-        try:
-            spark = builder.getOrCreate()
-        except Exception as exc:  # py4j / JVM launch failures have no common base
-            raise CompactionError(f"cannot start Spark ({master}): {exc}") from exc
-        try:
-            spark.sparkContext.setLogLevel("WARN")
-            yield spark
-        finally:
-            spark.stop()
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- planning in Spark
-
-
-def block_ranges(blocks: int, partitions: int) -> list[tuple[int, int | None]]:
-    """Split pages ``[0, blocks)`` into ``partitions`` ranges; the last one is open-ended."""
-    parts = max(1, min(partitions, max(blocks, 1)))
-    bounds = [blocks * i // parts for i in range(parts)]
-    return [(lo, bounds[i + 1] if i + 1 < parts else None) for i, lo in enumerate(bounds)]
-
-
-def _ts(value: datetime) -> str:
-    # A datetime from the server's own clock, formatted: never text from input.
-    return f"'{value.isoformat()}'::timestamptz"
-
-
-def head_bound(snapshot: FeedSnapshot) -> str:
-    """SQL: the entry is at or before the snapshot's head."""
-    return f"(txid, id) <= ('{int(snapshot.head.txid)}'::xid8, {int(snapshot.head.id)})"
-
-
-def read_predicates(
-    snapshot: FeedSnapshot, ranges: list[tuple[int, int | None]], condition: str
-) -> list[str]:
-    """One ``WHERE`` clause per partition: its page range, the head bound and ``condition``."""
-    head = head_bound(snapshot)
-    out = []
-    for lo, hi in ranges:
-        terms = []
-        if lo > 0:
-            terms.append(f"ctid >= '({int(lo)},0)'::tid")
-        if hi is not None:
-            terms.append(f"ctid < '({int(hi)},0)'::tid")
-        out.append(" AND ".join([*terms, head, condition]))
-    return out
-
-
-def _read(spark: Any, target: JdbcTarget, table: str, predicates: list[str]) -> Any:
-    return spark.read.jdbc(
-        url=target.url,
-        table=table,
-        predicates=predicates,
-        properties=target.with_properties(
-            fetchsize=str(_FETCH_SIZE), ApplicationName="changefeed-compaction"
-        ),
-    )
-
-
-def plan_garbage(
-    spark: Any,
-    target: JdbcTarget,
-    table: str,
-    predicates: list[str],
-    *,
-    width: int,
-    count_condition: str,
-) -> tuple[list[GcChunk], int]:
-    """Garbage chunk bounds, and the number of compaction candidates, in one Spark job.
-
-    Garbage is grouped by ``id div width`` (so a chunk holds at most ``width``
-    entries); only the chunk bounds come back to the driver. The candidates are
-    counted by PostgreSQL (``count_condition``), beside the garbage scan.
-    """
-    from pyspark.sql import functions as F
-
-    garbage = _read(spark, target, table, predicates).select(
-        F.col("txid").cast("long").alias("txid"), F.col("id")
-    )
-    chunks = garbage.groupBy(F.expr(f"id div {int(width)}").alias("chunk")).agg(
-        F.min(F.struct("txid", "id")).alias("first"),
-        F.max(F.struct("txid", "id")).alias("last"),
-        F.count(F.lit(1)).alias("rows"),
-    )
-    counted = spark.read.jdbc(
-        url=target.url,
-        table=f"(SELECT count(*) AS n FROM {table} WHERE {count_condition}) AS changefeed_count",
-        properties=target.with_properties(ApplicationName="changefeed-compaction"),
-    ).select(
-        F.lit(-1).cast("long").alias("chunk"),
-        F.lit(None).cast("struct<txid:bigint,id:bigint>").alias("first"),
-        F.lit(None).cast("struct<txid:bigint,id:bigint>").alias("last"),
-        F.col("n").cast("long").alias("rows"),
-    )
-    rows = chunks.unionByName(counted).collect()
-    candidates = sum(int(r["rows"]) for r in rows if r["chunk"] == -1)
-    found = sorted((r for r in rows if r["chunk"] != -1), key=lambda r: int(r["chunk"]))
-    return [
-        GcChunk(
-            Position(int(r["first"]["txid"]), int(r["first"]["id"])),
-            Position(int(r["last"]["txid"]), int(r["last"]["id"])),
-            int(r["chunk"]) * width,
-            (int(r["chunk"]) + 1) * width,
-            int(r["rows"]),
-        )
-        for r in found
-    ], candidates
-
-
-def merge_frame(candidates: Any) -> Any:
-    """Every candidate entry with its group's verdict.
-
-    One window over ``(resource, changed_resource_id)`` (one shuffle) gives each
-    entry its group's size ``n``, keeper (latest position), whole-resource flag
-    and distinct sub-resource sets. Returns ``txid, id, subs, n, k_txid, k_id,
-    is_keep, union`` for every candidate (groups of one included).
-    """
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    w = Window.partitionBy("resource", "changed_resource_id")
-    subs = F.array_sort(F.array_distinct(F.col("sub_resources")))
-    grouped = candidates.select(
-        F.col("txid").cast("long").alias("txid"),
-        F.col("id"),
-        F.col("resource"),
-        F.col("changed_resource_id"),
-        subs.alias("subs"),
-    ).select(
-        "*",
-        F.count(F.lit(1)).over(w).alias("n"),
-        F.max(F.struct("txid", "id")).over(w).alias("keep"),
-        F.max((F.size("subs") == 0).cast("int")).over(w).alias("whole"),
-        F.collect_set("subs").over(w).alias("sets"),
-    )
-    union = F.when(F.col("whole") == 1, F.array().cast("array<string>")).otherwise(
-        F.array_sort(F.array_distinct(F.flatten(F.col("sets"))))
-    )
-    is_keep = (F.col("txid") == F.col("keep.txid")) & (F.col("id") == F.col("keep.id"))
-    return grouped.select(
-        "txid",
-        "id",
-        "subs",
-        "n",
-        F.col("keep.txid").alias("k_txid"),
-        F.col("keep.id").alias("k_id"),
-        is_keep.alias("is_keep"),
-        union.alias("union"),
-    )
-
-
-def staging_rows(merged: Any) -> Any:
-    """Keeper rows whose sub-resources change, and drop rows, in ``STAGING_COLUMNS`` order."""
-    from pyspark.sql import functions as F
-
-    keep = F.col("is_keep")
-    null_long = F.lit(None).cast("long")
-    return merged.where((F.col("n") > 1) & (~keep | (F.col("subs") != F.col("union")))).select(
-        F.when(keep, F.lit(KIND_KEEP)).otherwise(F.lit(KIND_DROP)).cast("short").alias("kind"),
-        F.col("txid"),
-        F.col("id"),
-        F.when(keep, null_long).otherwise(F.col("k_txid")).alias("keep_txid"),
-        F.when(keep, null_long).otherwise(F.col("k_id")).alias("keep_id"),
-        F.when(keep, F.col("union"))
-        .otherwise(F.lit(None).cast("array<string>"))
-        .alias("sub_resources"),
-    )
-
-
-def _plan_and_stage(
-    spark: Any,
-    target: JdbcTarget,
-    table: str,
-    predicates: list[str],
-    staging: str | None,
-) -> tuple[int, int, int] | None:
-    """Plan compaction; write the staging rows to ``staging``, or with None (dry run) count.
-
-    Returns:
-        on a dry run (groups, keeper updates, drops); otherwise None (the
-        counts are in the staging table).
-    """
-    from pyspark.sql import functions as F
-
-    merged = merge_frame(_read(spark, target, table, predicates))
-    if staging is None:
-        in_group = F.col("n") > 1
-        keep = F.col("is_keep")
-        row = merged.agg(
-            F.count(F.when(in_group & keep, 1)).alias("groups"),
-            F.count(F.when(in_group & keep & (F.col("subs") != F.col("union")), 1)).alias(
-                "updates"
-            ),
-            F.count(F.when(in_group & ~keep, 1)).alias("drops"),
-        ).collect()[0]
-        return (int(row["groups"]), int(row["updates"]), int(row["drops"]))
-    staging_rows(merged).write.jdbc(
-        url=target.url,
-        table=staging,
-        mode="append",
-        properties=target.with_properties(
-            batchsize=str(_WRITE_BATCH),
-            reWriteBatchedInserts="true",
-            # No transaction per partition: each batch of inserts commits by
-            # itself. A write transaction holds an xid, and while it is open
-            # pg_snapshot_xmin -- the publishers' tailing horizon (I1) -- cannot
-            # pass it: one long staging transaction would stall every tailer.
-            # A retried task may then stage a row twice; the apply step is
-            # idempotent, and the summary counts what it applied.
-            isolationLevel="NONE",
-            ApplicationName="changefeed-compaction",
-        ),
-    )
-    return None
 
 
 # --------------------------------------------------------------------------- the run

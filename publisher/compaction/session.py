@@ -1,0 +1,137 @@
+"""The Spark session the compaction job starts: quiet, on one machine, cleaned up after.
+
+Loopback only, UI off, log level WARN, scratch space (and the log4j2 settings)
+under the temp dir, removed when the session stops. A session already running
+in this process is used as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from changefeed.publisher.errors import CompactionError
+
+from .jdbc import find_jdbc_jar
+
+__all__ = ["session_conf", "spark_session"]
+
+_LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
+
+_LOG4J2 = """\
+status = error
+rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = stderr
+appender.stderr.type = Console
+appender.stderr.name = stderr
+appender.stderr.target = SYSTEM_ERR
+appender.stderr.layout.type = PatternLayout
+appender.stderr.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+logger.nativecode.name = org.apache.hadoop.util.NativeCodeLoader
+logger.nativecode.level = error
+logger.sparkconf.name = org.apache.spark.SparkConf
+logger.sparkconf.filter.localdir.type = RegexFilter
+logger.sparkconf.filter.localdir.regex = .*spark[.]local[.]dir will be overridden.*
+logger.sparkconf.filter.localdir.onMatch = DENY
+logger.sparkconf.filter.localdir.onMismatch = NEUTRAL
+"""
+
+
+def _local_threads(master: str) -> int | None:
+    match = _LOCAL_MASTER.match(master)
+    if not match:
+        return None
+    threads = match.group(2)
+    if threads is None:
+        return 1
+    if threads == "*":
+        return os.cpu_count() or 1
+    return int(threads)
+
+
+def session_conf(
+    master: str, jdbc_jar: str | None, scratch: Path, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The Spark settings the job starts with (``extra`` wins)."""
+    log_conf = scratch / "log4j2.properties"
+    conf = {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.local.dir": str(scratch),
+        "spark.sql.session.timeZone": "UTC",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
+    }
+    if jdbc_jar:
+        conf["spark.jars"] = jdbc_jar
+    threads = _local_threads(master)
+    if threads is not None:
+        conf.update(
+            {
+                "spark.driver.host": "127.0.0.1",
+                "spark.driver.bindAddress": "127.0.0.1",
+                "spark.driver.memory": "2g",
+                "spark.sql.shuffle.partitions": str(max(4, 4 * threads)),
+            }
+        )
+    conf.update(extra or {})
+    return conf
+
+
+@contextlib.contextmanager
+def spark_session(
+    master: str = "local[*]",
+    *,
+    jdbc_jar: str | None = None,
+    conf: Mapping[str, str] | None = None,
+    app_name: str = "changefeed-compaction",
+) -> Iterator[Any]:
+    """Start a quiet SparkSession for the job; stop it (and remove its scratch space) after.
+
+    When this process already runs a SparkContext, its session is used as it
+    is and left running (``master``, ``jdbc_jar`` and ``conf`` do not apply).
+
+    On a ``local`` master the driver binds to 127.0.0.1 only (``SPARK_LOCAL_IP``
+    is set for this process if unset). ``jdbc_jar`` defaults to
+    :func:`~changefeed.publisher.compaction.jdbc.find_jdbc_jar`.
+
+    Raises:
+        CompactionError: pyspark is not installed, or Java cannot start.
+    """
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:
+        raise CompactionError(
+            "the compaction job needs pyspark (pip install 'changefeed[spark]') and Java 17+"
+        ) from exc
+    from pyspark import SparkContext
+
+    if SparkContext._active_spark_context is not None:
+        # A session already runs in this process: use it, leave it running.
+        yield SparkSession.builder.getOrCreate()
+        return
+    jar = jdbc_jar if jdbc_jar is not None else find_jdbc_jar()
+    scratch = Path(tempfile.mkdtemp(prefix="changefeed-spark-"))
+    try:
+        (scratch / "log4j2.properties").write_text(_LOG4J2)
+        if _local_threads(master) is not None:
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        builder = SparkSession.builder.appName(app_name).master(master)
+        for key, value in session_conf(master, jar, scratch, conf).items():
+            builder = builder.config(key, value)
+        try:
+            spark = builder.getOrCreate()
+        except Exception as exc:  # py4j / JVM launch failures have no common base
+            raise CompactionError(f"cannot start Spark ({master}): {exc}") from exc
+        try:
+            spark.sparkContext.setLogLevel("WARN")
+            yield spark
+        finally:
+            spark.stop()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
