@@ -18,7 +18,7 @@ import asyncpg
 import psutil
 import pytest
 
-from changefeed import embedded
+from changefeed import embedded_host
 from changefeed.embedded import (
     EmbeddedPostgres,
     EmbeddedPostgresError,
@@ -91,7 +91,7 @@ def test_find_postgres_bindir_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_find_postgres_bindir_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CHANGEFEED_PG_BINDIR", raising=False)
-    monkeypatch.setattr(embedded, "_has_programs", lambda bindir: False)
+    monkeypatch.setattr(embedded_host, "_has_programs", lambda bindir: False)
     with pytest.raises(EmbeddedPostgresError, match="apt-get install postgresql"):
         find_postgres_bindir()
 
