@@ -21,9 +21,10 @@ Or read the raw events (``Resynced`` after each bootstrap, then ``ChangeItem``):
 Modules: ``lifecycle`` (the connection state machine), ``backoff`` (the
 schedule), ``buffer`` (the buffer interface and the in-memory kind),
 ``frames`` (decoding), ``workqueue`` and ``mirror`` (the controller's queue
-and store) are pure code; ``listener`` and ``controller`` are the websockets /
-httpx adapters around them; ``metrics`` exposes both on a Prometheus registry. Every exception is a
-``ListenerError`` (tree in ``errors``). See docs/listener.md.
+and store) are pure code; ``listener`` (one connection in ``session``) and
+``controller`` are the websockets / httpx adapters around them; ``metrics``
+exposes both on a Prometheus registry. Every exception is a ``ListenerError``
+(tree in ``errors``). See docs/listener.md.
 
 What the package must never do: block or slow the publisher (the socket is
 read as fast as it delivers; a full buffer means abort and re-register, never
