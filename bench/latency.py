@@ -86,7 +86,7 @@ async def _write(dsn: str, kind: str, rate: float, count: int, start_at: float) 
     if kind == "floor":
         statement = (
             f"WITH row AS (INSERT INTO {q}.floor (v) VALUES ($1) RETURNING id)"
-            f" SELECT pg_notify('{FLOOR_CHANNEL}', $2) FROM row"
+            " SELECT pg_notify($2, $3) FROM row"
         )
     else:
         statement = f"SELECT {q}.publish('vm', ARRAY['nic'], $1)"
@@ -102,7 +102,7 @@ async def _write(dsn: str, kind: str, rate: float, count: int, start_at: float) 
             value = f"lat-{seq}-{pad}"
             sent_at.append(time.monotonic())
             if kind == "floor":
-                await conn.execute(statement, value, str(seq))
+                await conn.execute(statement, value, FLOOR_CHANNEL, str(seq))
             else:
                 await conn.execute(statement, value)
     finally:
@@ -420,7 +420,7 @@ async def main(args: argparse.Namespace) -> None:
                     )
                     to_dispatch, flush = figures["to_dispatch"], figures["flush"]
                     say(
-                        f"    commit -> fan-out starts: p50 {to_dispatch['p50'] * 1e3:.2f} ms "
+                        f"    sent -> fan-out starts: p50 {to_dispatch['p50'] * 1e3:.2f} ms "
                         f"p99 {to_dispatch['p99'] * 1e3:.2f} ms (floor p50 "
                         f"{floor['p50'] * 1e3:.2f} ms); one flush to {args.listeners} listeners: "
                         f"p50 {flush['p50'] * 1e3:.2f} ms p99 {flush['p99'] * 1e3:.2f} ms "
