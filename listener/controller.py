@@ -64,6 +64,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_NOTHING = object()
+"""No failed callback is on record for an id."""
+
 Fetcher = Callable[[Sequence[str]], Awaitable[Mapping[str, Any]]]
 """Fetches resources by id: returns the ones that exist (absent ids are deleted)."""
 
@@ -214,6 +217,9 @@ class Controller:
         self._retry = ItemBackoff(retry, rng)
         self._stale: set[str] = set()
         self._seen: dict[str, Any] = {}  # id -> state the application last saw, while pending
+        # id -> the new state of a callback that raised: the application may hold
+        # part of it, even if the mirror goes back to what it last saw.
+        self._attempted: dict[str, Any] = {}
         self._route: str | None = None
         self._synced = asyncio.Event()
         self._resynced_once = False
@@ -495,15 +501,23 @@ class Controller:
         if key not in self._seen:
             self._retry.forget(key)
             return
-        old = self._seen[key]
+        seen = old = self._seen[key]
         new = self._mirror.get(key)
         if old == new:
-            del self._seen[key]
-            self._retry.forget(key)
-            return
+            attempted = self._attempted.get(key, _NOTHING)
+            if attempted is _NOTHING or attempted == new:
+                del self._seen[key]
+                self._attempted.pop(key, None)
+                self._retry.forget(key)
+                return
+            # A failed callback for this id may have applied part of its change,
+            # and the mirror is back where it was: undo from there.
+            old = attempted
         try:
             await self._dispatch(key, old, new)
         except Exception as exc:
+            if old == seen:
+                self._attempted[key] = new
             self.reconcile_errors += 1
             delay = self._retry.failure(key)
             self.queue.add_rate_limited(key, delay)
@@ -519,6 +533,7 @@ class Controller:
             )
             return
         self.reconciles += 1
+        self._attempted.pop(key, None)
         self._retry.forget(key)
         # The mirror may have moved on during the callback (a resync): the
         # application now holds ``new``; the id is already queued again.

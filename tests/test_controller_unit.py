@@ -205,6 +205,28 @@ async def test_failed_callbacks_are_retried_with_the_same_old_state() -> None:
     assert controller.stats().reconcile_errors == 2
 
 
+async def test_a_failed_callback_is_undone_when_the_change_is_reverted() -> None:
+    """A callback that raised may have applied part of its change (a write that
+    committed before its connection died). If the resource then goes back to
+    what the application last saw, the application is still called, from the
+    state it may partly hold back to the current one; without that call it
+    would keep the half-applied change forever."""
+    source, api, rec = Source(), Api(), Recorder()
+    slow_retry = BackoffPolicy(initial=1.0, maximum=1.0, jitter=0.0)
+    controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile, retry=slow_retry)
+    async with controller:
+        source.send(resync([vm("a", "v1")]))
+        await controller.wait_synced(5)
+        rec.fail_next = 1
+        source.send(resync([vm("a", "v2")], initial=False))
+        await wait_until(lambda: controller.stats().reconcile_errors == 1, 5)
+        source.send(resync([vm("a", "v1")], initial=False))  # before the retry is due
+        await wait_until(lambda: len(rec.calls) == 2, 5, message="the revert reaches the app")
+        await controller.wait_idle(5)
+    assert rec.calls == [("a", None, vm("a", "v1")), ("a", vm("a", "v2"), vm("a", "v1"))]
+    assert controller.stats().reconciles == 2
+
+
 async def test_an_id_in_flight_during_a_resync_is_fetched_again() -> None:
     """A fetch that started before a bootstrap list may finish after it with older state:
     it must never be the last word."""
