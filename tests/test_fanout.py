@@ -296,12 +296,15 @@ async def test_a_burst_reaches_100_listeners_fairly(feed_dsn: str, batch: bool, 
         assert result["connected"] == 100
         await wait_until(lambda: len(pub.publisher.registry) == 100)
         await fleet.reset(items)
-        started = time.monotonic()
         await _publish(feed_dsn, [f"burst-{i}" for i in range(items)])
         report = await fleet.wait(120)
         assert report["complete"] and report["items"] == [items] * 100
-        done = sorted(t - started for t in report["done_at"])
-        first = sorted(t - started for t in report["first_at"])
+        # Times from the first delivery to anyone: the fan-out's own, not the
+        # INSERT's and COMMIT's before it (on a busy machine they take longer
+        # than the whole fan-out).
+        began = min(report["first_at"])
+        done = sorted(t - began for t in report["done_at"])
+        first = sorted(t - began for t in report["first_at"])
         total = done[-1]
         spread = done[-1] - done[0]
         print(
