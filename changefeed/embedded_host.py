@@ -201,12 +201,8 @@ def _free_port(host: str) -> int:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not _pid_exists(pid):
         return False
-    except PermissionError:
-        return True
     try:
         # A zombie (exited, not yet reaped by its parent) is not running.
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
