@@ -148,6 +148,14 @@ def busy_cpus() -> tuple[float, float]:
     return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
+async def prepare_database(conn: asyncpg.Connection, history: int) -> None:
+    """A fresh feed schema with ``history`` older entries, and the floor's table."""
+    await conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+    await apply_schema(conn, SCHEMA)
+    await fill_history(conn, history)
+    await conn.execute(f"CREATE TABLE {SCHEMA}.floor (id bigserial PRIMARY KEY, v text)")
+
+
 async def fill_history(conn: asyncpg.Connection, entries: int) -> None:
     """A feed that has been running: ``entries`` older entries, analysed (as
     autovacuum would have done), so that the tailer's reads meet the table, its
@@ -332,10 +340,7 @@ async def sweep(args: argparse.Namespace, counts: list[int], seconds: float) -> 
     with database(args.dsn) as dsn:
         admin = await asyncpg.connect(dsn)
         try:
-            await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-            await apply_schema(admin, SCHEMA)
-            await fill_history(admin, args.history)
-            await admin.execute(f"CREATE TABLE {SCHEMA}.floor (id bigserial PRIMARY KEY, v text)")
+            await prepare_database(admin, args.history)
             floor = await measure_floor(dsn, args.rate, count)
             say(line("floor: INSERT+NOTIFY -> LISTEN", floor))
             async with ClientFleet() as fleet:
@@ -387,10 +392,7 @@ async def main(args: argparse.Namespace) -> None:
     with database(args.dsn) as dsn:
         admin = await asyncpg.connect(dsn)
         try:
-            await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-            await apply_schema(admin, SCHEMA)
-            await fill_history(admin, args.history)
-            await admin.execute(f"CREATE TABLE {SCHEMA}.floor (id bigserial PRIMARY KEY, v text)")
+            await prepare_database(admin, args.history)
             floor = await measure_floor(dsn, args.rate, count)
             say(line("floor: INSERT+NOTIFY -> LISTEN", floor))
             async with ClientFleet() as fleet:
