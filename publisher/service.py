@@ -56,6 +56,7 @@ _WATCH_INTERVAL = 1.0
 _FLUSH_SLICE = 0.00025
 """Seconds a flush writes before it lets the event loop run (see Publisher._flush)."""
 _READY_TIMEOUT = 5.0
+_FANNED_OUT_TIMEOUT = 1.0
 
 
 class Publisher:
@@ -93,6 +94,7 @@ class Publisher:
             poll_interval=config.poll_interval,
             batch=config.tail_batch,
             retry_budget=config.db_retry_budget,
+            fanned_out=self._fanned_out,
         )
         self._pool = pool
         self._own_pool = pool is None
@@ -115,6 +117,9 @@ class Publisher:
         """The next flush, or the next slice of the one under way."""
         self._next_flush = 0.0
         """Loop time before which a flush waits (see _flush)."""
+        self._flushed = asyncio.Event()
+        """Set while no outbox waits for a flush and none is under way."""
+        self._flushed.set()
         self.feed_health = FeedHealth(0.0, 0.0, 0)
         """The feed as last seen by _watch_loop (oldest writer, oldest entry, size)."""
         self.refusals: dict[str, int] = {}
@@ -215,6 +220,7 @@ class Publisher:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
+        self._flushed.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -272,6 +278,8 @@ class Publisher:
         queued, evicted = self.registry.dispatch(entries, self.encode, touched)
         self.queued_total += queued
         self._pending.update(touched)
+        if self._pending:
+            self._flushed.clear()
         if self._pending and self._flush_timer is None:
             # Flush now, unless the last flush was too recent (see _flush): then
             # as soon as it may, with everything read meanwhile.
@@ -357,6 +365,16 @@ class Publisher:
             self._next_flush = flush_started + min(self.config.send_interval, 3 * cost)
         if self._pending:
             self._flush_timer = loop.call_at(self._next_flush, self._flush)
+        else:
+            self._flushed.set()
+
+    async def _fanned_out(self) -> None:
+        """Return once every frame dispatched so far has had its flush (the tailer
+        waits for this between full batches; see Tailer). Bounded: a flush that
+        never ends, which is a bug, must not stop the tailer for good."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_FANNED_OUT_TIMEOUT):
+                await self._flushed.wait()
 
     def count_sent(self, items: int, frames: int) -> None:
         """Count ``items`` written to a listener socket in ``frames`` websocket frames."""

@@ -57,6 +57,8 @@ class Tailer:
         batch: entries per read.
         retry_budget: after this many seconds without the database, status is
             ``unavailable`` (the tailer keeps retrying).
+        fanned_out: awaited after a full batch, before the next read: returns once
+            the fan-out's flush has given every listener its turn of what ``sink`` took.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class Tailer:
         poll_interval: float = 0.5,
         batch: int = 1000,
         retry_budget: float = 30.0,
+        fanned_out: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._connect = connect
         self._reader = reader
@@ -77,6 +80,7 @@ class Tailer:
         self._poll_interval = poll_interval
         self._batch = batch
         self._retry_budget = retry_budget
+        self._fanned_out = fanned_out
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
         self.position: Position | None = None
@@ -182,6 +186,12 @@ class Tailer:
             self.lag_seconds = max(0.0, (datetime.now(UTC) - last.published).total_seconds())
             if len(entries) < self._batch:
                 return
+            # A full batch: more is waiting (a burst, a catch-up). Reading and
+            # encoding the next batch now would hold back the listeners that
+            # this batch's flush has not reached yet, and fill every queue
+            # faster than they are written out.
+            if self._fanned_out is not None:
+                await self._fanned_out()
 
     def stats(self) -> dict[str, Any]:
         """The tailer's live picture for /changefeeds/stats."""
