@@ -677,12 +677,13 @@ def say(*parts: object) -> None:
 async def serve_publisher(config: Any, **server: Any) -> AsyncIterator[tuple[str, Any]]:
     """Run ``Publisher(config)`` in a Starlette app on uvicorn (the publisher's own
     server settings, ``server`` overriding them) on a free loopback port; yield its
-    websocket URL and the publisher."""
+    websocket URL and the publisher. The garbage collector is tuned once the
+    server has started, as ``changefeed serve`` does."""
     import uvicorn
     from starlette.applications import Starlette
 
     from changefeed.publisher import Publisher
-    from changefeed.serving import server_config
+    from changefeed.serving import server_config, tune_collector
 
     publisher = Publisher(config)
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
@@ -691,6 +692,7 @@ async def serve_publisher(config: Any, **server: Any) -> AsyncIterator[tuple[str
     await until(lambda: runner.started, 30)
     port = runner.servers[0].sockets[0].getsockname()[1]
     await asyncio.wait_for(publisher.tailer.ready.wait(), 30)
+    tune_collector()
     try:
         yield f"ws://127.0.0.1:{port}/changefeeds", publisher
     finally:
