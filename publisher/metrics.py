@@ -13,9 +13,10 @@ Names (all prefixed ``changefeed_``): ``listeners``, ``open_connections``,
 ``entries_tailed_total``, ``queued_total``, ``deliveries_total``,
 ``frames_total``, ``replayed_total``, ``queue_depth_max``, ``queued_items``,
 ``tailer_lag_seconds``, ``tailer_up``, ``tailer_position``,
-``oldest_open_transaction_seconds``, ``feed_oldest_entry_seconds``,
-``feed_max_age_seconds``, ``feed_bytes``, ``flush_seconds`` (histogram: the CPU
-time of each fan-out flush, all its slices together).
+``tailer_fanout_wait_seconds_total``, ``oldest_open_transaction_seconds``,
+``feed_oldest_entry_seconds``, ``feed_max_age_seconds``, ``feed_bytes``,
+``flush_seconds`` (histogram: the CPU time of each fan-out flush, all its
+slices together).
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ class PublisherMetrics:
                 "changefeed_frames": (
                     "Websocket frames of live change items written (a batch frame counts once)"
                 ),
+                "changefeed_tailer_fanout_wait_seconds": (
+                    "Time the tailer waited, between full batches, for the fan-out to reach"
+                    " every listener"
+                ),
             }
         )
         r.register(self._live)
@@ -175,6 +180,7 @@ class PublisherMetrics:
         queued: Callable[[], int],
         deliveries: Callable[[], int],
         frames: Callable[[], int],
+        fanout_wait: Callable[[], float],
     ) -> None:
         """Read the fan-out's hot counters from the publisher's plain integers at scrape
         time (a Prometheus ``inc`` per frame would cost more than the frame)."""
@@ -183,6 +189,7 @@ class PublisherMetrics:
             "changefeed_queued": queued,
             "changefeed_deliveries": deliveries,
             "changefeed_frames": frames,
+            "changefeed_tailer_fanout_wait_seconds": fanout_wait,
         }
 
     def render(self) -> bytes:
@@ -194,7 +201,7 @@ class _LiveCounters(Collector):
 
     def __init__(self, documentation: dict[str, str]) -> None:
         self._documentation = documentation
-        self.sources: dict[str, Callable[[], int]] = {}
+        self.sources: dict[str, Callable[[], float]] = {}
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         for name, text in self._documentation.items():

@@ -141,6 +141,7 @@ class Publisher:
             queued=lambda: self.queued_total,
             deliveries=lambda: self.sent_total,
             frames=lambda: self.frames_total,
+            fanout_wait=lambda: self.tailer.fanout_wait_seconds,
         )
 
     # -- lifecycle ---------------------------------------------------------

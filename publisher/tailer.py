@@ -94,6 +94,8 @@ class Tailer:
         self.last_published: datetime | None = None
         self.last_read_at: float | None = None
         self.lag_seconds = 0.0
+        self.fanout_wait_seconds = 0.0
+        """Time spent waiting for the fan-out between full batches (see _drain)."""
 
     def ring(self, *_: Any) -> None:
         """Doorbell: read now (called by NOTIFY, or by anyone who knows there is news)."""
@@ -191,7 +193,9 @@ class Tailer:
             # this batch's flush has not reached yet, and fill every queue
             # faster than they are written out.
             if self._fanned_out is not None:
+                waited_from = time.monotonic()
                 await self._fanned_out()
+                self.fanout_wait_seconds += time.monotonic() - waited_from
 
     def stats(self) -> dict[str, Any]:
         """The tailer's live picture for /changefeeds/stats."""
@@ -200,6 +204,7 @@ class Tailer:
             "position": list(self.position) if self.position else None,
             "entries": self.entries_total,
             "lagSeconds": round(self.lag_seconds, 6),
+            "fanoutWaitSeconds": round(self.fanout_wait_seconds, 6),
             "lastPublished": self.last_published.isoformat() if self.last_published else None,
             "doorbells": self.doorbells_total,
             "polls": self.polls_total,

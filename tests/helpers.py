@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+from prometheus_client.parser import text_string_to_metric_families
+
 __all__ = ["dsn_with_database", "free_port", "fresh_database", "wait_until"]
 
 
@@ -95,3 +97,16 @@ async def fresh_database(
             await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         finally:
             await admin.close()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` (with ``labels``) in a /metrics page.
+
+    Raises:
+        KeyError: no such sample.
+    """
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    raise KeyError(f"{name} {labels} not in /metrics")

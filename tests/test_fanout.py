@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import orjson
 import pytest
 import uvicorn
-from helpers import wait_until
+from helpers import metric_value, wait_until
 from publisher_fixtures import (
     NETWORK,
     VM,
@@ -352,6 +353,13 @@ async def test_the_tailer_reads_on_only_once_every_listener_had_its_turn(feed_ds
         assert report["complete"] and report["items"] == [2000] * 50
         assert len(unserved) >= 4 and unserved[0] == 50
         assert unserved[1:] == [0] * (len(unserved) - 1)
+        # Operators see the tailer being paced by the fan-out.
+        waited = pub.publisher.tailer.stats()["fanoutWaitSeconds"]
+        assert waited > 0
+        async with httpx.AsyncClient(base_url=pub.server.url) as http:
+            metrics = (await http.get("/metrics")).text
+        total = metric_value(metrics, "changefeed_tailer_fanout_wait_seconds_total")
+        assert total == pytest.approx(waited, abs=1e-6)
 
 
 @contextlib.contextmanager

@@ -19,8 +19,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from helpers import wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import metric_value, wait_until
 from publisher_fixtures import (
     PublisherUnderTest,
     receive_items,
@@ -263,14 +262,6 @@ async def test_http_query_parameters_are_validated(feed_dsn: str) -> None:
 # --------------------------------------------------------------------------- churn
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    raise KeyError(f"{name} {labels} not in /metrics")
-
-
 async def _abort(ws: ClientConnection) -> None:
     """Drop the TCP connection without a close handshake (RST)."""
     transport = ws.transport
@@ -373,12 +364,12 @@ async def test_stats_and_metrics_stay_exact_under_churn(feed_dsn: str) -> None:
         assert counters["listeners"] == registered + 1
         assert counters["disconnects"] == registered
         metrics = (await http.get("/metrics")).text
-        assert _metric(metrics, "changefeed_listeners") == 1
-        assert _metric(metrics, "changefeed_open_connections") == 1
-        assert _metric(metrics, "changefeed_active_registrations", resource="vm") == 1
-        assert _metric(metrics, "changefeed_active_registrations", resource="network") == 0
-        assert _metric(metrics, "changefeed_connections_total") == cycles + 1
-        assert _metric(metrics, "changefeed_disconnects_total") == counters["disconnects"]
+        assert metric_value(metrics, "changefeed_listeners") == 1
+        assert metric_value(metrics, "changefeed_open_connections") == 1
+        assert metric_value(metrics, "changefeed_active_registrations", resource="vm") == 1
+        assert metric_value(metrics, "changefeed_active_registrations", resource="network") == 0
+        assert metric_value(metrics, "changefeed_connections_total") == cycles + 1
+        assert metric_value(metrics, "changefeed_disconnects_total") == counters["disconnects"]
         # Nothing leaked: no session objects but the keeper's, no extra tasks.
         await wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before, timeout=10)
         gc.collect()
