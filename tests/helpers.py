@@ -18,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["dsn_with_database", "free_port", "fresh_database", "wait_until"]
+__all__ = ["dsn_with_database", "free_port", "fresh_database", "metric_value", "wait_until"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -30,7 +30,7 @@ class RunningServer:
         self.url = f"http://127.0.0.1:{port}"
         self.ws_url = f"ws://127.0.0.1:{port}"
 
-    async def stop(self, timeout: float = 10.0) -> None:
+    async def stop(self, timeout: float = 15.0) -> None:
         self.server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(self.task, timeout)
@@ -48,6 +48,10 @@ async def serve_app(
         "lifespan": "on",
         "ws_ping_interval": 5.0,
         "ws_ping_timeout": 5.0,
+        # As server_config does in production: uvicorn otherwise waits forever
+        # for a connection whose peer never completes the close (seen once in
+        # the convergence test, under load, on an API restart).
+        "timeout_graceful_shutdown": 5,
     }
     settings.update(config)
     server = uvicorn.Server(uvicorn.Config(app, **settings))
