@@ -499,7 +499,7 @@ class Publisher:
         resources = sorted({r for r, _ in kinds})
         after = since
         replayed = 0
-        while True:
+        while session.closing is None:
             async with self._pool.acquire(timeout=_READY_TIMEOUT) as conn:
                 entries = await self.reader.read_between(conn, after, upto, resources, _REPLAY_PAGE)
             frames = [
@@ -507,32 +507,34 @@ class Publisher:
                 for e in entries
                 if any(r == e.resource and matches(e.sub_resources, subs) for r, subs in kinds)
             ]
-            if frames:
-                if session.batch:
-                    for i in range(0, len(frames), self.config.max_batch):
-                        await send_text(batch_text(frames[i : i + self.config.max_batch]))
-                        session.frames += 1
-                else:
-                    for frame in frames:
-                        await send_text(frame)
-                    session.frames += len(frames)
-                replayed += len(frames)
-                session.sent += len(frames)
+            step = self.config.max_batch if session.batch else 1
+            for i in range(0, len(frames), step):
+                # Evicted (its live queue overflowed meanwhile) or drained: the rest
+                # of the replay would only be thrown away with the connection.
+                if session.closing is not None:
+                    break
+                sent = frames[i : i + step]
+                await send_text(batch_text(sent) if session.batch else sent[0])
+                session.frames += 1
+                session.sent += len(sent)
+                replayed += len(sent)
             if len(entries) < _REPLAY_PAGE:
                 break
             after = entries[-1].position
-        # Garbage collection (inline or the Spark job) raises the low-water mark in
-        # the same transaction as its deletes: if it passed `since` while we read
-        # page by page, entries may have vanished under the replay. Say so rather
-        # than leave a silent gap; the listener re-registers and bootstraps.
-        async with self._pool.acquire(timeout=_READY_TIMEOUT) as conn:
-            if since < await self.reader.low_water(conn):
-                raise ResumeGap("the feed was trimmed past the cursor during the replay")
+        interrupted = session.closing is not None
+        if not interrupted:
+            # Garbage collection (inline or the Spark job) raises the low-water mark
+            # in the same transaction as its deletes: if it passed `since` while we
+            # read page by page, entries may have vanished under the replay. Say so
+            # rather than leave a silent gap; the listener re-registers and bootstraps.
+            async with self._pool.acquire(timeout=_READY_TIMEOUT) as conn:
+                if since < await self.reader.low_water(conn):
+                    raise ResumeGap("the feed was trimmed past the cursor during the replay")
         self.metrics.replayed_total.inc(replayed)
         self.sent_total += replayed
         log_event(
             log,
-            "resume.replayed",
+            "resume.interrupted" if interrupted else "resume.replayed",
             instance=session.instance,
             items=replayed,
             since=str(since),

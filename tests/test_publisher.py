@@ -200,6 +200,45 @@ async def test_resume_replays_exactly_what_was_missed(feed_dsn: str) -> None:
         await ws.close()
 
 
+async def test_a_replay_stops_once_its_listener_is_closing(
+    feed_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listener drained (or evicted) in the middle of its resume replay gets no
+    more of it: the close follows the page under way, not the whole replay."""
+    from changefeed.publisher import service
+    from changefeed.publisher.feed import FeedReader
+    from changefeed.publisher.registry import Closing
+
+    monkeypatch.setattr(service, "_REPLAY_PAGE", 100)
+    read_between = FeedReader.read_between
+
+    async with running_publisher(feed_dsn) as pub:
+        ws, _ = await register(pub.ws_url, registration(subs=["nic"]))
+        await write(feed_dsn, [("vm", ["nic"], "before")])
+        (seen,) = await receive_items(ws, 1)
+        await ws.close()
+        await write(feed_dsn, [("vm", ["nic"], f"m{i}") for i in range(300)])
+        await wait_until(lambda: pub.publisher.tailer.entries_total >= 301)
+
+        async def read_then_drain(self: FeedReader, *args: object) -> object:
+            entries = await read_between(self, *args)  # type: ignore[arg-type]
+            # What Publisher.drain does to every listener, during the first page.
+            for session in pub.publisher.registry.sessions:
+                session.close(Closing(1001, None, "publisher shutting down"))
+            return entries
+
+        monkeypatch.setattr(FeedReader, "read_between", read_then_drain)
+        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=seen["cursor"]))
+        assert ack["resumed"] is True
+        items: list[str] = []
+        with pytest.raises(ConnectionClosed) as closed:
+            async with asyncio.timeout(10):
+                while True:
+                    items.append(orjson.loads(await ws.recv())["changedResourceId"])
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+        assert items == []
+
+
 async def test_a_replay_trimmed_under_its_feet_ends_with_an_error_not_a_gap(
     feed_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
