@@ -294,7 +294,7 @@ class _Connection:
         try:
             await self.send({"type": "websocket.send", "text": ack.encode()})
             if resumed and since is not None and since < head:
-                await publisher.replay(self._send_text, session, since, head)
+                await self._replay(session, since, head)
         except ResumeGap as gap:
             publisher.forget(session)
             raise _Refusal("unavailable", str(gap)) from None
@@ -305,6 +305,29 @@ class _Connection:
 
     async def _send_text(self, text: str) -> None:
         await self.send({"type": "websocket.send", "text": text})
+
+    async def _replay(self, session: ListenerSession, since: Position, head: Position) -> None:
+        """The resume replay, bounded like every other wait on a listener: once the
+        session is closing (evicted, drained), a replay stuck on a listener that
+        does not read is given ``close_timeout``, then dropped.
+
+        Raises:
+            ResumeGap: the feed was trimmed under the replay.
+        """
+        publisher = self.publisher
+        replay = asyncio.ensure_future(publisher.replay(self._send_text, session, since, head))
+        try:
+            await asyncio.wait(
+                (replay, session.outbox.closing()), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not replay.done():
+                await asyncio.wait((replay,), timeout=publisher.config.close_timeout)
+        finally:
+            if not replay.done():
+                replay.cancel()
+                await asyncio.gather(replay, return_exceptions=True)
+        if not replay.cancelled():
+            replay.result()
 
     # -- live delivery -------------------------------------------------------
 

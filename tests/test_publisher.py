@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import asyncpg
 import httpx
@@ -11,6 +12,7 @@ import orjson
 import pytest
 from helpers import wait_until
 from publisher_fixtures import receive_items, register, registration, running_publisher, write
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from changefeed.schemas import Ack, ChangeItem, CloseCode, validate
@@ -237,6 +239,45 @@ async def test_a_replay_stops_once_its_listener_is_closing(
                     items.append(orjson.loads(await ws.recv())["changedResourceId"])
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
         assert items == []
+
+
+async def test_a_drain_gives_up_on_a_replay_its_listener_does_not_read(feed_dsn: str) -> None:
+    """A resuming listener that stops reading blocks its replay on the socket. A
+    drain must not wait for it beyond close_timeout (every wait on a listener is
+    bounded), and the listener is let go."""
+    async with running_publisher(feed_dsn, close_timeout=0.5) as pub:
+        publisher = pub.publisher
+        ws, _ = await register(pub.ws_url, registration(subs=[]))
+        await write(feed_dsn, [("vm", [], "before")])
+        (seen,) = await receive_items(ws, 1)
+        await ws.close()
+        # 20 MB of replay: more than the kernel and the transport absorb.
+        padding = "x" * 4000
+        await write(feed_dsn, [("vm", [], f"m{i}-{padding}") for i in range(5000)])
+        await wait_until(lambda: publisher.tailer.entries_total >= 5001, timeout=30)
+        # A small receive buffer and max_queue=1: once a frame waits unread, the
+        # client stops reading its socket, and the replay's sends block.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", pub.server.port))
+        stuck = await connect(pub.ws_url, max_queue=1, sock=sock, compression=None)
+        try:
+            await stuck.send(registration(subs=[], since=seen["cursor"]))
+            progress: list[int] = []
+
+            def replay_stalled() -> bool:
+                progress.append(sum(s.sent for s in publisher.registry.sessions))
+                return len(progress) > 5 and progress[-1] == progress[-6] > 0
+
+            await wait_until(replay_stalled, timeout=30, interval=0.05)
+            assert progress[-1] < 5000
+            started = time.monotonic()
+            await publisher.drain(grace=10)
+            assert len(publisher.registry) == 0
+            assert time.monotonic() - started < 5
+        finally:
+            stuck.transport.abort()
 
 
 async def test_a_replay_trimmed_under_its_feet_ends_with_an_error_not_a_gap(
