@@ -518,6 +518,9 @@ class Publisher:
                 session.frames += 1
                 session.sent += len(sent)
                 replayed += len(sent)
+                # Counted as it goes: a replay may be dropped mid-way (see websocket).
+                self.metrics.replayed_total.inc(len(sent))
+                self.sent_total += len(sent)
             if len(entries) < _REPLAY_PAGE:
                 break
             after = entries[-1].position
@@ -530,8 +533,6 @@ class Publisher:
             async with self._pool.acquire(timeout=_READY_TIMEOUT) as conn:
                 if since < await self.reader.low_water(conn):
                     raise ResumeGap("the feed was trimmed past the cursor during the replay")
-        self.metrics.replayed_total.inc(replayed)
-        self.sent_total += replayed
         log_event(
             log,
             "resume.interrupted" if interrupted else "resume.replayed",

@@ -10,7 +10,7 @@ import asyncpg
 import httpx
 import orjson
 import pytest
-from helpers import wait_until
+from helpers import metric_value, wait_until
 from publisher_fixtures import receive_items, register, registration, running_publisher, write
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -276,6 +276,9 @@ async def test_a_drain_gives_up_on_a_replay_its_listener_does_not_read(feed_dsn:
             await publisher.drain(grace=10)
             assert len(publisher.registry) == 0
             assert time.monotonic() - started < 5
+            # What did go out before the replay was dropped is counted.
+            metrics = publisher.metrics.render().decode()
+            assert metric_value(metrics, "changefeed_replayed_total") == progress[-1]
         finally:
             stuck.transport.abort()
 
