@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 import orjson
+from helpers import wait_until
 from servers import RunningServer, serve_app
 from starlette.applications import Starlette
 from websockets.asyncio.client import ClientConnection, connect
@@ -97,3 +99,33 @@ async def write(dsn: str, entries: Sequence[tuple[str, Sequence[str], str]]) -> 
                 await publish(conn, resource, subs, changed_id)
     finally:
         await conn.close()
+
+
+async def cursor_before(
+    pub: PublisherUnderTest,
+    missed: Sequence[tuple[str, Sequence[str], str]],
+    subs: Sequence[str] = ("nic",),
+) -> str:
+    """A listener of ``vm`` (``subs``) sees one change and disconnects; then
+    ``missed`` is written and tailed. Returns the cursor it would resume from."""
+    tailed = pub.publisher.tailer.entries_total + 1 + len(missed)
+    ws, _ = await register(pub.ws_url, registration(subs=subs))
+    await write(pub.dsn, [("vm", subs, "before")])
+    (seen,) = await receive_items(ws, 1)
+    await ws.close()
+    await write(pub.dsn, missed)
+    await wait_until(lambda: pub.publisher.tailer.entries_total >= tailed, timeout=30)
+    cursor: str = seen["cursor"]
+    return cursor
+
+
+async def connect_not_reading(url: str) -> ClientConnection:
+    """A websocket client that stops reading its socket once one frame waits
+    unread (max_queue=1), with a small receive buffer: the kernel absorbs
+    little, so the publisher's sends to it soon block."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.setblocking(False)
+    port = int(url.split(":")[2].split("/", maxsplit=1)[0])
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    return await connect(url, max_queue=1, sock=sock, compression=None)

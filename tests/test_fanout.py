@@ -33,6 +33,7 @@ from publisher_fixtures import (
     VM,
     WS_PROTOCOLS,
     PublisherUnderTest,
+    connect_not_reading,
     receive_items,
     register,
     registration,
@@ -388,14 +389,7 @@ class SlowListener:
         self.ids: list[str] = []
 
     async def connect(self, *, batch: bool = False) -> None:
-        # A small receive buffer and max_queue=1: once a frame waits unread, the
-        # client stops reading its socket, and the kernel absorbs little.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        sock.setblocking(False)
-        port = int(self.url.split(":")[2].split("/")[0])
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-        self.ws = await connect(self.url, max_queue=1, sock=sock, compression=None)
+        self.ws = await connect_not_reading(self.url)
         await self.ws.send(registration(subs=[], batch=batch))
         ack = orjson.loads(await asyncio.wait_for(self.ws.recv(), 10))
         self.cursor = ack["cursor"]

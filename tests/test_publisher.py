@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import asyncpg
@@ -11,7 +10,15 @@ import httpx
 import orjson
 import pytest
 from helpers import metric_value, wait_until
-from publisher_fixtures import receive_items, register, registration, running_publisher, write
+from publisher_fixtures import (
+    connect_not_reading,
+    cursor_before,
+    receive_items,
+    register,
+    registration,
+    running_publisher,
+    write,
+)
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -130,7 +137,6 @@ async def test_bad_registrations_get_an_error_frame_and_a_documented_close_code(
 
 
 async def test_registration_timeout_closes_silent_connections(feed_dsn: str) -> None:
-    from websockets.asyncio.client import connect
 
     async with running_publisher(feed_dsn, registration_timeout=0.3) as pub:
         ws = await connect(pub.ws_url)
@@ -184,14 +190,9 @@ async def test_batch_mode_coalesces_items_into_arrays(feed_dsn: str) -> None:
 
 async def test_resume_replays_exactly_what_was_missed(feed_dsn: str) -> None:
     async with running_publisher(feed_dsn) as pub:
-        ws, _ = await register(pub.ws_url, registration(subs=["nic"]))
-        await write(feed_dsn, [("vm", ["nic"], "before")])
-        (seen,) = await receive_items(ws, 1)
-        await ws.close()
         missed = [("vm", ["nic"] if i % 2 else ["alias"], f"m{i}") for i in range(1000)]
-        await write(feed_dsn, missed)
-        await wait_until(lambda: pub.publisher.tailer.entries_total >= 1001)
-        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=seen["cursor"]))
+        since = await cursor_before(pub, missed)
+        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=since))
         assert Ack.decode(orjson.dumps(ack)).resumed is True
         items = await receive_items(ws, 500)
         assert [i["changedResourceId"] for i in items] == [f"m{i}" for i in range(1, 1000, 2)]
@@ -215,12 +216,7 @@ async def test_a_replay_stops_once_its_listener_is_closing(
     read_between = FeedReader.read_between
 
     async with running_publisher(feed_dsn) as pub:
-        ws, _ = await register(pub.ws_url, registration(subs=["nic"]))
-        await write(feed_dsn, [("vm", ["nic"], "before")])
-        (seen,) = await receive_items(ws, 1)
-        await ws.close()
-        await write(feed_dsn, [("vm", ["nic"], f"m{i}") for i in range(300)])
-        await wait_until(lambda: pub.publisher.tailer.entries_total >= 301)
+        since = await cursor_before(pub, [("vm", ["nic"], f"m{i}") for i in range(300)])
 
         async def read_then_drain(self: FeedReader, *args: object) -> object:
             entries = await read_between(self, *args)  # type: ignore[arg-type]
@@ -230,7 +226,7 @@ async def test_a_replay_stops_once_its_listener_is_closing(
             return entries
 
         monkeypatch.setattr(FeedReader, "read_between", read_then_drain)
-        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=seen["cursor"]))
+        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=since))
         assert ack["resumed"] is True
         items: list[str] = []
         with pytest.raises(ConnectionClosed) as closed:
@@ -247,23 +243,12 @@ async def test_a_drain_gives_up_on_a_replay_its_listener_does_not_read(feed_dsn:
     bounded), and the listener is let go."""
     async with running_publisher(feed_dsn, close_timeout=0.5) as pub:
         publisher = pub.publisher
-        ws, _ = await register(pub.ws_url, registration(subs=[]))
-        await write(feed_dsn, [("vm", [], "before")])
-        (seen,) = await receive_items(ws, 1)
-        await ws.close()
         # 20 MB of replay: more than the kernel and the transport absorb.
         padding = "x" * 4000
-        await write(feed_dsn, [("vm", [], f"m{i}-{padding}") for i in range(5000)])
-        await wait_until(lambda: publisher.tailer.entries_total >= 5001, timeout=30)
-        # A small receive buffer and max_queue=1: once a frame waits unread, the
-        # client stops reading its socket, and the replay's sends block.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", pub.server.port))
-        stuck = await connect(pub.ws_url, max_queue=1, sock=sock, compression=None)
+        since = await cursor_before(pub, [("vm", [], f"m{i}-{padding}") for i in range(5000)], [])
+        stuck = await connect_not_reading(pub.ws_url)
         try:
-            await stuck.send(registration(subs=[], since=seen["cursor"]))
+            await stuck.send(registration(subs=[], since=since))
             progress: list[int] = []
 
             def replay_stalled() -> bool:
@@ -315,16 +300,11 @@ async def test_a_replay_trimmed_under_its_feet_ends_with_an_error_not_a_gap(
 
     async with running_publisher(feed_dsn) as pub:
         bystander, _ = await register(pub.ws_url, registration(subs=[]))
-        ws, _ = await register(pub.ws_url, registration(subs=["nic"]))
-        await write(feed_dsn, [("vm", ["nic"], "before")])
-        (seen,) = await receive_items(ws, 1)
-        await ws.close()
-        await write(feed_dsn, [("vm", ["nic"], f"m{i}") for i in range(300)])
-        await wait_until(lambda: pub.publisher.tailer.entries_total >= 301)
+        since = await cursor_before(pub, [("vm", ["nic"], f"m{i}") for i in range(300)])
         assert len(await receive_items(bystander, 301)) == 301
 
         monkeypatch.setattr(FeedReader, "read_between", read_then_collect)
-        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=seen["cursor"]))
+        ws, ack = await register(pub.ws_url, registration(subs=["nic"], since=since))
         assert ack["resumed"] is True
         items: list[str] = []
         errors: list[str] = []
@@ -368,15 +348,7 @@ async def test_cursor_older_than_the_low_water_mark_is_not_resumed(feed_dsn: str
 
 async def test_a_slow_listener_is_evicted_and_others_keep_receiving(feed_dsn: str) -> None:
     async with running_publisher(feed_dsn, queue_size=2000, tail_batch=200) as pub:
-        from websockets.asyncio.client import connect
-
-        # max_queue=1: once a frame waits unread, the client stops reading the socket;
-        # a small fixed receive buffer keeps the kernel from absorbing the burst.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", pub.server.port))
-        slow = await connect(pub.ws_url, max_queue=1, sock=sock, compression=None)
+        slow = await connect_not_reading(pub.ws_url)
         await slow.send(registration())
         await asyncio.wait_for(slow.recv(), 5)
         # max_queue=None: the fast one's client reads whatever arrives, at once.
