@@ -230,21 +230,17 @@ async def test_convergence(seed: int, dsn: str, restartable_pg_server: EmbeddedP
             missing = set(expected) - set(mirror)
             extra = set(mirror) - set(expected)
             stale = [k for k in expected if k in mirror and mirror[k] != expected[k]]
-            in_memory, stored = dns.records(), await dns.stored_records()
-            wrong_in_memory = {
-                name: (in_memory.get(name), records.get(name))
-                for name in set(in_memory) | set(records)
-                if in_memory.get(name) != records.get(name)
-            }
-            wrong_stored = {
-                name: (stored.get(name), records.get(name))
-                for name in set(stored) | set(records)
-                if stored.get(name) != records.get(name)
-            }
+
+            def differing(have: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+                names = set(have) | set(records)
+                return {
+                    n: (have.get(n), records.get(n)) for n in names if have.get(n) != records.get(n)
+                }
+
             detail = (
                 f"faults={happened} missing={len(missing)} extra={len(extra)} "
-                f"stale={len(stale)} records (have, want): in memory {wrong_in_memory}, "
-                f"stored {wrong_stored} listener={listener.status()} "
+                f"stale={len(stale)} records (have, want): in memory {differing(dns.records())}, "
+                f"stored {differing(await dns.stored_records())} listener={listener.status()} "
                 f"controller={dns.controller.stats()}"
             )
             raise AssertionError(f"schedule {seed} did not converge: {detail}") from None
