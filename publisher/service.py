@@ -275,6 +275,9 @@ class Publisher:
 
     def _dispatch(self, entries: Sequence[FeedEntry]) -> None:
         self.entries_total += len(entries)
+        now, observe = time.time(), self.metrics.entry_age.observe
+        for entry in entries:
+            observe(now - entry.published.timestamp())
         touched: list[Outbox] = []
         queued, evicted = self.registry.dispatch(entries, self.encode, touched)
         self.queued_total += queued

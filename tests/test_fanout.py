@@ -770,6 +770,7 @@ async def _observe(
             "changefeed_registrations_total{resource=vm,resumed=false}",
             "changefeed_flush_seconds_count",
             "changefeed_flush_seconds_sum",
+            "changefeed_entry_age_seconds_count",
         ):
             assert after[name] > before.get(name, 0.0), name
         assert after["changefeed_listeners"] == 1.0
@@ -820,3 +821,22 @@ async def test_an_evicted_listener_that_never_reads_is_let_go_after_close_timeou
         assert 0 < len(slow.ids) < len(ids)
         assert await slow.resume(len(ids), 30) is True
         assert slow.ids == ids
+
+
+def test_the_entry_age_histogram_counts_each_value_in_its_prometheus_bucket() -> None:
+    """Bucket ``le=x`` holds values <= x, cumulatively; negative ages (clock skew) are 0."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from changefeed.publisher.metrics import AgeHistogram
+
+    histogram = AgeHistogram("age_seconds", "ages", buckets=(0.01, 1))
+    registry = CollectorRegistry()
+    registry.register(histogram)
+    for value in (-0.5, 0.01, 0.5, 1.0, 7.0):
+        histogram.observe(value)
+    text = generate_latest(registry).decode()
+    assert metric_value(text, "age_seconds_bucket", le="0.01") == 2
+    assert metric_value(text, "age_seconds_bucket", le="1.0") == 4
+    assert metric_value(text, "age_seconds_bucket", le="+Inf") == 5
+    assert metric_value(text, "age_seconds_count") == 5 == histogram.count
+    assert metric_value(text, "age_seconds_sum") == 0.01 + 0.5 + 1.0 + 7.0
