@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["PublisherMetrics"]
+__all__ = ["AgeHistogram", "PublisherMetrics"]
 
 
 class PublisherMetrics:
