@@ -119,6 +119,10 @@ class Publisher:
         """Loop time before which a flush waits (see _flush)."""
         self._flushed = asyncio.Event()
         """Set while no outbox waits for a flush and none is under way."""
+        self._dispatched_through: Position | None = None
+        """The last entry handed to the fan-out (for the debug events)."""
+        self._flushing_through: Position | None = None
+        """Every entry up to here was queued before the flush under way started."""
         self._flushed.set()
         self.feed_health = FeedHealth(0.0, 0.0, 0)
         """The feed as last seen by _watch_loop (oldest writer, oldest entry, size)."""
@@ -281,6 +285,18 @@ class Publisher:
         touched: list[Outbox] = []
         queued, evicted = self.registry.dispatch(entries, self.encode, touched)
         self.queued_total += queued
+        self._dispatched_through = entries[-1].position
+        if log.isEnabledFor(logging.DEBUG):
+            log_event(
+                log,
+                "fanout.dispatched",
+                logging.DEBUG,
+                entries=len(entries),
+                last=list(self._dispatched_through),
+                queued=queued,
+                listeners=len(touched),
+                evicted=len(evicted),
+            )
         self._pending.update(touched)
         if self._pending:
             self._flushed.clear()
@@ -325,6 +341,7 @@ class Publisher:
         their sends will cost, so the next one waits ``send_interval`` after it.
         """
         pending, self._pending = list(self._pending), set()
+        self._flushing_through = self._dispatched_through
         self._flush_slice(pending, 0, 0.0, [], asyncio.get_running_loop().time())
 
     def _flush_slice(
@@ -363,6 +380,17 @@ class Publisher:
         for outbox in unsent:
             outbox.wake()
         self.metrics.flush_seconds.observe(cost)
+        if log.isEnabledFor(logging.DEBUG):
+            log_event(
+                log,
+                "fanout.flushed",
+                logging.DEBUG,
+                through=list(self._flushing_through) if self._flushing_through else None,
+                listeners=len(pending),
+                written=len(pending) - len(unsent),
+                to_senders=len(unsent),
+                cost_ms=round(cost * 1e3, 3),
+            )
         if unsent:
             self._next_flush = loop.time() + self.config.send_interval
         else:

@@ -44,6 +44,9 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
 )
 """Failures that mean "the database is unreachable or restarting": retried."""
 
+_LOGGED_IDS = 20
+"""Changed resource ids a ``tailer.read`` debug event names (the first of its batch)."""
+
 
 class Tailer:
     """Follows one feed table and calls ``sink`` with each batch of final entries.
@@ -175,13 +178,25 @@ class Tailer:
     async def _drain(self, conn: asyncpg.Connection) -> None:
         assert self.position is not None
         while True:
+            read_from = time.monotonic()
             entries = await self._reader.read_after(conn, self.position, self._batch)
             self.last_read_at = time.monotonic()
             if not entries:
                 self.lag_seconds = 0.0
                 return
-            self._sink(entries)
             last = entries[-1]
+            if log.isEnabledFor(logging.DEBUG):
+                log_event(
+                    log,
+                    "tailer.read",
+                    logging.DEBUG,
+                    entries=len(entries),
+                    first=list(entries[0].position),
+                    last=list(last.position),
+                    read_ms=round((self.last_read_at - read_from) * 1e3, 3),
+                    ids=[e.changed_resource_id for e in entries[:_LOGGED_IDS]],
+                )
+            self._sink(entries)
             self.position = last.position
             self.entries_total += len(entries)
             self.last_published = last.published

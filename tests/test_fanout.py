@@ -840,3 +840,42 @@ def test_the_entry_age_histogram_counts_each_value_in_its_prometheus_bucket() ->
     assert metric_value(text, "age_seconds_bucket", le="+Inf") == 5
     assert metric_value(text, "age_seconds_count") == 5 == histogram.count
     assert metric_value(text, "age_seconds_sum") == 0.01 + 0.5 + 1.0 + 7.0
+
+
+async def test_a_broadcast_can_be_followed_step_by_step_in_debug_logs(
+    feed_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At DEBUG, every step of a broadcast is a structured event: the tailer's read
+    (naming the changed ids), the dispatch to the matching listeners, and the flush
+    that wrote them out, each naming the feed positions it covers."""
+    caplog.set_level(logging.DEBUG, logger="changefeed")
+    async with running_publisher(feed_dsn) as pub:
+        nic, _ = await register(pub.ws_url, registration(subs=["nic"]))
+        alias, _ = await register(pub.ws_url, registration(subs=["alias"]))
+        await _publish(feed_dsn, ["traced-1", "traced-2"])
+        assert [i["changedResourceId"] for i in await receive_items(nic, 2)] == [
+            "traced-1",
+            "traced-2",
+        ]
+        await nic.close()
+        await alias.close()
+    events: list[tuple[str, dict[str, Any]]] = [
+        (r.getMessage(), r.cf_fields)  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.name.startswith("changefeed.publisher")
+    ]
+    steps = [name for name, _ in events]
+
+    def step(name: str, found: Callable[[dict[str, Any]], bool]) -> tuple[int, dict[str, Any]]:
+        return next((i, f) for i, (n, f) in enumerate(events) if n == name and found(f))
+
+    at_read, read = step("tailer.read", lambda f: "traced-1" in f["ids"])
+    assert read["entries"] == 2 and read["ids"] == ["traced-1", "traced-2"]
+    assert read["read_ms"] >= 0
+    at_dispatch, dispatched = step("fanout.dispatched", lambda f: f["last"] == read["last"])
+    assert dispatched["queued"] == 2 and dispatched["listeners"] == 1  # not the alias listener
+    at_flush, flushed = step(
+        "fanout.flushed", lambda f: f["through"] is not None and f["through"] >= read["last"]
+    )
+    assert flushed["listeners"] == 1 and flushed["written"] == 1 and flushed["to_senders"] == 0
+    assert at_read < at_dispatch < at_flush, steps
