@@ -2,7 +2,8 @@
 
 The websockets / httpx adapter around the pure core (``lifecycle``,
 ``backoff``, ``buffer``). One background task runs the connection lifecycle
-(steps 1-4, one connection, are in ``session``; the back-off is here):
+(steps 1-4, one connection, are a ``session.Session``, which reports back
+through the ``SessionHost`` methods below; the back-off is here):
 
 1. CONNECTING: open the websocket (optional bearer token on the handshake)
    and send the RFD 5 v1 registration, with ``since`` when there is a cursor
@@ -36,6 +37,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
 from urllib.parse import urlsplit, urlunsplit
@@ -44,7 +46,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from changefeed.logs import log_event
-from changefeed.schemas import ChangeItem, ChangeKind
+from changefeed.schemas import Ack, ChangeItem, ChangeKind, Registration
 
 from .backoff import Backoff
 from .buffer import Buffer, make_buffer
@@ -61,7 +63,7 @@ from .errors import (
 from .events import Event, ListenerStatus, Resynced
 from .lifecycle import ConnectionState, Disposition, Lifecycle, disposition
 from .metrics import Sample, register_listener
-from .session import _Session
+from .session import Session
 
 __all__ = ["Listener"]
 
@@ -69,6 +71,7 @@ log = logging.getLogger(__name__)
 
 S = ConnectionState
 _TAKE = 512  # items moved from the buffer to the hand-out queue at once
+_LOW_WATER = 0.5  # the high-water event re-arms once the buffer drains below this
 
 
 def _http_origin(ws_url: str) -> str:
@@ -79,7 +82,7 @@ def _http_origin(ws_url: str) -> str:
     return urlunsplit((scheme, parts.netloc, "/", "", ""))
 
 
-class Listener(_Session):
+class Listener:
     """A change-feed listener for one resource (RFD 5's listener module).
 
     Use it as an async context manager and iterate it::
@@ -330,7 +333,7 @@ class Listener(_Session):
             while True:
                 self._lifecycle.to(S.CONNECTING)
                 try:
-                    await self._session()
+                    await self._connect().run()
                 except SessionError as exc:
                     ending = exc
                 else:  # pragma: no cover - a session only ends by raising
@@ -343,6 +346,89 @@ class Listener(_Session):
         except Exception as exc:  # a bug: stop loudly rather than spin
             log_event(log, "listener.crashed", logging.ERROR, **self._fields(), error=repr(exc))
             self._stop_with(exc)
+
+    def _connect(self) -> Session:
+        """The next attempt's session (counted and logged here)."""
+        assert self._http is not None
+        since = self._cursor if self.config.resume else None
+        self.attempts += 1
+        log_event(log, "listener.connecting", **self._fields(), url=self.url, since=since)
+        registration = Registration(
+            self.instance, self.service, (self.change_kind,), since=since, batch=self.config.batch
+        )
+        return Session(
+            self,
+            url=self.url,
+            api_url=self.api_url,
+            registration=registration.encode(),
+            resuming=since is not None,
+            config=self.config,
+            http=self._http,
+            token=self._token,
+            name=self.name,
+            first_bootstrap=not self._bootstrapped_once,
+        )
+
+    # -- what the session reports (session.SessionHost) ------------------------
+
+    def log_fields(self) -> dict[str, Any]:
+        return self._fields()
+
+    def registered(self, ack: Ack, route: str) -> None:
+        self.registrations += 1
+        self._route = route
+        self._lifecycle.to(S.REGISTERED)
+        if ack.resumed:
+            self.resumes += 1
+
+    def bootstrapping(self) -> None:
+        self._lifecycle.to(S.BOOTSTRAPPING)
+
+    def bootstrapped(self, resync: Resynced) -> None:
+        self.bootstraps += 1
+        self._bootstrapped_once = True
+        self._resync = resync
+
+    def live(self) -> None:
+        self._lifecycle.to(S.LIVE)
+        now = self._clock()
+        self._live_since = now
+        self._backoff.healthy(now)
+        self._ready.set()
+
+    def frame_received(self) -> None:
+        self.frames_received += 1
+
+    async def received(self, items: Sequence[ChangeItem]) -> None:
+        self.items_received += len(items)
+        buffer = self._buffer
+        if not await buffer.put(items):
+            self.overflows += 1
+            held = len(buffer)
+            log_event(
+                log,
+                "listener.overflow",
+                logging.WARNING,
+                **self._fields(),
+                incoming=len(items),
+                overflows=self.overflows,
+            )
+            raise BufferOverflow(buffer.capacity, held, len(items))
+        self._check_water()
+        self._ready.set()
+
+    def _check_water(self) -> None:
+        held = len(self._buffer) + len(self._staged)
+        self._peak = max(self._peak, held)
+        capacity = self._buffer.capacity
+        if not self._high and held >= capacity * self.config.high_water:
+            self._high = True
+            log_event(log, "listener.buffer.high", logging.WARNING, **self._fields())
+        elif self._high and held < capacity * _LOW_WATER:
+            self._high = False
+            log_event(log, "listener.buffer.normal", **self._fields())
+
+    # -- ending ------------------------------------------------------------------
 
     def _stop_with(self, exc: BaseException) -> None:
         self._fatal = exc
