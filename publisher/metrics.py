@@ -31,6 +31,9 @@ from prometheus_client.registry import Collector
 
 __all__ = ["AgeHistogram", "PublisherMetrics"]
 
+_AGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+"""Seconds: from a doorbell's few milliseconds to an open transaction's minutes."""
+
 
 class PublisherMetrics:
     """The publisher's counters and gauges."""
@@ -138,23 +141,7 @@ class PublisherMetrics:
             "Age of each feed entry (now minus its published time, the database's clock)"
             " when the tailer handed it to the fan-out: the delay listeners see, before"
             " the flush and the network",
-            buckets=(
-                0.001,
-                0.0025,
-                0.005,
-                0.01,
-                0.025,
-                0.05,
-                0.1,
-                0.25,
-                0.5,
-                1,
-                2.5,
-                5,
-                10,
-                30,
-                60,
-            ),
+            buckets=_AGE_BUCKETS,
         )
         r.register(self.entry_age)
         self._live = _LiveCounters(

@@ -119,11 +119,11 @@ class Publisher:
         """Loop time before which a flush waits (see _flush)."""
         self._flushed = asyncio.Event()
         """Set while no outbox waits for a flush and none is under way."""
+        self._flushed.set()
         self._dispatched_through: Position | None = None
         """The last entry handed to the fan-out (for the debug events)."""
         self._flushing_through: Position | None = None
         """Every entry up to here was queued before the flush under way started."""
-        self._flushed.set()
         self.feed_health = FeedHealth(0.0, 0.0, 0)
         """The feed as last seen by _watch_loop (oldest writer, oldest entry, size)."""
         self.refusals: dict[str, int] = {}
