@@ -261,6 +261,79 @@ async def test_a_long_flush_lets_the_event_loop_run_and_wakes_senders_last() -> 
     assert samples["changefeed_flush_seconds_sum"] >= 40 * 0.0001
 
 
+def test_a_doorbell_mid_flush_wakes_the_tailer_before_the_next_slice() -> None:
+    """A doorbell that rings while a flush is being written wakes the tailer
+    before the flush writes its next slice: the tailer's two steps (asyncpg's
+    notification callback, then the tailer task it wakes) run ahead of the
+    slice, so a read never queues behind the rest of the flush. Pure
+    scheduling on uvloop, the loop publishers run on; a socket pair stands in
+    for the tailer's connection."""
+    import uvloop
+
+    async def scenario() -> list[object]:
+        publisher = Publisher(PublisherConfig(dsn="postgresql://unused/x", resources=(VM,)))
+        loop = asyncio.get_running_loop()
+        order: list[object] = []
+        bell, ring_it = socket.socketpair()
+        bell.setblocking(False)
+        woken = asyncio.Event()
+
+        async def tailer() -> None:
+            await woken.wait()
+            order.append("tailer woke")
+
+        task = asyncio.create_task(tailer())
+        await asyncio.sleep(0)
+
+        def on_notification() -> None:  # asyncpg: call_soon(listener callback)
+            bell.recv(1)
+            loop.call_soon(woken.set)  # Tailer.ring: wakes the tailer task
+
+        loop.add_reader(bell.fileno(), on_notification)
+
+        def writer(index: int) -> Callable[[], bool]:
+            def send_now() -> bool:
+                until = time.perf_counter() + 0.0001
+                while time.perf_counter() < until:
+                    pass
+                order.append(index)
+                if index == 5:
+                    ring_it.send(b"x")  # the doorbell rings mid-flush
+                return True
+
+            return send_now
+
+        outboxes = [Outbox(10) for _ in range(40)]
+        for index, outbox in enumerate(outboxes):
+            assert outbox.offer_many(["item"], wake=False)
+            outbox.send_now = writer(index)
+        flush_slice = publisher._flush_slice
+
+        def traced_slice(flush: Any) -> None:
+            order.append("slice")
+            flush_slice(flush)
+
+        publisher._flush_slice = traced_slice  # type: ignore[method-assign]
+        publisher._pending.update(outboxes)
+        publisher._flushed.clear()  # as _dispatch does
+        publisher._flush()
+        try:
+            await asyncio.wait_for(publisher._flushed.wait(), 5)
+            await asyncio.wait_for(task, 5)
+        finally:
+            loop.remove_reader(bell.fileno())
+            bell.close()
+            ring_it.close()
+        return order
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        order = runner.run(scenario())
+    assert sorted(x for x in order if isinstance(x, int)) == list(range(40))
+    rang = order.index(5)
+    next_slice = order.index("slice", rang)
+    assert rang < order.index("tailer woke") < next_slice, order
+
+
 # --------------------------------------------------------------------------- scenarios
 
 
