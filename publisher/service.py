@@ -65,12 +65,14 @@ _FANNED_OUT_TIMEOUT = 1.0
 class _FlushRound:
     """One flush under way: the outboxes it covers and how far it got."""
 
-    __slots__ = ("cost", "next", "pending", "started", "unsent")
+    __slots__ = ("cost", "next", "pending", "started", "through", "unsent")
 
-    def __init__(self, pending: list[Outbox], started: float) -> None:
+    def __init__(self, pending: list[Outbox], started: float, through: Position | None) -> None:
         self.pending = pending
         self.started = started
         """Loop time at its start."""
+        self.through = through
+        """The last entry dispatched before it started (for the debug events)."""
         self.next = 0
         """Index in ``pending`` of the next outbox to write."""
         self.cost = 0.0
@@ -142,8 +144,6 @@ class Publisher:
         self._flushed.set()
         self._dispatched_through: Position | None = None
         """The last entry handed to the fan-out (for the debug events)."""
-        self._flushing_through: Position | None = None
-        """Every entry up to here was queued before the flush under way started."""
         self.feed_health = FeedHealth(0.0, 0.0, 0)
         """The feed as last seen by _watch_loop (oldest writer, oldest entry, size)."""
         self.refusals: dict[str, int] = {}
@@ -360,9 +360,9 @@ class Publisher:
         to everything else. A flush that woke sender tasks cannot see what
         their sends will cost, so the next one waits ``send_interval`` after it.
         """
-        flush = _FlushRound(list(self._pending), asyncio.get_running_loop().time())
+        loop = asyncio.get_running_loop()
+        flush = _FlushRound(list(self._pending), loop.time(), self._dispatched_through)
         self._pending = set()
-        self._flushing_through = self._dispatched_through
         self._flush_slice(flush)
 
     def _flush_slice(self, flush: _FlushRound) -> None:
@@ -400,7 +400,7 @@ class Publisher:
                 log,
                 "fanout.flushed",
                 logging.DEBUG,
-                through=list(self._flushing_through) if self._flushing_through else None,
+                through=list(flush.through) if flush.through else None,
                 listeners=len(pending),
                 written=len(pending) - len(unsent),
                 to_senders=len(unsent),
