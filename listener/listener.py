@@ -3,7 +3,7 @@
 The websockets / httpx adapter around the pure core (``lifecycle``,
 ``backoff``, ``buffer``). One background task runs the connection lifecycle
 (steps 1-4, one connection, are a ``session.Session``, which reports back
-through the ``SessionHost`` methods below; the back-off is here):
+through ``_Reports`` at the end of this module; the back-off is here):
 
 1. CONNECTING: open the websocket (optional bearer token on the handshake)
    and send the RFD 5 v1 registration, with ``since`` when there is a cursor
@@ -357,7 +357,7 @@ class Listener:
             self.instance, self.service, (self.change_kind,), since=since, batch=self.config.batch
         )
         return Session(
-            self,
+            _Reports(self),
             url=self.url,
             api_url=self.api_url,
             registration=registration.encode(),
@@ -368,54 +368,6 @@ class Listener:
             name=self.name,
             first_bootstrap=not self._bootstrapped_once,
         )
-
-    # -- what the session reports (session.SessionHost) ------------------------
-
-    def log_fields(self) -> dict[str, Any]:
-        return self._fields()
-
-    def registered(self, ack: Ack, route: str) -> None:
-        self.registrations += 1
-        self._route = route
-        self._lifecycle.to(S.REGISTERED)
-        if ack.resumed:
-            self.resumes += 1
-
-    def bootstrapping(self) -> None:
-        self._lifecycle.to(S.BOOTSTRAPPING)
-
-    def bootstrapped(self, resync: Resynced) -> None:
-        self.bootstraps += 1
-        self._bootstrapped_once = True
-        self._resync = resync
-
-    def live(self) -> None:
-        self._lifecycle.to(S.LIVE)
-        now = self._clock()
-        self._live_since = now
-        self._backoff.healthy(now)
-        self._ready.set()
-
-    def frame_received(self) -> None:
-        self.frames_received += 1
-
-    async def received(self, items: Sequence[ChangeItem]) -> None:
-        self.items_received += len(items)
-        buffer = self._buffer
-        if not await buffer.put(items):
-            self.overflows += 1
-            held = len(buffer)
-            log_event(
-                log,
-                "listener.overflow",
-                logging.WARNING,
-                **self._fields(),
-                incoming=len(items),
-                overflows=self.overflows,
-            )
-            raise BufferOverflow(buffer.capacity, held, len(items))
-        self._check_water()
-        self._ready.set()
 
     def _check_water(self) -> None:
         held = len(self._buffer) + len(self._staged)
@@ -515,3 +467,64 @@ class Listener:
         )
         if new is S.LIVE:
             log_event(log, "listener.live", **self._fields(), cursor=self._cursor)
+
+
+class _Reports:
+    """The listener's side of ``session.SessionHost``: what a session reports
+    lands in the listener's state. A separate object, so that these calls are
+    not part of ``Listener``'s public face."""
+
+    __slots__ = ("_listener",)
+
+    def __init__(self, listener: Listener) -> None:
+        self._listener = listener
+
+    def log_fields(self) -> dict[str, Any]:
+        return self._listener._fields()
+
+    def registered(self, ack: Ack, route: str) -> None:
+        listener = self._listener
+        listener.registrations += 1
+        listener._route = route
+        listener._lifecycle.to(S.REGISTERED)
+        if ack.resumed:
+            listener.resumes += 1
+
+    def bootstrapping(self) -> None:
+        self._listener._lifecycle.to(S.BOOTSTRAPPING)
+
+    def bootstrapped(self, resync: Resynced) -> None:
+        listener = self._listener
+        listener.bootstraps += 1
+        listener._bootstrapped_once = True
+        listener._resync = resync
+
+    def live(self) -> None:
+        listener = self._listener
+        listener._lifecycle.to(S.LIVE)
+        now = listener._clock()
+        listener._live_since = now
+        listener._backoff.healthy(now)
+        listener._ready.set()
+
+    def frame_received(self) -> None:
+        self._listener.frames_received += 1
+
+    async def received(self, items: Sequence[ChangeItem]) -> None:
+        listener = self._listener
+        listener.items_received += len(items)
+        buffer = listener._buffer
+        if not await buffer.put(items):
+            listener.overflows += 1
+            held = len(buffer)
+            log_event(
+                log,
+                "listener.overflow",
+                logging.WARNING,
+                **listener._fields(),
+                incoming=len(items),
+                overflows=listener.overflows,
+            )
+            raise BufferOverflow(buffer.capacity, held, len(items))
+        listener._check_water()
+        listener._ready.set()
