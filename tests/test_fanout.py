@@ -225,6 +225,13 @@ def test_direct_writes_share_bytes_and_a_failing_one_closes_its_connection_only(
     assert first.closing is None and second.closing is None
 
 
+def _spin(seconds: float) -> None:
+    """Hold the event loop's thread for ``seconds``: stands in for socket writes."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
 async def test_a_long_flush_lets_the_event_loop_run_and_wakes_senders_last() -> None:
     """A flush longer than a slice yields to the event loop (the tailer's doorbell
     and reads need not wait for the last listener), yet every listener gets its
@@ -236,9 +243,7 @@ async def test_a_long_flush_lets_the_event_loop_run_and_wakes_senders_last() -> 
 
     def writer(index: int) -> Callable[[], bool]:
         def send_now() -> bool:
-            until = time.perf_counter() + 0.0001
-            while time.perf_counter() < until:
-                pass
+            _spin(0.0001)
             turns.append(index)
             return index != 0  # the first one's transport is paused: its sender must go on
 
@@ -293,9 +298,7 @@ def test_a_doorbell_mid_flush_wakes_the_tailer_before_the_next_slice() -> None:
 
         def writer(index: int) -> Callable[[], bool]:
             def send_now() -> bool:
-                until = time.perf_counter() + 0.0001
-                while time.perf_counter() < until:
-                    pass
+                _spin(0.0001)
                 order.append(index)
                 if index == 5:
                     ring_it.send(b"x")  # the doorbell rings mid-flush
