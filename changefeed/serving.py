@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import signal
 import socket
 import threading
@@ -19,15 +20,24 @@ from typing import Any
 
 import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import PayloadTooBig
+from websockets.frames import Close, Frame, Opcode
 from websockets.http11 import Request
 from websockets.protocol import State
 
+from changefeed.logs import log_event
 from changefeed.publisher import Publisher
-from changefeed.publisher.wire import DIRECT_WRITES
+from changefeed.publisher.wire import DIRECT_WRITES, FRAME_TOO_LARGE
+from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
 
 __all__ = ["DrainingServer", "FanoutWebSocketProtocol", "server_config", "tune_collector"]
 
+log = logging.getLogger(__name__)
+
 _YOUNG_THRESHOLD = 10_000
+_ABORT_MARGIN = 1.0
+"""Seconds past uvicorn's close handshake timeout before a connection whose app
+is done is dropped (see FanoutWebSocketProtocol.run_asgi)."""
 
 
 def tune_collector() -> None:
@@ -81,6 +91,11 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     An API that runs its own uvicorn gets it with ``ws=FanoutWebSocketProtocol``.
     The extension is offered only when no websocket extension (per-message
     deflate) was negotiated: compressed frames differ per connection.
+
+    Two more things a publisher needs from its server: a frame over ``ws_max_size``
+    is refused like one over the publisher's ``max_frame_bytes`` (error frame, then
+    4006), and a connection whose app is done is dropped once its close handshake
+    had its time, even when the peer stopped reading (``run_asgi``).
     """
 
     def handle_connect(self, event: Request) -> None:
@@ -96,6 +111,64 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             and not self.conn.extensions
         ):
             scope["extensions"][DIRECT_WRITES] = _DirectWriter(self)
+
+    def handle_parser_exception(self) -> None:
+        """A frame over ``ws_max_size`` gets the publisher's refusal, an error frame
+        and 4006 (the app hears of it as a disconnect with that code and reason),
+        instead of a bare 1009. The frame itself is never read: websockets refuses
+        it from its header."""
+        exc = self.conn.parser_exc
+        if not isinstance(exc, PayloadTooBig) or not self.handshake_complete or self.close_sent:
+            super().handle_parser_exception()
+            return
+        self.conn.data_to_send()  # websockets' own close (1009): replaced below
+        code = ERROR_CLOSE_CODES[FRAME_TOO_LARGE]
+        message = f"frame exceeds the server's limit of {self.config.ws_max_size} bytes"
+        error = ErrorFrame(FRAME_TOO_LARGE, message).encode().encode()
+        close = Close(code, FRAME_TOO_LARGE).serialize()
+        self.transport.write(
+            Frame(Opcode.TEXT, error).serialize(mask=False, extensions=())
+            + Frame(Opcode.CLOSE, close).serialize(mask=False, extensions=())
+        )
+        self.queue.put_nowait(
+            {"type": "websocket.disconnect", "code": code, "reason": FRAME_TOO_LARGE}
+        )
+        self.close_sent = True
+        self.transport.close()
+
+    async def run_asgi(self) -> None:
+        """Run the app; once it is done, make sure the connection ends.
+
+        uvicorn closes the transport gracefully, which waits until its write
+        buffer drains. A peer that stopped reading (an evicted listener, whose
+        unsent frames fill the buffer) never lets it drain, and would keep its
+        socket, the buffer and the kernel's send queue for good, outside
+        ``max_connections``. Nothing but the close handshake is sent once the app
+        is done: a connection still there after the handshake's timeout, or whose
+        app gave up before its close frame could be written, is aborted.
+        """
+        await super().run_asgi()
+        if self.disconnected:
+            return
+        if self.close_sent:
+            self.loop.call_later(self.close_timeout + _ABORT_MARGIN, self._abort_unless_lost)
+        elif self.transport.get_write_buffer_size():
+            self._abort()
+
+    def _abort_unless_lost(self) -> None:
+        if not self.disconnected:
+            self._abort()
+
+    def _abort(self) -> None:
+        client = self.client
+        log_event(
+            log,
+            "connection.aborted",
+            logging.INFO,
+            peer=f"{client[0]}:{client[1]}" if client else "",
+            unsent=self.transport.get_write_buffer_size(),
+        )
+        self.transport.abort()
 
 
 def server_config(app: Any, host: str, port: int, **overrides: Any) -> uvicorn.Config:

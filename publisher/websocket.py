@@ -42,7 +42,7 @@ from .auth import AuthUnavailable
 from .errors import ResumeGap
 from .outbox import Outbox
 from .registry import Closing, ListenerSession
-from .wire import DIRECT_WRITES, FrameWriter, batch_text
+from .wire import DIRECT_WRITES, FRAME_TOO_LARGE, FrameWriter, batch_text
 
 if TYPE_CHECKING:
     from .service import Publisher
@@ -72,6 +72,16 @@ class _Refusal(Exception):
 
 class _Gone(Exception):
     """The listener disconnected."""
+
+
+def _refused_by_server(message: Message) -> _Refusal | None:
+    """The server's own refusal of a frame over its size limit (changefeed.serving),
+    told as a disconnect: the error frame and the close have already been sent."""
+    if message.get("code") == ERROR_CLOSE_CODES[FRAME_TOO_LARGE] and (
+        message.get("reason") == FRAME_TOO_LARGE
+    ):
+        return _Refusal(FRAME_TOO_LARGE, "frame exceeds the server's size limit")
+    return None
 
 
 def _peer(scope: Scope) -> str:
@@ -202,7 +212,7 @@ class _Connection:
             ) from None
         if message["type"] == "websocket.disconnect":
             self._gone = True
-            raise _Gone
+            raise _refused_by_server(message) or _Gone()
         text = message.get("text")
         if text is None:
             raise _Refusal("bad_frame", "registration must be a JSON text frame, not binary")
@@ -419,7 +429,12 @@ class _Connection:
             message: Message = await receive()
             if message["type"] == "websocket.disconnect":
                 self._gone = True
-                session.close(Closing(int(message.get("code", 1005)), None, "closed by listener"))
+                refused = _refused_by_server(message)
+                if refused is not None:
+                    session.close(Closing(4006, refused.code, refused.message))
+                else:
+                    code = int(message.get("code", 1005))
+                    session.close(Closing(code, None, "closed by listener"))
                 return
             data: Any = message.get("text")
             if data is None:

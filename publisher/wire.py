@@ -18,10 +18,16 @@ from typing import Protocol
 
 from websockets.frames import Frame, Opcode
 
-__all__ = ["DIRECT_WRITES", "FrameCache", "FrameWriter", "batch_text"]
+__all__ = ["DIRECT_WRITES", "FRAME_TOO_LARGE", "FrameCache", "FrameWriter", "batch_text"]
 
 DIRECT_WRITES = "changefeed.direct_writes"
 """ASGI scope extension: the connection's ``FrameWriter``."""
+
+FRAME_TOO_LARGE = "frame_too_large"
+"""Error code of a frame over a size limit, and the close reason of its 4006. A
+server that refuses such a frame itself (changefeed.serving, over ``ws_max_size``)
+has sent the error frame and the close, and tells the app with a disconnect
+carrying that code and reason."""
 
 
 class FrameWriter(Protocol):

@@ -41,8 +41,10 @@ runs) and uvicorn's own (every frame an ASGI send, as on any other server)."""
 
 @contextlib.asynccontextmanager
 async def running_publisher(
-    dsn: str, *, ws: str = "direct", **overrides: Any
+    dsn: str, *, ws: str = "direct", server: dict[str, Any] | None = None, **overrides: Any
 ) -> AsyncIterator[PublisherUnderTest]:
+    """A publisher (``overrides``: PublisherConfig fields) on uvicorn (``server``:
+    extra uvicorn.Config settings) on a free loopback port."""
     settings: dict[str, Any] = {
         "dsn": dsn,
         "resources": (VM, NETWORK),
@@ -54,9 +56,10 @@ async def running_publisher(
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
     # No per-message deflate, as in production (server_config): compressed frames
     # differ per connection, so a deflate connection never gets direct writes.
-    async with serve_app(app, ws=WS_PROTOCOLS[ws], ws_per_message_deflate=False) as server:
+    settings = {"ws": WS_PROTOCOLS[ws], "ws_per_message_deflate": False, **(server or {})}
+    async with serve_app(app, **settings) as running:
         await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
-        yield PublisherUnderTest(server, publisher, dsn)
+        yield PublisherUnderTest(running, publisher, dsn)
 
 
 def registration(resource: str = "vm", subs: Sequence[str] = ("nic", "alias"), **extra: Any) -> str:

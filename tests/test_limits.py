@@ -185,6 +185,29 @@ async def test_frame_size_limits(feed_dsn: str) -> None:
         await good.close()
 
 
+async def test_a_frame_over_the_servers_own_limit_gets_the_same_refusal(feed_dsn: str) -> None:
+    """Past uvicorn's ws_max_size the server refuses the frame from its header,
+    before the publisher could see it: the listener still gets the error frame and
+    4006, not a bare 1009 (changefeed.serving.FanoutWebSocketProtocol)."""
+    limit = 256 * 1024
+    async with running_publisher(feed_dsn, server={"ws_max_size": limit}) as pub:
+        good, _ = await register(pub.ws_url, registration(subs=["nic"]))
+        # As the registration...
+        ws = await connect(pub.ws_url, open_timeout=10)
+        await ws.send(registration(service="s" * limit))
+        await expect_refusal(ws, "frame_too_large")
+        assert pub.publisher.refusals["frame_too_large"] == 1
+        # ...and once registered, in text or in binary.
+        for frame in ("é" * limit, b"\0" * (limit + 1)):
+            ws, _ = await register(pub.ws_url, registration())
+            await ws.send(frame)
+            await expect_refusal(ws, "frame_too_large")
+        await still_serving(pub, good, "after-oversized-frames")
+        stats = pub.publisher.stats()
+        assert stats["listeners"] == 1, stats
+        await good.close()
+
+
 async def test_a_binary_registration_is_a_bad_frame(feed_dsn: str) -> None:
     async with running_publisher(feed_dsn) as pub:
         ws = await connect(pub.ws_url)
