@@ -27,7 +27,7 @@ from websockets.protocol import State
 
 from changefeed.logs import log_event
 from changefeed.publisher import Publisher
-from changefeed.publisher.wire import DIRECT_WRITES, FRAME_TOO_LARGE
+from changefeed.publisher.wire import DIRECT_WRITES, FRAME_TOO_LARGE, KEEPALIVE_TIMEOUT
 from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
 
 __all__ = ["DrainingServer", "FanoutWebSocketProtocol", "server_config", "tune_collector"]
@@ -92,10 +92,11 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     The extension is offered only when no websocket extension (per-message
     deflate) was negotiated: compressed frames differ per connection.
 
-    Two more things a publisher needs from its server: a frame over ``ws_max_size``
-    is refused like one over the publisher's ``max_frame_bytes`` (error frame, then
-    4006), and a connection whose app is done is dropped once its close handshake
-    had its time, even when the peer stopped reading (``run_asgi``).
+    What else a publisher needs from its server: a frame over ``ws_max_size`` is
+    refused like one over the publisher's ``max_frame_bytes`` (error frame, then
+    4006); a listener that stops answering pings is reported to the app as such,
+    at once; and a connection whose app is done is dropped once its close
+    handshake had its time, even when the peer stopped reading (``run_asgi``).
     """
 
     def handle_connect(self, event: Request) -> None:
@@ -135,6 +136,17 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         )
         self.close_sent = True
         self.transport.close()
+
+    def keepalive_timeout(self) -> None:
+        """A peer that stopped answering pings: uvicorn fails the connection, and
+        the app hears of it at once and why, not only once the socket has closed
+        (which, for a peer that stopped reading too, is when ``run_asgi`` aborts it)."""
+        failing = not (self.close_sent or self.transport.is_closing())
+        super().keepalive_timeout()
+        if failing:
+            self.queue.put_nowait(
+                {"type": "websocket.disconnect", "code": 1011, "reason": KEEPALIVE_TIMEOUT}
+            )
 
     async def run_asgi(self) -> None:
         """Run the app; once it is done, make sure the connection ends.

@@ -42,7 +42,7 @@ from .auth import AuthUnavailable
 from .errors import ResumeGap
 from .outbox import Outbox
 from .registry import Closing, ListenerSession
-from .wire import DIRECT_WRITES, FRAME_TOO_LARGE, FrameWriter, batch_text
+from .wire import DIRECT_WRITES, FRAME_TOO_LARGE, KEEPALIVE_TIMEOUT, FrameWriter, batch_text
 
 if TYPE_CHECKING:
     from .service import Publisher
@@ -430,10 +430,12 @@ class _Connection:
             if message["type"] == "websocket.disconnect":
                 self._gone = True
                 refused = _refused_by_server(message)
+                code = int(message.get("code", 1005))
                 if refused is not None:
-                    session.close(Closing(4006, refused.code, refused.message))
+                    session.close(Closing(code, refused.code, refused.message))
+                elif message.get("reason") == KEEPALIVE_TIMEOUT:
+                    session.close(Closing(code, None, "no answer to pings (keepalive timeout)"))
                 else:
-                    code = int(message.get("code", 1005))
                     session.close(Closing(code, None, "closed by listener"))
                 return
             data: Any = message.get("text")

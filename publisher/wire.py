@@ -18,7 +18,14 @@ from typing import Protocol
 
 from websockets.frames import Frame, Opcode
 
-__all__ = ["DIRECT_WRITES", "FRAME_TOO_LARGE", "FrameCache", "FrameWriter", "batch_text"]
+__all__ = [
+    "DIRECT_WRITES",
+    "FRAME_TOO_LARGE",
+    "KEEPALIVE_TIMEOUT",
+    "FrameCache",
+    "FrameWriter",
+    "batch_text",
+]
 
 DIRECT_WRITES = "changefeed.direct_writes"
 """ASGI scope extension: the connection's ``FrameWriter``."""
@@ -28,6 +35,10 @@ FRAME_TOO_LARGE = "frame_too_large"
 server that refuses such a frame itself (changefeed.serving, over ``ws_max_size``)
 has sent the error frame and the close, and tells the app with a disconnect
 carrying that code and reason."""
+
+KEEPALIVE_TIMEOUT = "keepalive ping timeout"
+"""Close reason (with 1011) of a connection whose peer stopped answering pings, in
+the disconnect a server that tells its app why (changefeed.serving) sends."""
 
 
 class FrameWriter(Protocol):

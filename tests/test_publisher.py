@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import asyncpg
@@ -401,3 +402,32 @@ async def test_entries_committed_out_of_order_are_not_skipped(feed_dsn: str) -> 
             "appended-second",
         ]
         await ws.close()
+
+
+async def test_a_listener_that_stops_answering_pings_is_dropped_and_its_registration_gone(
+    feed_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Liveness (DESIGN.md section 3): the server pings; a listener that stops
+    reading, and so answering, is dropped within ping interval + ping timeout, its
+    registration is gone, and the log says why. Another listener is untouched."""
+    caplog.set_level(logging.INFO, logger="changefeed")
+    pings = {"ws_ping_interval": 0.3, "ws_ping_timeout": 0.3}
+    async with running_publisher(feed_dsn, server=pings) as pub:
+        alive, _ = await register(pub.ws_url, registration(subs=[]))
+        mute, _ = await register(pub.ws_url, registration(service="mute"), ping_interval=None)
+        assert len(pub.publisher.registry) == 2
+        started = time.monotonic()
+        mute.transport.pause_reading()  # pings go unanswered from now on
+        await wait_until(lambda: len(pub.publisher.registry) == 1, timeout=5)
+        assert time.monotonic() - started < 0.3 + 0.3 + 1.0
+        (gone,) = [r for r in caplog.records if r.getMessage() == "listener.disconnected"]
+        fields = gone.cf_fields  # type: ignore[attr-defined]
+        assert fields["service"] == "mute" and "keepalive" in fields["reason"], fields
+        stats = pub.publisher.stats()
+        assert [r["service"] for r in stats["registrations"]] == ["tcns"]
+        # The one that answers stays registered and keeps receiving.
+        await write(feed_dsn, [("vm", [], "after-the-mute-one")])
+        (item,) = await receive_items(alive, 1)
+        assert item["changedResourceId"] == "after-the-mute-one"
+        await alive.close()
+        mute.transport.abort()
