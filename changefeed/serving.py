@@ -95,7 +95,8 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     What else a publisher needs from its server: a frame over ``ws_max_size`` is
     refused like one over the publisher's ``max_frame_bytes`` (error frame, then
     4006); a listener that stops answering pings is reported to the app as such,
-    at once; and a connection whose app is done is dropped once its close
+    at once; a handshake refused with an HTTP response (401) is not logged as an
+    error; and a connection whose app is done is dropped once its close
     handshake had its time, even when the peer stopped reading (``run_asgi``).
     """
 
@@ -136,6 +137,14 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         )
         self.close_sent = True
         self.transport.close()
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if self.initial_response is not None and self.close_sent and not self.handshake_complete:
+            # The app answered the handshake with an HTTP response (a refused token):
+            # that is a complete handshake. uvicorn would log an error for each one
+            # ("ASGI callable returned without completing handshake").
+            self.handshake_complete = True
 
     def keepalive_timeout(self) -> None:
         """A peer that stopped answering pings: uvicorn fails the connection, and
