@@ -305,7 +305,8 @@ class KeysetQuery:
             return self.default_limit
         if not _LIMIT.match(text) or int(text) < 1:
             raise PageRequestError(
-                f"limit: expected an integer from 1 to {self.max_limit}, got {text!r}"
+                f"limit: expected a positive integer of at most 9 digits (above "
+                f"{self.max_limit}, pages have {self.max_limit} items), got {text!r}"
             )
         return min(int(text), self.max_limit)
 
