@@ -98,7 +98,7 @@ class Registration:
         kinds = doc["resources"] if multi else [doc["changeKind"]]
         return cls(
             instance=doc["instance"],
-            service=doc.get("service", ""),
+            service=doc["service"],
             change_kinds=tuple(ChangeKind.from_json(k) for k in kinds),
             since=doc.get("since"),
             batch=doc.get("batch", False),

@@ -91,6 +91,8 @@ BAD_REGISTRATIONS: list[tuple[str, Any, str]] = [
         "invalid_registration",
     ),
     ("changeKind missing", {"changeKind": None}, "invalid_registration"),
+    ("service missing", {"service": None}, "invalid_registration"),
+    ("instance missing", {"instance": None}, "invalid_registration"),
     ("extra field", {"extra": 1}, "invalid_registration"),
     ("batch not a boolean", {"batch": "yes"}, "invalid_registration"),
     ("since not a string", {"since": 12}, "invalid_registration"),

@@ -73,9 +73,14 @@ def test_registration_v2_decodes() -> None:
     assert Registration.decode(reg.encode()) == reg
 
 
-def test_registration_without_service_decodes() -> None:
+def test_a_registration_names_its_service() -> None:
+    """RFD 5's registration has ``service``, and node-sdc-changefeed always sends
+    it (its listener asserts ``options.service`` is a string): without it, stats
+    could not say who is listening."""
     doc = {k: v for k, v in V1.items() if k != "service"}
-    assert Registration.decode(orjson.dumps(doc)).service == ""
+    with pytest.raises(ProtocolError) as refused:
+        Registration.decode(orjson.dumps(doc))
+    assert refused.value.code == "invalid_registration"
 
 
 @pytest.mark.parametrize(
