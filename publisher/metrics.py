@@ -17,7 +17,8 @@ Names (all prefixed ``changefeed_``): ``listeners``, ``open_connections``,
 ``feed_oldest_entry_seconds``, ``feed_max_age_seconds``, ``feed_bytes``,
 ``flush_seconds`` (histogram: the CPU time of each fan-out flush, all its
 slices together), ``entry_age_seconds`` (histogram: how old each entry was
-when the tailer handed it to the fan-out).
+when the tailer handed it to the fan-out). Also the process's own
+``process_*`` metrics (resident memory, open descriptors, CPU seconds; Linux).
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -41,6 +49,9 @@ class PublisherMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total...:
+        # a slow leak or a descriptor per lingering socket shows on the same scrape.
+        ProcessCollector(registry=r)
         self.listeners = Gauge(
             "changefeed_listeners", "Connected, registered listener sockets", registry=r
         )

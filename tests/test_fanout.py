@@ -864,6 +864,9 @@ async def _observe(
         ):
             assert gauge in after, gauge
         assert after["changefeed_tailer_position"] > before["changefeed_tailer_position"]
+        # The process's own figures, for leaks the changefeed_* ones would not show.
+        assert after["process_resident_memory_bytes"] > 10e6
+        assert after["process_open_fds"] >= 4  # listening socket, 2 listeners, the tailer
         await ws.close()
         await wait_until(lambda: len(pub.publisher.registry) == 0)
         events = {r.getMessage(): r for r in records.records}
