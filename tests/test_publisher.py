@@ -419,7 +419,7 @@ async def test_a_listener_that_stops_answering_pings_is_dropped_and_its_registra
         started = time.monotonic()
         mute.transport.pause_reading()  # pings go unanswered from now on
         await wait_until(lambda: len(pub.publisher.registry) == 1, timeout=5)
-        assert time.monotonic() - started < 0.3 + 0.3 + 1.0
+        assert time.monotonic() - started < 0.3 + 0.3 + 2.0  # interval + timeout + slack
         (gone,) = [r for r in caplog.records if r.getMessage() == "listener.disconnected"]
         fields = gone.cf_fields  # type: ignore[attr-defined]
         assert fields["service"] == "mute" and "keepalive" in fields["reason"], fields
