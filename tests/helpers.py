@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import socket
 import time
 import uuid
@@ -18,7 +19,25 @@ from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["dsn_with_database", "free_port", "fresh_database", "metric_value", "wait_until"]
+__all__ = [
+    "LogRecords",
+    "dsn_with_database",
+    "free_port",
+    "fresh_database",
+    "metric_value",
+    "wait_until",
+]
+
+
+class LogRecords(logging.Handler):
+    """Keeps every record at or above ``level`` that reaches it (add it to a logger)."""
+
+    def __init__(self, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

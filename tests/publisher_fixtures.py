@@ -56,8 +56,8 @@ async def running_publisher(
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
     # No per-message deflate, as in production (server_config): compressed frames
     # differ per connection, so a deflate connection never gets direct writes.
-    settings = {"ws": WS_PROTOCOLS[ws], "ws_per_message_deflate": False, **(server or {})}
-    async with serve_app(app, **settings) as running:
+    uvicorn_settings = {"ws": WS_PROTOCOLS[ws], "ws_per_message_deflate": False, **(server or {})}
+    async with serve_app(app, **uvicorn_settings) as running:
         await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
         yield PublisherUnderTest(running, publisher, dsn)
 

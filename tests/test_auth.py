@@ -5,17 +5,16 @@ refusal at the websocket handshake (HTTP 401) and on the HTTP routes, counting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from helpers import wait_until
+from helpers import LogRecords, wait_until
 from publisher_fixtures import VM, receive_items, register, registration, running_publisher, write
 from starlette.applications import Starlette
 from starlette.types import Receive, Scope, Send
@@ -44,28 +43,21 @@ def bearer(token: str) -> dict[str, str]:
 
 async def test_the_handshake_without_a_good_token_is_refused_with_401(feed_dsn: str) -> None:
     async with running_publisher(feed_dsn, **TOKENS) as pub:
-        # Caught once uvicorn has configured its loggers (which drops other handlers).
-        with errors_logged_by("uvicorn.error") as server_errors:
+        # Added once uvicorn has configured its loggers (which drops other handlers).
+        server_errors = LogRecords(logging.ERROR)
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addHandler(server_errors)
+        try:
             await _refuse_four_bad_tokens(pub.ws_url)
+        finally:
+            uvicorn_log.removeHandler(server_errors)
         # A refused token is the publisher's answer, counted below, not a server error.
-        assert [r.getMessage() for r in server_errors] == []
+        assert [r.getMessage() for r in server_errors.records] == []
         stats = pub.publisher.stats()
         assert stats["counters"]["refused"] == {"unauthorized": 4}
         assert stats["connections"] == 0 and stats["counters"]["registrations"] == 0
         text = pub.publisher.metrics.render().decode()
         assert 'changefeed_refusals_total{code="unauthorized",endpoint="websocket"} 4.0' in text
-
-
-@contextlib.contextmanager
-def errors_logged_by(name: str) -> Iterator[list[logging.LogRecord]]:
-    records: list[logging.LogRecord] = []
-    catch = logging.Handler(logging.ERROR)
-    catch.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger(name).addHandler(catch)
-    try:
-        yield records
-    finally:
-        logging.getLogger(name).removeHandler(catch)
 
 
 async def _refuse_four_bad_tokens(url: str) -> None:

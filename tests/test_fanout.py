@@ -27,7 +27,7 @@ import httpx
 import orjson
 import pytest
 import uvicorn
-from helpers import metric_value, wait_until
+from helpers import LogRecords, metric_value, wait_until
 from publisher_fixtures import (
     NETWORK,
     VM,
@@ -778,15 +778,6 @@ async def test_draining_server_shutdown_sends_1001_before_uvicorn_closes(feed_ds
         sock.close()
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 async def test_metrics_render_and_move_and_events_are_logged(feed_dsn: str) -> None:
     """Invariant I7: the Prometheus names render and their values move with the
     traffic; registration, disconnect and eviction are structured log events."""
@@ -800,7 +791,7 @@ async def test_metrics_render_and_move_and_events_are_logged(feed_dsn: str) -> N
                 found[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return found
 
-    records = _Records()
+    records = LogRecords(logging.INFO)
     logger = logging.getLogger("changefeed")
     level = logger.level
     logger.addHandler(records)
@@ -813,7 +804,7 @@ async def test_metrics_render_and_move_and_events_are_logged(feed_dsn: str) -> N
 
 
 async def _observe(
-    feed_dsn: str, records: _Records, values: Callable[[str], dict[str, float]]
+    feed_dsn: str, records: LogRecords, values: Callable[[str], dict[str, float]]
 ) -> None:
     import httpx
 

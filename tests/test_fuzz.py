@@ -28,6 +28,7 @@ import httpx
 import orjson
 import pytest
 import uvicorn
+from helpers import LogRecords
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from publisher_fixtures import NETWORK, VM, registration
@@ -115,17 +116,8 @@ class ThreadedPublisher:
         asyncio.run(go())
 
 
-class _Errors(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture(scope="module")
-def fuzzed(pg_server: Any) -> Iterator[tuple[ThreadedPublisher, ClientConnection, _Errors]]:
+def fuzzed(pg_server: Any) -> Iterator[tuple[ThreadedPublisher, ClientConnection, LogRecords]]:
     """One publisher for all examples, a good listener registered before them, and
     every error logged meanwhile."""
     name = f"fuzz_{uuid.uuid4().hex}"
@@ -150,7 +142,7 @@ def fuzzed(pg_server: Any) -> Iterator[tuple[ThreadedPublisher, ClientConnection
             await admin.close()
 
     asyncio.run(create())
-    errors = _Errors()
+    errors = LogRecords(logging.ERROR)
     loggers = [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn.asgi", "changefeed")]
     for logger in loggers:
         logger.addHandler(errors)
@@ -233,7 +225,7 @@ def _answer(ws: ClientConnection) -> tuple[dict[str, Any] | None, int | None]:
 )
 @given(frame=frames)
 def test_every_registration_frame_is_acked_or_refused_with_its_close_code(
-    fuzzed: tuple[ThreadedPublisher, ClientConnection, _Errors], frame: str | bytes
+    fuzzed: tuple[ThreadedPublisher, ClientConnection, LogRecords], frame: str | bytes
 ) -> None:
     pub, _, errors = fuzzed
     with connect(pub.ws_url, open_timeout=10, close_timeout=2, max_size=None) as ws:
@@ -267,7 +259,7 @@ query_parts = st.lists(
     raw=st.binary(max_size=200),
 )
 def test_every_query_is_answered_or_refused_with_a_400(
-    fuzzed: tuple[ThreadedPublisher, ClientConnection, _Errors],
+    fuzzed: tuple[ThreadedPublisher, ClientConnection, LogRecords],
     path: str,
     params: list[tuple[str, str]],
     raw: bytes,
