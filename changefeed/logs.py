@@ -20,10 +20,23 @@ __all__ = ["HumanFormatter", "JsonFormatter", "configure_logging", "log_event"]
 _FIELDS = "cf_fields"
 
 
-def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
-    """Log ``event`` with structured ``fields``."""
+def log_event(
+    logger: logging.Logger,
+    event: str,
+    level: int = logging.INFO,
+    *,
+    exc: BaseException | None = None,
+    **fields: Any,
+) -> None:
+    """Log ``event`` with structured ``fields``.
+
+    Args:
+        exc: the exception that caused the event: its traceback goes with the
+            line (``exc`` in JSON), so an error in a log can be debugged.
+    """
     if logger.isEnabledFor(level):
-        logger.log(level, event, extra={_FIELDS: fields}, stacklevel=2)
+        exc_info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+        logger.log(level, event, exc_info=exc_info, extra={_FIELDS: fields}, stacklevel=2)
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
