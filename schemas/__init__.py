@@ -11,6 +11,7 @@ from .cursor import DEFAULT_CURSOR_KEY, ORIGIN, CursorCodec, Position
 from .errors import CursorError, ProtocolError
 from .migrations import PgConnection, apply_schema, notify_channel, quote_schema, schema_version
 from .models import (
+    RESUME_REASONS,
     Ack,
     ChangeItem,
     ChangeKind,
@@ -27,6 +28,7 @@ __all__ = [
     "DEFAULT_CURSOR_KEY",
     "ERROR_CLOSE_CODES",
     "ORIGIN",
+    "RESUME_REASONS",
     "Ack",
     "ChangeItem",
     "ChangeKind",

@@ -4,7 +4,8 @@ Every refusal is an error frame ``{"error": {"code", "message"}}`` followed by a
 close with one of these codes. Codes 4000-4999 are private-use in RFC 6455.
 A listener should re-register (with back-off) after any of them except
 BAD_FRAME, UNKNOWN_RESOURCE, UNAUTHORIZED and FORBIDDEN, which will not heal by
-retrying the same registration.
+retrying the same registration. After CURSOR_EXPIRED it registers without
+``since`` and bootstraps; after UNAVAILABLE it keeps its cursor and resumes.
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ class CloseCode(IntEnum):
     TOO_MANY_CONNECTIONS = 4008
     """The publisher holds its maximum number of listener connections."""
     SLOW_LISTENER = 4009
-    """The listener's send queue overflowed: it was evicted and must re-register."""
+    """The listener made no progress (read nothing) for the publisher's stall timeout:
+    it was evicted; register again and resume. A listener that reads, however
+    slowly, is never closed for it."""
     UNAVAILABLE = 4010
-    """The publisher cannot serve the registration now (database unreachable)."""
+    """The publisher cannot serve the registration now (database unreachable, draining):
+    register again after a back-off (the error frame's ``retryAfter``), keeping the cursor."""
+    CURSOR_EXPIRED = 4011
+    """While the listener was catching up, the feed was trimmed past its position:
+    register again without ``since`` and bootstrap."""
 
 
 ERROR_CLOSE_CODES: dict[str, CloseCode] = {
@@ -56,5 +63,6 @@ ERROR_CLOSE_CODES: dict[str, CloseCode] = {
     "too_many_connections": CloseCode.TOO_MANY_CONNECTIONS,
     "slow_listener": CloseCode.SLOW_LISTENER,
     "unavailable": CloseCode.UNAVAILABLE,
+    "cursor_expired": CloseCode.CURSOR_EXPIRED,
 }
 """Which close code follows the error frame with a given error code."""

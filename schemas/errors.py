@@ -20,12 +20,15 @@ class ProtocolError(Exception):
     Args:
         code: machine-readable error code for the error frame, e.g. ``bad_frame``.
         message: what is wrong, for people.
+        retry_after: seconds after which trying again may succeed (an error
+            frame's ``retryAfter``), when the publisher said so.
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after = retry_after
 
 
 class CursorError(ProtocolError):

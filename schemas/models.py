@@ -19,6 +19,7 @@ from .errors import ProtocolError
 from .validation import parse_json, validate
 
 __all__ = [
+    "RESUME_REASONS",
     "Ack",
     "ChangeItem",
     "ChangeKind",
@@ -29,6 +30,17 @@ __all__ = [
     "decode_change_frame",
     "dumps",
 ]
+
+
+RESUME_REASONS: dict[str, str] = {
+    "cursor_expired": "older than the feed's low-water mark: the entries after it were trimmed",
+    "too_far_behind": "more entries to replay than the publisher's replay_limit",
+    "other_feed": "issued by another feed (another database, or a feed created again)",
+    "cursor_ahead": "ahead of everything this feed has written (a feed restored from a backup)",
+    "unknown_position": "names an entry this feed never held (a feed restored from a backup)",
+}
+"""The ack's ``reason`` values when a ``since`` was not resumed. In every case the
+listener bootstraps; the reason is for logs and operators."""
 
 
 def dumps(document: Any) -> str:
@@ -135,6 +147,9 @@ class Ack:
     resumed: bool
     batch: bool = False
     multi: bool = False
+    reason: str | None = None
+    """Why ``since`` was not resumed (one of ``RESUME_REASONS``; None when resumed
+    or when the registration gave no ``since``)."""
 
     @property
     def bootstrap_route(self) -> str:
@@ -148,6 +163,8 @@ class Ack:
             doc = self.routes[0].to_json()
         doc["cursor"] = self.cursor
         doc["resumed"] = self.resumed
+        if self.reason is not None:
+            doc["reason"] = self.reason
         if self.batch:
             doc["batch"] = True
         return doc
@@ -174,7 +191,14 @@ class Ack:
                     doc["bootstrapRoute"],
                 ),
             )
-        return cls(routes, doc["cursor"], doc["resumed"], doc.get("batch", False), multi)
+        return cls(
+            routes,
+            doc["cursor"],
+            doc["resumed"],
+            doc.get("batch", False),
+            multi,
+            doc.get("reason"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,9 +253,14 @@ class ErrorFrame:
 
     code: str
     message: str
+    retry_after: float | None = None
+    """Seconds after which trying again may succeed (``retryAfter``; with ``unavailable``)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message}}
+        error: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.retry_after is not None:
+            error["retryAfter"] = self.retry_after
+        return {"error": error}
 
     def encode(self) -> str:
         return dumps(self.to_json())
@@ -239,10 +268,11 @@ class ErrorFrame:
     @classmethod
     def from_json(cls, doc: Any) -> ErrorFrame:
         validate("error", doc)
-        return cls(doc["error"]["code"], doc["error"]["message"])
+        error = doc["error"]
+        return cls(error["code"], error["message"], error.get("retryAfter"))
 
     def as_exception(self) -> ProtocolError:
-        return ProtocolError(self.code, self.message)
+        return ProtocolError(self.code, self.message, self.retry_after)
 
 
 @dataclass(frozen=True, slots=True)
