@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from importlib import resources
 from typing import Any
 
@@ -16,7 +17,13 @@ from jsonschema.exceptions import best_match
 
 from .errors import ProtocolError
 
-__all__ = ["SCHEMA_NAMES", "load_schema", "parse_json", "validate"]
+__all__ = ["MESSAGE_LIMIT", "SCHEMA_NAMES", "bounded", "load_schema", "parse_json", "validate"]
+
+MESSAGE_LIMIT = 300
+"""Characters of an error message at most: a message repeats the offending input,
+and neither an error frame nor a log line may echo 60 KB of it back."""
+
+_QUOTED = re.compile(r"""(['"])([^'"]{40})[^'"]{8,}\1""")
 
 SCHEMA_NAMES = ("registration", "ack", "change_item", "error", "resources", "stats", "page")
 
@@ -41,7 +48,7 @@ def parse_json(data: str | bytes, what: str) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as exc:
-        raise ProtocolError("bad_frame", f"{what} is not valid JSON: {exc}") from None
+        raise ProtocolError("bad_frame", bounded(f"{what} is not valid JSON: {exc}")) from None
 
 
 def validate(name: str, document: Any, code: str = "bad_frame") -> None:
@@ -54,4 +61,11 @@ def validate(name: str, document: Any, code: str = "bad_frame") -> None:
     if error is None:
         return
     where = "/".join(str(p) for p in error.absolute_path) or "(document)"
-    raise ProtocolError(code, f"{name}: {where}: {error.message}")
+    raise ProtocolError(code, bounded(f"{name}: {where}: {error.message}"))
+
+
+def bounded(message: str) -> str:
+    """``message`` with every long quoted value cut to its first 40 characters, and
+    the whole cut to ``MESSAGE_LIMIT``."""
+    message = _QUOTED.sub(lambda m: f"{m[1]}{m[2]}…{m[1]}", message)
+    return message if len(message) <= MESSAGE_LIMIT else message[: MESSAGE_LIMIT - 1] + "…"
