@@ -31,7 +31,7 @@ from publisher_fixtures import (
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from changefeed.publisher.registry import ListenerSession
+from changefeed.publisher.registry import Session
 from changefeed.schemas import ERROR_CLOSE_CODES, validate
 
 
@@ -198,7 +198,7 @@ async def test_a_frame_over_the_servers_own_limit_gets_the_same_refusal(feed_dsn
         ws = await connect(pub.ws_url, open_timeout=10)
         await ws.send(registration(service="s" * limit))
         await expect_refusal(ws, "frame_too_large")
-        assert pub.publisher.refusals["frame_too_large"] == 1
+        assert pub.publisher.stats()["counters"]["refused"]["frame_too_large"] == 1
         # ...and once registered, in text or in binary.
         for frame in ("é" * limit, b"\0" * (limit + 1)):
             ws, _ = await register(pub.ws_url, registration())
@@ -398,7 +398,36 @@ async def test_stats_and_metrics_stay_exact_under_churn(feed_dsn: str) -> None:
         # Nothing leaked: no session objects but the keeper's, no extra tasks.
         await wait_until(lambda: len(asyncio.all_tasks()) <= tasks_before, timeout=10)
         gc.collect()
-        alive = [o for o in gc.get_objects() if isinstance(o, ListenerSession)]
+        alive = [o for o in gc.get_objects() if isinstance(o, Session)]
         assert len(alive) == 1
         await still_serving(pub, keeper, "after-churn")
         await keeper.close()
+
+
+async def test_refusals_echo_a_bounded_part_of_the_input(
+    feed_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 60 KB instance, or a 5 KB unknown key, is refused without being sent back
+    whole in the error frame or written whole in the log line."""
+    caplog.set_level(logging.WARNING, logger="changefeed")
+    registration_doc = {
+        "instance": "de1aac97-6f85-4ba9-b51e-514f48a6a46c",
+        "service": "tcns",
+        "changeKind": {"resource": "vm", "subResources": []},
+    }
+    huge = [
+        {**registration_doc, "instance": _long(60_000)},
+        {**registration_doc, _long(5_000): True},
+        {**registration_doc, "service": "\u00e9" * 20_000},
+    ]
+    async with running_publisher(feed_dsn) as pub:
+        for doc in huge:
+            ws, error = await register(pub.ws_url, _frame(doc))
+            await expect_refusal(ws, "invalid_registration", error)
+            assert len(error["error"]["message"]) <= 300, error
+        reasons = [
+            r.cf_fields["reason"]  # type: ignore[attr-defined]
+            for r in caplog.records
+            if r.getMessage() == "registration.refused"
+        ]
+        assert len(reasons) == len(huge) and all(len(r) <= 300 for r in reasons), reasons
