@@ -171,7 +171,7 @@ async def measure_publisher(
                     await publish_many(writer, chunk, schema=SCHEMA)
             report = await fleet.wait(120)
             figure = meter.figure(report, listeners, len(ids))
-            evicted = publisher.registry.evictions_total
+            evicted = publisher.stats()["counters"]["evictions"]
             await fleet.close_all()
         if evicted:
             raise RuntimeError(f"{evicted} listeners were evicted: raise --queue-size")
@@ -185,7 +185,7 @@ def sample_frames(ids: list[str]) -> list[str]:
     publisher = Publisher(PublisherConfig(dsn="postgresql://unused", resources=(VM,)))
     now = datetime.now(UTC)
     return [
-        publisher.encode(FeedEntry(Position(10_000_000 + i, i), "vm", ("nic",), x, now))
+        publisher._encode(FeedEntry(Position(10_000_000 + i, i), "vm", ("nic",), x, now))
         for i, x in enumerate(ids)
     ]
 

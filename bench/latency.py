@@ -292,7 +292,7 @@ async def measure_publisher(
         figures: dict[str, Any] = await fleet.latencies([float("inf")] * skip + sent_at[skip:])
         figures["count"] = listeners * (count - skip)
         figures["tailer"] = publisher.tailer.stats()
-        figures["frames"] = publisher.frames_total
+        figures["frames"] = publisher.stats()["counters"]["frames"]
         figures["server_cpu"] = server_cpu / count
         figures["client_cpu"] = client_cpu / count
         figures["machine_cpu"] = machine_cpu / count
@@ -314,7 +314,7 @@ def _instrument(publisher: Publisher) -> tuple[dict[int, float], list[float]]:
     flush_seconds: list[float] = []
     tailer: Any = publisher.tailer
     sink = tailer._sink
-    histogram: Any = publisher.metrics.flush_seconds
+    histogram: Any = publisher.flush_seconds
     observe = histogram.observe
 
     def timed_sink(entries: Any) -> None:

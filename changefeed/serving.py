@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import signal
@@ -20,6 +21,7 @@ from typing import Any
 
 import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from uvicorn.server import ServerState
 from websockets.exceptions import PayloadTooBig
 from websockets.frames import Close, Frame, Opcode
 from websockets.http11 import Request
@@ -27,10 +29,16 @@ from websockets.protocol import State
 
 from changefeed.logs import log_event
 from changefeed.publisher import Publisher
-from changefeed.publisher.wire import DIRECT_WRITES, FRAME_TOO_LARGE, KEEPALIVE_TIMEOUT
+from changefeed.publisher.wire import DIRECT_WRITES, DISCONNECT_CAUSE, Disconnect
 from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
 
-__all__ = ["DrainingServer", "FanoutWebSocketProtocol", "server_config", "tune_collector"]
+__all__ = [
+    "DrainingServer",
+    "FanoutWebSocketProtocol",
+    "direct_writes_unsupported",
+    "server_config",
+    "tune_collector",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +64,65 @@ def tune_collector() -> None:
     gc.set_threshold(max(young, _YOUNG_THRESHOLD), middle, old)
 
 
+_BORROWED = (
+    "config",
+    "conn",
+    "close_sent",
+    "close_timeout",
+    "disconnected",
+    "handshake_complete",
+    "initial_response",
+    "loop",
+    "queue",
+    "transport",
+    "writable",
+)
+"""Attributes of uvicorn's websockets-sansio protocol that FanoutWebSocketProtocol
+reads or writes: private to uvicorn, so checked once (``direct_writes_unsupported``)."""
+
+_OVERRIDDEN = ("handle_connect", "handle_parser_exception", "keepalive_timeout", "run_asgi", "send")
+
+
+@functools.cache
+def direct_writes_unsupported() -> str | None:
+    """Why the installed uvicorn cannot give a publisher direct writes (None: it can).
+
+    ``FanoutWebSocketProtocol`` borrows private parts of uvicorn's protocol
+    (pyproject pins the uvicorn versions CI runs). This checks every one of them
+    on a throwaway instance, once per process; without them the protocol behaves
+    exactly as uvicorn's own, and the publisher sends through ASGI.
+    """
+    missing = [
+        name for name in _OVERRIDDEN if not callable(getattr(WebSocketsSansIOProtocol, name, None))
+    ]
+    try:
+        config = uvicorn.Config(_no_app, log_config=None, ws="websockets-sansio")
+        config.load()
+        probe = WebSocketsSansIOProtocol(config, ServerState(), {}, _loop=asyncio.new_event_loop())
+    except Exception as exc:  # a uvicorn that builds its protocol differently
+        return f"uvicorn's websockets-sansio protocol cannot be built here: {exc!r}"
+    finally:
+        with contextlib.suppress(Exception):
+            probe.loop.close()
+    missing += [name for name in _BORROWED if not hasattr(probe, name)]
+    if not isinstance(getattr(probe, "writable", None), asyncio.Event):
+        missing.append("writable (an asyncio.Event)")
+    if missing:
+        return f"uvicorn {uvicorn.__version__} lacks {', '.join(sorted(set(missing)))}"
+    return None
+
+
+async def _no_app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover - never run
+    pass
+
+
 class _DirectWriter:
     """changefeed.publisher.wire.FrameWriter for one uvicorn websocket connection.
 
     Called for every listener on every flush: it keeps what ``open`` reads at
     hand, and ``write`` is the transport's own method."""
 
-    __slots__ = ("_conn", "_protocol", "_transport", "_writable", "write")
+    __slots__ = ("_conn", "_protocol", "_transport", "_writable", "buffered", "write")
 
     def __init__(self, protocol: WebSocketsSansIOProtocol) -> None:
         self._protocol = protocol
@@ -70,6 +130,7 @@ class _DirectWriter:
         self._writable = protocol.writable
         self._conn = protocol.conn
         self.write = protocol.transport.write
+        self.buffered = protocol.transport.get_write_buffer_size
 
     @property
     def open(self) -> bool:
@@ -103,12 +164,12 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
         # The ASGI task is created but has not run: the scope can still grow.
-        # Only on the uvicorn whose internals _DirectWriter reads (pyproject pins the
-        # range); anything else gets plain ASGI sends.
+        # Only on the uvicorn whose internals _DirectWriter reads (checked once,
+        # direct_writes_unsupported); anything else gets plain ASGI sends.
         scope: Any = getattr(self, "scope", None)
         if (
             scope is not None
-            and isinstance(getattr(self, "writable", None), asyncio.Event)
+            and direct_writes_unsupported() is None
             and not self.close_sent
             and not self.conn.extensions
         ):
@@ -120,26 +181,38 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         instead of a bare 1009. The frame itself is never read: websockets refuses
         it from its header."""
         exc = self.conn.parser_exc
-        if not isinstance(exc, PayloadTooBig) or not self.handshake_complete or self.close_sent:
+        if (
+            direct_writes_unsupported() is not None
+            or not isinstance(exc, PayloadTooBig)
+            or not self.handshake_complete
+            or self.close_sent
+        ):
             super().handle_parser_exception()
             return
         self.conn.data_to_send()  # websockets' own close (1009): replaced below
-        code = ERROR_CLOSE_CODES[FRAME_TOO_LARGE]
+        reason = Disconnect.FRAME_TOO_LARGE.value
+        code = ERROR_CLOSE_CODES[reason]
         message = f"frame exceeds the server's limit of {self.config.ws_max_size} bytes"
-        error = ErrorFrame(FRAME_TOO_LARGE, message).encode().encode()
-        close = Close(code, FRAME_TOO_LARGE).serialize()
+        error = ErrorFrame(reason, message).encode().encode()
+        close = Close(code, reason).serialize()
         self.transport.write(
             Frame(Opcode.TEXT, error).serialize(mask=False, extensions=())
             + Frame(Opcode.CLOSE, close).serialize(mask=False, extensions=())
         )
-        self.queue.put_nowait(
-            {"type": "websocket.disconnect", "code": code, "reason": FRAME_TOO_LARGE}
-        )
+        disconnect: Any = {
+            "type": "websocket.disconnect",
+            "code": code,
+            "reason": reason,
+            DISCONNECT_CAUSE: Disconnect.FRAME_TOO_LARGE,
+        }
+        self.queue.put_nowait(disconnect)
         self.close_sent = True
         self.transport.close()
 
     async def send(self, message: Any) -> None:
         await super().send(message)
+        if direct_writes_unsupported() is not None:
+            return
         if self.initial_response is not None and self.close_sent and not self.handshake_complete:
             # The app answered the handshake with an HTTP response (a refused token):
             # that is a complete handshake. uvicorn would log an error for each one
@@ -152,10 +225,14 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         (which, for a peer that stopped reading too, is when ``run_asgi`` aborts it)."""
         failing = not (self.close_sent or self.transport.is_closing())
         super().keepalive_timeout()
-        if failing:
-            self.queue.put_nowait(
-                {"type": "websocket.disconnect", "code": 1011, "reason": KEEPALIVE_TIMEOUT}
-            )
+        if failing and direct_writes_unsupported() is None:
+            disconnect: Any = {
+                "type": "websocket.disconnect",
+                "code": 1011,
+                "reason": "keepalive ping timeout",
+                DISCONNECT_CAUSE: Disconnect.KEEPALIVE_TIMEOUT,
+            }
+            self.queue.put_nowait(disconnect)
 
     async def run_asgi(self) -> None:
         """Run the app; once it is done, make sure the connection ends.
@@ -169,7 +246,7 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         app gave up before its close frame could be written, is aborted.
         """
         await super().run_asgi()
-        if self.disconnected:
+        if self.disconnected or direct_writes_unsupported() is not None:
             return
         if self.close_sent:
             self.loop.call_later(self.close_timeout + _ABORT_MARGIN, self._abort_unless_lost)
@@ -215,6 +292,16 @@ def server_config(app: Any, host: str, port: int, **overrides: Any) -> uvicorn.C
         "log_config": None,
     }
     settings.update(overrides)
+    if settings["ws"] is FanoutWebSocketProtocol:
+        unsupported = direct_writes_unsupported()
+        log_event(
+            log,
+            "serving.fanout_path",
+            logging.WARNING if unsupported else logging.INFO,
+            path="ASGI sends" if unsupported else "direct writes",
+            why=unsupported,
+            uvicorn=uvicorn.__version__,
+        )
     return uvicorn.Config(app, **settings)
 
 

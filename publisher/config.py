@@ -127,7 +127,27 @@ class PublisherConfig:
     queue_size: int = field(
         default=4096,
         metadata=_doc(
-            "Per-listener send queue; a listener whose queue is full is evicted (4009).", "frames"
+            "Items queued for one live listener at most. A listener whose queue cannot take "
+            "the next batch is not evicted: it catches up from the window or the feed table, "
+            "at its own pace (docs/fanout.md).",
+            "items",
+        ),
+    )
+    window_bytes: int = field(
+        default=64 << 20,
+        metadata=_doc(
+            "Memory for the window of recently tailed entries that listeners catch up from, "
+            "shared by all of them (a quarter as much again for pages of the feed table read "
+            "for listeners further behind).",
+            "bytes",
+        ),
+    )
+    stall_timeout: float = field(
+        default=60.0,
+        metadata=_doc(
+            "A listener that has items to take and takes nothing at all for this long is "
+            "evicted (4009). A listener that reads, however slowly, never is.",
+            "seconds",
         ),
     )
     max_batch: int = field(
@@ -167,9 +187,11 @@ class PublisherConfig:
         default=10000, metadata=_doc("Listener connections one publisher process accepts.")
     )
     replay_limit: int = field(
-        default=100000,
+        default=1000000,
         metadata=_doc(
-            "A resume needing more entries than this is answered resumed=false.", "entries"
+            "A resume more entries behind than this (estimated from entry identities) is "
+            "answered resumed=false (reason too_far_behind): bootstrapping is then cheaper.",
+            "entries",
         ),
     )
     db_retry_budget: float = field(
@@ -246,6 +268,7 @@ _DURATION_KEYS = {
     "poll_interval",
     "registration_timeout",
     "close_timeout",
+    "stall_timeout",
     "send_interval",
     "db_retry_budget",
     "ping_interval",
@@ -260,6 +283,7 @@ _POSITIVE_INTS = {
     "max_registrations",
     "max_connections",
     "replay_limit",
+    "window_bytes",
 }
 
 

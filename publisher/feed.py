@@ -199,17 +199,20 @@ class FeedReader:
             " AND f.txid < pg_snapshot_xmin(pg_current_snapshot())"
             " ORDER BY f.txid, f.id LIMIT $3"
         )
-        self._between = (
-            f"SELECT {columns} FROM {q}.feed f"
+        # A catch-up page and the low-water mark in one statement, so one
+        # snapshot: when the mark is at or before `after`, nothing after it was
+        # trimmed, and the page has no hole (whoever deletes raises the mark in
+        # the same transaction). The page's rows come in feed order; the mark
+        # comes on every row (and alone, with NULL entries, when there are none).
+        self._page = (
+            "SELECT s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id, p.*"
+            f" FROM {q}.feed_state s LEFT JOIN LATERAL ("
+            f" SELECT {columns} FROM {q}.feed f"
             " WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2)"
             " AND (f.txid, f.id) <= ($3::bigint::text::xid8, $4)"
             " AND f.resource = ANY($5::text[])"
-            " ORDER BY f.txid, f.id LIMIT $6"
-        )
-        self._count_after = (
-            f"SELECT count(*) FROM (SELECT 1 FROM {q}.feed"
-            " WHERE (txid, id) > ($1::bigint::text::xid8, $2)"
-            " AND resource = ANY($3::text[]) LIMIT $4) AS pending"
+            " ORDER BY f.txid, f.id LIMIT $6) p ON true"
+            " ORDER BY p.txid, p.id"
         )
         self._head = (
             f"SELECT f.txid::text::bigint AS txid, f.id FROM {q}.feed f"
@@ -237,27 +240,21 @@ class FeedReader:
         rows = await conn.fetch(self._after, after.txid, after.id, limit)
         return [_entry(r) for r in rows]
 
-    async def read_between(
+    async def read_page(
         self,
         conn: PgConnection,
         after: Position,
         upto: Position,
         resources: Sequence[str],
         limit: int,
-    ) -> list[FeedEntry]:
-        """Return up to ``limit`` entries in ``(after, upto]`` for ``resources`` (resume replay)."""
+    ) -> tuple[list[FeedEntry], Position]:
+        """Up to ``limit`` entries of ``resources`` in ``(after, upto]``, in feed order,
+        and the feed's low-water mark, from one snapshot (a catch-up page)."""
         rows = await conn.fetch(
-            self._between, after.txid, after.id, upto.txid, upto.id, list(resources), limit
+            self._page, after.txid, after.id, upto.txid, upto.id, list(resources), limit
         )
-        return [_entry(r) for r in rows]
-
-    async def count_after(
-        self, conn: PgConnection, after: Position, resources: Sequence[str], most: int
-    ) -> int:
-        """Count entries after ``after`` for ``resources``, stopping at ``most``."""
-        return int(
-            await conn.fetchval(self._count_after, after.txid, after.id, list(resources), most)
-        )
+        low_water = Position(rows[0]["lw_txid"], rows[0]["lw_id"]) if rows else ORIGIN
+        return [_entry(r) for r in rows if r["id"] is not None], low_water
 
     async def head(self, conn: PgConnection) -> Position:
         """Return the position of the newest final entry (ORIGIN for an empty feed)."""

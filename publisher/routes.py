@@ -1,8 +1,8 @@
 """Starlette routes of the publisher; the embedding app mounts ``publisher.routes``.
 
-Thin adapter: each endpoint renders state the Publisher already keeps. The
-/changefeeds websocket is ``ListenerEndpoint``, a plain ASGI app (see
-websocket.py). /changefeeds and /changefeeds/stats need the bearer token when
+Thin adapter: each endpoint renders state the publisher already keeps, seen
+through ``PublisherView``. The /changefeeds websocket is ``ListenerEndpoint``,
+a plain ASGI app (see connection.py). /changefeeds and /changefeeds/stats need the bearer token when
 auth is configured and show only the resources the token may read; /metrics,
 /healthz and /readyz never do (scrapers and probes; they show counts, not
 listeners). Query parameters are validated: an unknown one, or a bad value,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -23,12 +23,35 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from changefeed.schemas import ErrorFrame
 
 from .auth import AuthUnavailable
-from .websocket import ListenerEndpoint
+from .config import PublisherConfig
+from .connection import ListenerEndpoint
+from .host import ListenerHost
+from .metrics import PublisherMetrics
+from .tailer import Tailer
 
-if TYPE_CHECKING:
-    from .service import Publisher
+__all__ = ["PublisherView", "error_response", "publisher_routes"]
 
-__all__ = ["error_response", "publisher_routes"]
+
+class PublisherView(Protocol):
+    """What the HTTP routes need of a publisher."""
+
+    config: PublisherConfig
+    tailer: Tailer
+    metrics: PublisherMetrics
+    failed: dict[str, str]
+
+    @property
+    def sessions(self) -> ListenerHost: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    async def authenticate(self, headers: Mapping[str, str]) -> frozenset[str] | None: ...
+
+    def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None: ...
+
+    def stats(self, allowed: frozenset[str] | None = None) -> dict[str, Any]: ...
+
 
 # A running tailer reads at least once per poll interval; one that has not read
 # for this long is stuck (a query blocked on a lock, a half-open connection).
@@ -68,14 +91,14 @@ def _query(request: Request, allowed: Mapping[str, int]) -> dict[str, str]:
     return values
 
 
-def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
+def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
     """Routes for ``publisher``: /changefeeds (GET + websocket), /changefeeds/stats,
     /metrics, /healthz, /readyz."""
 
     async def access(request: Request) -> frozenset[str] | Response:
         peer = f"{request.client.host}:{request.client.port}" if request.client else ""
         try:
-            allowed = await publisher.authenticate(request)
+            allowed = await publisher.authenticate(request.headers)
         except AuthUnavailable as exc:
             publisher.refused("unavailable", "http", peer, str(exc))
             return error_response(503, "unavailable", str(exc), {"Retry-After": "1"})
@@ -104,7 +127,11 @@ def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
         return JSONResponse(
             {
                 "resources": [
-                    publisher.route_of(r).to_json()
+                    {
+                        "resource": r.name,
+                        "subResources": list(r.sub_resources),
+                        "bootstrapRoute": r.bootstrap_route,
+                    }
                     for r in publisher.config.resources
                     if "*" in allowed or r.name in allowed
                 ]
@@ -153,7 +180,9 @@ def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
         stuck_after = max(_STUCK_AFTER_MIN, _STUCK_AFTER_POLLS * publisher.config.poll_interval)
         read_ago = None if tailer.last_read_at is None else time.monotonic() - tailer.last_read_at
         stuck = read_ago is None or read_ago > stuck_after
+        failed = dict(publisher.failed)
         ready = tailer.status == "running" and not stuck and not publisher.draining
+        ready = ready and not failed
         body = {
             "status": "ready" if ready else "not ready",
             "tailer": tailer.status,
@@ -161,12 +190,13 @@ def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
             "stuck": stuck,
             "draining": publisher.draining,
             "lastError": tailer.last_error,
+            "failed": failed,
         }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return [
         Route("/changefeeds", resources, methods=["GET"]),
-        WebSocketRoute("/changefeeds", ListenerEndpoint(publisher)),
+        WebSocketRoute("/changefeeds", ListenerEndpoint(publisher.sessions)),
         Route("/changefeeds/stats", stats, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),

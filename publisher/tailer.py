@@ -20,12 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    wait_exponential_jitter,
-)
+from tenacity import AsyncRetrying, RetryCallState, wait_exponential_jitter
 
 from changefeed.logs import log_event
 from changefeed.schemas import Position
@@ -47,6 +42,10 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
 _LOGGED_IDS = 20
 """Changed resource ids a ``tailer.read`` debug event names (the first of its batch)."""
 
+_UNEXPECTED_RETRIES = 3
+"""Failures in a row that are not database errors (a bug, most likely) after which
+the tailer gives up instead of retrying them forever."""
+
 
 class Tailer:
     """Follows one feed table and calls ``sink`` with each batch of final entries.
@@ -56,6 +55,8 @@ class Tailer:
         reader: the feed's queries.
         channel: the NOTIFY channel writers ring.
         sink: called synchronously with each batch, in feed order; must not block.
+        on_start: called once, with the position the tailer starts after (the
+            feed's head when it first connects).
         poll_interval: seconds between polls when no doorbell rings.
         batch: entries per read.
         retry_budget: after this many seconds without the database, status is
@@ -75,6 +76,7 @@ class Tailer:
         batch: int = 1000,
         retry_budget: float = 30.0,
         fanned_out: Callable[[], Awaitable[None]] | None = None,
+        on_start: Callable[[Position], None] | None = None,
     ) -> None:
         self._connect = connect
         self._reader = reader
@@ -84,6 +86,8 @@ class Tailer:
         self._batch = batch
         self._retry_budget = retry_budget
         self._fanned_out = fanned_out
+        self._on_start = on_start
+        self._unexpected = 0
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
         self.position: Position | None = None
@@ -108,11 +112,13 @@ class Tailer:
     async def run(self) -> None:
         """Tail forever, reconnecting with exponential back-off and jitter.
 
-        Any failure is retried, not only database errors: a tailer that died
-        silently would leave every listener of this instance without changes.
+        Database errors are retried forever (the database comes back). Anything
+        else is most likely a bug: it is logged with its traceback and retried a
+        few times in a row, then the tailer gives up and raises, and the
+        publisher reports itself failed (/readyz) rather than spin.
         """
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(Exception),
+            retry=self._retryable,
             wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.1),
             before_sleep=self._on_retry,
             reraise=True,
@@ -120,6 +126,20 @@ class Tailer:
         async for attempt in retrying:
             with attempt:
                 await self._follow()
+
+    def _retryable(self, state: RetryCallState) -> bool:
+        exc = state.outcome.exception() if state.outcome else None
+        if exc is None:
+            return False
+        if isinstance(exc, DB_ERRORS):
+            self._unexpected = 0
+            return True
+        self._unexpected += 1
+        if self._unexpected > _UNEXPECTED_RETRIES:
+            self.status = "failed"
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
+        return isinstance(exc, Exception)
 
     def _on_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
@@ -130,11 +150,14 @@ class Tailer:
         down_for = now - self.failing_since
         self.status = "unavailable" if down_for >= self._retry_budget else "reconnecting"
         self.reconnects_total += 1
-        level = logging.ERROR if self.status == "unavailable" else logging.WARNING
+        unexpected = not isinstance(exc, DB_ERRORS)
+        level = logging.ERROR if self.status == "unavailable" or unexpected else logging.WARNING
         log_event(
             log,
             "tailer.reconnecting",
             level,
+            # A database error is expected weather; anything else needs its traceback.
+            exc=exc if unexpected else None,
             error=self.last_error,
             attempt=state.attempt_number,
             down_for=round(down_for, 3),
@@ -147,6 +170,8 @@ class Tailer:
             await conn.add_listener(self._channel, self.ring)
             if self.position is None:
                 self.position = await self._reader.head(conn)
+                if self._on_start is not None:
+                    self._on_start(self.position)
                 log_event(log, "tailer.started", position=str(self.position))
             elif self.status != "starting":
                 log_event(
@@ -197,6 +222,7 @@ class Tailer:
                     ids=[e.changed_resource_id for e in entries[:_LOGGED_IDS]],
                 )
             self._sink(entries)
+            self._unexpected = 0  # it got through: whatever failed before did not repeat
             self.position = last.position
             self.entries_total += len(entries)
             self.last_published = last.published

@@ -1,44 +1,54 @@
-"""Serialised websocket frames for the fan-out's direct path. Pure code.
+"""What the publisher and its server say to each other beyond ASGI. Pure code.
 
 Through ASGI, every frame to every listener is a coroutine call that builds a
 message dict, passes the middleware's wrappers, and has the server serialise
 the frame again for each connection. But a fan-out sends the *same* frames to
 many listeners, and server frames are not masked: the bytes on the wire are
-identical for all of them. ``FrameCache`` serialises each payload once, and a
-server that offers the ``DIRECT_WRITES`` scope extension (a ``FrameWriter``
-per connection, see ``changefeed.serving``) takes those bytes synchronously.
-Without the extension the publisher sends through ASGI, which works on any
-server, at more CPU per frame.
+identical for all of them. A server that offers the ``DIRECT_WRITES`` scope
+extension (a ``FrameWriter`` per connection, see ``changefeed.serving``)
+takes frames serialised once (``entries.Item.wire``, ``BatchFrames``)
+synchronously. Without the extension the publisher sends through ASGI, which
+works on any server, at more CPU per frame.
+
+Such a server also tells the app *why* a connection ended when it was the
+server's doing, with a ``Disconnect`` under ``DISCONNECT_CAUSE`` in the
+``websocket.disconnect`` message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import Enum
 from typing import Protocol
 
 from websockets.frames import Frame, Opcode
 
 __all__ = [
     "DIRECT_WRITES",
-    "FRAME_TOO_LARGE",
-    "KEEPALIVE_TIMEOUT",
-    "FrameCache",
+    "DISCONNECT_CAUSE",
+    "BatchFrames",
+    "Disconnect",
     "FrameWriter",
     "batch_text",
+    "text_frame",
 ]
 
 DIRECT_WRITES = "changefeed.direct_writes"
 """ASGI scope extension: the connection's ``FrameWriter``."""
 
-FRAME_TOO_LARGE = "frame_too_large"
-"""Error code of a frame over a size limit, and the close reason of its 4006. A
-server that refuses such a frame itself (changefeed.serving, over ``ws_max_size``)
-has sent the error frame and the close, and tells the app with a disconnect
-carrying that code and reason."""
+DISCONNECT_CAUSE = "changefeed.disconnect_cause"
+"""Key of a ``Disconnect`` in a ``websocket.disconnect`` message the server sent
+because of something it did itself."""
 
-KEEPALIVE_TIMEOUT = "keepalive ping timeout"
-"""Close reason (with 1011) of a connection whose peer stopped answering pings, in
-the disconnect a server that tells its app why (changefeed.serving) sends."""
+
+class Disconnect(Enum):
+    """Why the server ended a connection on its own."""
+
+    FRAME_TOO_LARGE = "frame_too_large"
+    """A frame over the server's size limit: it sent the publisher's error frame
+    (``frame_too_large``) and closed with 4006."""
+    KEEPALIVE_TIMEOUT = "keepalive_timeout"
+    """The listener stopped answering pings."""
 
 
 class FrameWriter(Protocol):
@@ -52,6 +62,9 @@ class FrameWriter(Protocol):
     def write(self, data: bytes) -> None:
         """Write ``data`` (whole frames); only when ``open``."""
 
+    def buffered(self) -> int:
+        """Bytes written that the transport has yet to send."""
+
 
 def batch_text(items: Sequence[str]) -> str:
     """The payload of a batch frame: the JSON array of already-encoded ``items``."""
@@ -63,53 +76,37 @@ def text_frame(payload: str) -> bytes:
     return Frame(Opcode.TEXT, payload.encode()).serialize(mask=False, extensions=())
 
 
-class FrameCache:
-    """Wire bytes of recent frames, each payload serialised once for all listeners.
+class BatchFrames:
+    """Serialised batch frames, each made once for every listener that gets the same items.
 
-    Listeners that want the same entries get the same item strings from the
-    registry, so the lookups below hash each item once and compare by identity.
-    Recent is bounded by bytes: past ``max_bytes`` the cache starts afresh.
-    A frame is only worth keeping while the connections of one flush, or the
-    sender turns after a burst, still ask for it; older ones are dead weight.
+    Listeners of one interest that keep up take the same items at each flush;
+    the lookup hashes the items by identity. Bounded by bytes: past
+    ``max_bytes`` it starts afresh, since a frame is worth keeping only while
+    the connections of one flush still ask for it.
 
     Args:
         max_bytes: serialised bytes kept, at most.
     """
 
-    __slots__ = ("_batches", "_bytes", "_singles", "max_bytes")
+    __slots__ = ("_bytes", "_frames", "max_bytes")
 
     def __init__(self, max_bytes: int = 1 << 20) -> None:
         self.max_bytes = max_bytes
-        self._batches: dict[tuple[str, ...], bytes] = {}
-        self._singles: dict[str, bytes] = {}
+        self._frames: dict[tuple[object, ...], bytes] = {}
         self._bytes = 0
 
-    def _kept(self, data: bytes) -> None:
-        self._bytes += len(data)
-        if self._bytes > self.max_bytes:
-            self._batches.clear()
-            self._singles.clear()
-            self._bytes = 0
+    def __len__(self) -> int:
+        return len(self._frames)
 
-    def batch(self, items: Sequence[str]) -> bytes:
-        """One text frame holding the JSON array of ``items``."""
+    def frame(self, items: Sequence[object], texts: Sequence[str]) -> bytes:
+        """The batch frame of ``items`` (whose JSON texts are ``texts``)."""
         key = tuple(items)
-        data = self._batches.get(key)
+        data = self._frames.get(key)
         if data is None:
-            data = text_frame(batch_text(items))
-            self._kept(data)
-            self._batches[key] = data
+            data = text_frame(batch_text(texts))
+            self._bytes += len(data)
+            if self._bytes > self.max_bytes:
+                self._frames.clear()
+                self._bytes = len(data)
+            self._frames[key] = data
         return data
-
-    def singles(self, items: Sequence[str]) -> bytes:
-        """One text frame per item (RFD 5 listeners), back to back."""
-        singles = self._singles
-        parts = []
-        for item in items:
-            data = singles.get(item)
-            if data is None:
-                data = text_frame(item)
-                self._kept(data)
-                singles[item] = data
-            parts.append(data)
-        return b"".join(parts)

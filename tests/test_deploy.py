@@ -27,7 +27,7 @@ from test_deploy_support import DEPLOY, NGINX, ROOT, Nginx, make_certificate, re
 
 from changefeed.cli import _parser
 from changefeed.listener import Controller, Listener
-from changefeed.publisher import Publisher
+from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig
 from changefeed.publisher.config import (
     ServerConfig,
     config_from_dict,
@@ -35,7 +35,6 @@ from changefeed.publisher.config import (
     parse_duration,
     server_config_from_dict,
 )
-from changefeed.publisher.metrics import PublisherMetrics
 from changefeed.schemas import ChangeKind
 
 UVICORN_SHUTDOWN = 10.0  # changefeed.serving.server_config: timeout_graceful_shutdown
@@ -216,7 +215,10 @@ def exported_metrics() -> set[str]:
         registry=registry,
     )
     Controller(listener, registry=registry)
-    text = PublisherMetrics().render().decode() + generate_latest(registry).decode()
+    publisher = Publisher(
+        PublisherConfig(dsn="postgresql://unused/x", resources=(ResourceConfig("vm", "/vms"),))
+    )
+    text = publisher.metrics.render().decode() + generate_latest(registry).decode()
     names = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):

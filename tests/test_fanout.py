@@ -1,6 +1,6 @@
-"""Fan-out: encode once, bounded queues, eviction, fairness, memory, recovery, shutdown.
+"""Fan-out: fairness, slow listeners, memory, recovery, shutdown, observability.
 
-The pure parts (Registry, Outbox) are tested directly. The scenarios run a
+The pure parts are tested in test_delivery_core.py. These scenarios run a
 publisher on real uvicorn and real PostgreSQL; the many-listener sides come
 from a ClientFleet (bench/common.py) in another process, so that their load
 never shares this process's event loop.
@@ -18,7 +18,6 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,183 +45,15 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from changefeed.publisher import Publisher, PublisherConfig, publish_many
-from changefeed.publisher.feed import FeedEntry
-from changefeed.publisher.outbox import Outbox
-from changefeed.publisher.registry import ListenerSession, Registry
-from changefeed.publisher.websocket import _DirectSender
-from changefeed.publisher.wire import FrameCache
+from changefeed.publisher.delivery import Delivery
+from changefeed.publisher.matching import Interest
+from changefeed.publisher.scheduler import FlushScheduler, LoopClock
 from changefeed.schemas import ChangeKind, CloseCode, Position
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from common import ClientFleet, rss_bytes
 
-# --------------------------------------------------------------------------- pure: Registry
-
-
-def _entry(n: int, subs: tuple[str, ...] = ("nic",), resource: str = "vm") -> FeedEntry:
-    return FeedEntry(Position(100, n), resource, subs, f"id{n}", datetime.now(UTC))
-
-
-def _session(capacity: int = 100) -> ListenerSession:
-    return ListenerSession(instance="i", service="s", outbox=Outbox(capacity))
-
-
-def test_each_entry_is_encoded_once_and_shared_by_every_outbox() -> None:
-    registry = Registry()
-    sessions = [_session() for _ in range(50)]
-    for session in sessions:
-        registry.add(session, [(ChangeKind("vm", ()), Position(0, 0))])
-    encoded: list[int] = []
-
-    def encode(entry: FeedEntry) -> str:
-        encoded.append(entry.position.id)
-        return f"frame-{entry.position.id}"
-
-    queued, evicted = registry.dispatch([_entry(n) for n in range(1, 11)], encode)
-    assert encoded == list(range(1, 11)) and queued == 500 and evicted == []
-    frames = [s.outbox.take(100) for s in sessions]
-    assert all(f == frames[0] for f in frames)
-    # One string object per entry, referenced by every outbox: no copies.
-    assert all(f[0] is frames[0][0] for f in frames)
-
-
-def test_matching_skip_until_and_feed_order_of_several_registrations() -> None:
-    registry = Registry()
-    nic, alias, late, v2 = (_session() for _ in range(4))
-    registry.add(nic, [(ChangeKind("vm", ("nic",)), Position(0, 0))])
-    registry.add(alias, [(ChangeKind("vm", ("alias",)), Position(0, 0))])
-    registry.add(late, [(ChangeKind("vm", ()), Position(100, 3))])
-    registry.add(
-        v2,
-        [
-            (ChangeKind("vm", ("nic",)), Position(0, 0)),
-            (ChangeKind("network", ()), Position(0, 0)),
-            (ChangeKind("vm", ()), Position(0, 0)),  # overlaps the first: each entry once
-        ],
-    )
-    entries = [
-        _entry(1, ("nic",)),
-        _entry(2, (), "network"),
-        _entry(3, ("alias",)),
-        _entry(4, ()),
-        _entry(5, ("nic", "alias")),
-        _entry(6, ("subnet",), "network"),
-    ]
-    encoded: list[str] = []
-
-    def encode(entry: FeedEntry) -> str:
-        encoded.append(entry.changed_resource_id)
-        return entry.changed_resource_id
-
-    registry.dispatch(entries, encode)
-    assert sorted(encoded) == ["id1", "id2", "id3", "id4", "id5", "id6"]  # each once
-    assert nic.outbox.take(10) == ["id1", "id4", "id5"]
-    assert alias.outbox.take(10) == ["id3", "id4", "id5"]
-    assert late.outbox.take(10) == ["id4", "id5"]  # at or before skip_until: not sent
-    assert v2.outbox.take(10) == ["id1", "id2", "id3", "id4", "id5", "id6"]  # feed order
-
-
-def test_an_entry_nobody_wants_is_never_encoded() -> None:
-    registry = Registry()
-    session = _session()
-    registry.add(session, [(ChangeKind("vm", ("nic",)), Position(0, 0))])
-    encoded: list[str] = []
-
-    def encode(entry: FeedEntry) -> str:
-        encoded.append(entry.changed_resource_id)
-        return entry.changed_resource_id
-
-    entries = [_entry(1, ("alias",)), _entry(2, ("nic",)), _entry(3, (), "network")]
-    assert registry.dispatch(entries, encode) == (1, [])
-    assert encoded == ["id2"] and session.outbox.take(5) == ["id2"]
-
-
-def test_a_full_outbox_evicts_that_listener_only_and_nobody_waits() -> None:
-    registry = Registry()
-    small, big = _session(capacity=5), _session(capacity=100)
-    for session in (small, big):
-        registry.add(session, [(ChangeKind("vm", ()), Position(0, 0))])
-    queued, evicted = registry.dispatch([_entry(n) for n in range(1, 4)], str)
-    assert queued == 6 and evicted == []
-    queued, evicted = registry.dispatch([_entry(n) for n in range(4, 8)], str)
-    assert evicted == [small] and queued == 4
-    assert small.closing is not None and small.closing.close_code == CloseCode.SLOW_LISTENER
-    assert small.closing.error_code == "slow_listener"
-    assert len(small.outbox) == 0 and small.dropped == 3 + 4  # queued, then refused
-    assert len(big.outbox) == 7 and len(registry) == 1
-    assert registry.evictions_total == 1
-    assert registry.recent_evictions[0]["dropped"] == 7
-    # Later entries go to the others only.
-    registry.dispatch([_entry(8)], str)
-    assert len(big.outbox) == 8
-
-
-def test_outbox_take_close_and_wake() -> None:
-    async def scenario() -> None:
-        outbox = Outbox(3)
-        assert outbox.offer_many(["a", "b"], wake=False)
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(outbox.wait(), 0.01)  # queued, but not woken
-        outbox.wake()
-        await asyncio.wait_for(outbox.wait(), 1)
-        assert not outbox.offer_many(["c", "d"])  # all or nothing
-        assert outbox.take(1) == ["a"] and outbox.take(5) == ["b"]
-        assert outbox.offer("e") and outbox.close() == 1
-        await asyncio.wait_for(outbox.wait(), 1)  # a closed outbox wakes its sender
-        assert outbox.offer_many(["f"] * 10) and len(outbox) == 0
-
-    asyncio.run(scenario())
-
-
-def test_frame_cache_serialises_once_and_stays_bounded() -> None:
-    cache = FrameCache(max_bytes=1000)
-    items = ['{"a":1}', '{"b":2}']
-    batch = cache.batch(items)
-    assert batch == b"\x81" + bytes([len('[{"a":1},{"b":2}]')]) + b'[{"a":1},{"b":2}]'
-    assert cache.batch(list(items)) is batch  # equal items: the same bytes object
-    singles = cache.singles(items)
-    assert singles == b"\x81\x07" + items[0].encode() + b"\x81\x07" + items[1].encode()
-    big = "x" * 300  # 126 and a 16-bit length: the header of a frame over 125 bytes
-    assert cache.singles([big])[:4] == b"\x81\x7e\x01\x2c"
-    for i in range(5):  # past max_bytes the cache starts afresh
-        cache.singles([f"{i}{big}"])
-    assert cache.batch(items) == batch and cache.batch(items) is not batch
-
-
-class _Writer:
-    """A FrameWriter stand-in for the pure test below: records, or fails."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.written: list[bytes] = []
-
-    @property
-    def open(self) -> bool:
-        return True
-
-    def write(self, data: bytes) -> None:
-        if self.fail:
-            raise RuntimeError("transport is gone")
-        self.written.append(data)
-
-
-def test_direct_writes_share_bytes_and_a_failing_one_closes_its_connection_only() -> None:
-    publisher = Publisher(PublisherConfig(dsn="postgresql://unused/x", resources=(VM,)))
-    item = '{"changedResourceId": "a"}'
-    sessions = [_session(), _session(), _session()]
-    writers = [_Writer(), _Writer(), _Writer(fail=True)]
-    for session, writer in zip(sessions, writers, strict=True):
-        session.batch = True
-        assert session.outbox.offer_many([item, item], wake=False)
-        sender = _DirectSender(publisher, session, writer)
-        assert sender.send_now() is True  # nothing left queued either way
-    first, second, failed = sessions
-    assert writers[0].written == writers[1].written
-    assert writers[0].written[0] is writers[1].written[0]  # serialised once, shared
-    assert first.sent == second.sent == 2 and first.frames == 1
-    assert failed.closing is not None and failed.closing.close_code == 1011
-    assert failed.dropped == 2 and failed.sent == 0
-    assert first.closing is None and second.closing is None
+# --------------------------------------------------------------------------- scheduling
 
 
 def _spin(seconds: float) -> None:
@@ -230,40 +61,6 @@ def _spin(seconds: float) -> None:
     until = time.perf_counter() + seconds
     while time.perf_counter() < until:
         pass
-
-
-async def test_a_long_flush_lets_the_event_loop_run_and_wakes_senders_last() -> None:
-    """A flush longer than a slice yields to the event loop (the tailer's doorbell
-    and reads need not wait for the last listener), yet every listener gets its
-    turn of the flush before any sender task is woken for a second one. Pure
-    scheduling: each ``send_now`` stands in for ~0.1 ms of socket writes."""
-    publisher = Publisher(PublisherConfig(dsn="postgresql://unused/x", resources=(VM,)))
-    outboxes = [Outbox(10) for _ in range(40)]
-    turns: list[object] = []
-
-    def writer(index: int) -> Callable[[], bool]:
-        def send_now() -> bool:
-            _spin(0.0001)
-            turns.append(index)
-            return index != 0  # the first one's transport is paused: its sender must go on
-
-        return send_now
-
-    for index, outbox in enumerate(outboxes):
-        assert outbox.offer_many(["item"], wake=False)
-        outbox.send_now = writer(index)
-    publisher._pending.update(outboxes)
-    loop = asyncio.get_running_loop()
-    loop.call_soon(lambda: turns.append(("loop ran", outboxes[0].ready.is_set())))
-    publisher._flush()
-    await asyncio.wait_for(outboxes[0].ready.wait(), 5)
-    written = [t for t in turns if isinstance(t, int)]
-    assert sorted(written) == list(range(40))
-    ran = turns.index(("loop ran", False))  # mid-flush, and the paused one not yet woken
-    assert 0 < ran < len(turns) - 1
-    samples = {s.name: s.value for s in publisher.metrics.flush_seconds.collect()[0].samples}
-    assert samples["changefeed_flush_seconds_count"] == 1
-    assert samples["changefeed_flush_seconds_sum"] >= 40 * 0.0001
 
 
 def test_a_doorbell_mid_flush_wakes_the_tailer_before_the_next_slice() -> None:
@@ -276,7 +73,7 @@ def test_a_doorbell_mid_flush_wakes_the_tailer_before_the_next_slice() -> None:
     import uvloop
 
     async def scenario() -> list[object]:
-        publisher = Publisher(PublisherConfig(dsn="postgresql://unused/x", resources=(VM,)))
+        scheduler = FlushScheduler(LoopClock(), send_interval=0.002, report=lambda *_: None)
         loop = asyncio.get_running_loop()
         order: list[object] = []
         bell, ring_it = socket.socketpair()
@@ -306,22 +103,22 @@ def test_a_doorbell_mid_flush_wakes_the_tailer_before_the_next_slice() -> None:
 
             return send_now
 
-        outboxes = [Outbox(10) for _ in range(40)]
-        for index, outbox in enumerate(outboxes):
-            assert outbox.offer_many(["item"], wake=False)
-            outbox.send_now = writer(index)
-        flush_slice = publisher._flush_slice
+        interest = Interest([ChangeKind("vm", ())])
+        deliveries = [
+            Delivery(interest, Position(0, 0), Position(0, 0), capacity=10) for _ in range(40)
+        ]
+        for index, delivery in enumerate(deliveries):
+            delivery.send_now = writer(index)
+        flush_slice = scheduler._slice
 
         def traced_slice(flush: Any) -> None:
             order.append("slice")
             flush_slice(flush)
 
-        publisher._flush_slice = traced_slice  # type: ignore[method-assign]
-        publisher._pending.update(outboxes)
-        publisher._flushed.clear()  # as _dispatch does
-        publisher._flush()
+        scheduler._slice = traced_slice  # type: ignore[method-assign]
+        scheduler.add(deliveries)
         try:
-            await asyncio.wait_for(publisher._flushed.wait(), 5)
+            await asyncio.wait_for(scheduler.idle.wait(), 5)
             await asyncio.wait_for(task, 5)
         finally:
             loop.remove_reader(bell.fileno())
@@ -398,7 +195,7 @@ async def test_a_burst_reaches_100_listeners_fairly(feed_dsn: str, batch: bool, 
         # everyone finishes close together.
         assert first[-1] <= 0.5 * total + 0.05
         assert spread <= 0.5 * total + 0.05
-        assert pub.publisher.registry.evictions_total == 0
+        assert pub.publisher.stats()["counters"]["evictions"] == 0
 
 
 async def test_the_tailer_reads_on_only_once_every_listener_had_its_turn(feed_dsn: str) -> None:
@@ -420,7 +217,7 @@ async def test_the_tailer_reads_on_only_once_every_listener_had_its_turn(feed_ds
         sink = tailer._sink
 
         def counting_sink(entries: Any) -> None:
-            unserved.append(sum(1 for session in registry.sessions if session.sent == 0))
+            unserved.append(sum(1 for session in registry if session.delivery.sent == 0))
             sink(entries)
 
         tailer._sink = counting_sink
@@ -470,6 +267,15 @@ class SlowListener:
         ack = orjson.loads(await asyncio.wait_for(self.ws.recv(), 10))
         self.cursor = ack["cursor"]
 
+    async def read(self, expected: int, timeout: float) -> None:
+        """Read again until ``expected`` items in all, checking feed order as it goes."""
+        assert self.ws is not None
+        async with asyncio.timeout(timeout):
+            while len(self.ids) < expected:
+                for doc in _items_in(await self.ws.recv()):
+                    self.ids.append(doc["changedResourceId"])
+                    self.cursor = doc["cursor"]
+
     async def read_until_closed(self, timeout: float) -> tuple[list[str], int | None]:
         """Read again: what is buffered, then the error frame and the close."""
         assert self.ws is not None
@@ -509,6 +315,7 @@ async def _paced_round(
     await fleet.reset(count)
     conn = await asyncpg.connect(dsn)
     sent_at: list[float] = []
+    published: list[str] = []
     pad = "x" * 150  # bigger items fill the slow listener's buffers sooner
     peak_rss = 0
     try:
@@ -517,6 +324,7 @@ async def _paced_round(
             due = start + c * pause
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             ids = [f"lat-{c * chunk + i}-{seq_base}{pad}" for i in range(chunk)]
+            published.extend(ids)
             await publish_many(conn, [("vm", [], x) for x in ids])
             sent_at.extend([time.monotonic()] * chunk)
             peak_rss = max(peak_rss, rss_bytes())
@@ -531,6 +339,7 @@ async def _paced_round(
         "p50": figures["p50"],
         "p99": figures["p99"],
         "peak_rss": peak_rss,
+        "ids": published,
     }
 
 
@@ -575,15 +384,18 @@ async def small_buffer_publisher(
         sock.close()
 
 
-async def test_a_listener_that_stops_reading_is_evicted_and_slows_nobody(feed_dsn: str) -> None:
+async def test_a_listener_that_stops_reading_slows_nobody_and_catches_up_later(
+    feed_dsn: str,
+) -> None:
     """99 listeners read, one stops: the 99 keep their throughput and latency, the
-    publisher's memory stays bounded, the slow one is evicted with 4009, and when it
-    reads again it registers again and catches up by itself (resume)."""
+    publisher's memory stays bounded, the slow one falls behind instead of being
+    evicted, and when it reads again it gets everything it missed, exactly once
+    and in feed order, on the same connection."""
     chunks, chunk, pause = 10, 150, 0.1
     pacing: dict[str, Any] = {"chunks": chunks, "chunk": chunk, "pause": pause}
     async with (
         small_buffer_publisher(
-            feed_dsn, queue_size=400, tail_batch=100, close_timeout=120.0, max_batch=100
+            feed_dsn, queue_size=400, tail_batch=100, max_batch=100, stall_timeout=600.0
         ) as pub,
         ClientFleet() as fleet,
     ):
@@ -599,17 +411,16 @@ async def test_a_listener_that_stops_reading_is_evicted_and_slows_nobody(feed_ds
         without: list[dict[str, Any]] = []
         with_slow: list[dict[str, Any]] = []
         slow_ones: list[tuple[SlowListener, int]] = []
-        written = 0
+        written: list[str] = []
         for pair in range(5):
             without.append(await _paced_round(feed_dsn, fleet, f"a{pair}", **pacing))
-            written += chunks * chunk
+            written += without[-1]["ids"]
             slow = SlowListener(pub.ws_url)
             await slow.connect()
-            slow_ones.append((slow, written))
-            evictions = publisher.registry.evictions_total
+            slow_ones.append((slow, len(written)))
             with_slow.append(await _paced_round(feed_dsn, fleet, f"b{pair}", **pacing))
-            written += chunks * chunk
-            await wait_until(lambda e=evictions: publisher.registry.evictions_total == e + 1)
+            written += with_slow[-1]["ids"]
+            await wait_until(lambda n=pair + 1: publisher.stats()["catchingUp"] == n)
 
         def median(rounds: list[dict[str, Any]], key: str) -> float:
             return statistics.median(r[key] for r in rounds)
@@ -632,22 +443,22 @@ async def test_a_listener_that_stops_reading_is_evicted_and_slows_nobody(feed_ds
             ), key
         peak = max(r["peak_rss"] for r in with_slow)
         print(f"publisher RSS: {baseline_rss / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB")
-        # Each slow listener costs at most its queue (400 shared frames) and its
+        # Each slow listener costs at most its queue (400 shared items) and its
         # transport buffer: nothing like the ~1.5 MB it was sent per round.
         assert peak - baseline_rss < 24 * 2**20
-        assert all(len(s.outbox) <= 400 for s in publisher.registry.sessions)
+        assert all(len(s.delivery.queue) <= 400 for s in publisher.registry)
         stats = publisher.stats()
-        assert stats["counters"]["evictions"] == 5 and len(stats["recentEvictions"]) == 5
-        assert all(e["dropped"] > 0 for e in stats["recentEvictions"])
+        assert stats["counters"]["evictions"] == 0 and stats["counters"]["fellBehind"] >= 5
+        behind = [r for r in stats["registrations"] if r["state"] == "catching_up"]
+        assert len(behind) == 5 and all(r["lagEntries"] > 0 for r in behind)
 
-        # Each slow listener reads again: buffered items, then 4009; then it
-        # registers again from its cursor and receives everything it missed.
+        # Each slow listener reads again, on the same connection: everything since
+        # it registered, exactly once, in feed order; then it is live again.
         for slow, start in slow_ones:
-            errors, code = await slow.read_until_closed(30)
-            assert errors == ["slow_listener"] and code == CloseCode.SLOW_LISTENER
-            assert slow.ids and len(slow.ids) < written - start
-            assert await slow.resume(written - start, 30) is True
-            assert len(slow.ids) == written - start == len(set(slow.ids))
+            await slow.read(len(written) - start, timeout=60)
+            assert slow.ids == written[start:]
+        await wait_until(lambda: publisher.stats()["catchingUp"] == 0, timeout=10)
+        assert publisher.stats()["counters"]["evictions"] == 0
         await fleet.close_all()
 
 
@@ -656,33 +467,38 @@ async def test_a_listener_that_stops_reading_is_evicted_and_slows_nobody(feed_ds
 async def test_a_listener_that_pauses_gets_everything_in_feed_order(
     feed_dsn: str, batch: bool, ws: str
 ) -> None:
-    """A listener stops reading until its socket backs up, then reads again. With
-    direct writes, frames go out directly, then (transport paused) through the
-    connection's sender, then directly again: the listener must still get every
-    item exactly once, in feed order."""
+    """A listener stops reading until its socket backs up, then reads again. Its
+    items go out directly, then (transport paused) wait in its queue, which
+    overflows: it falls behind and catches up from the window, then goes live
+    again. It must still get every item exactly once, in feed order."""
     pad = "x" * 200
     ids = [f"pause-{i:05d}-{pad}" for i in range(4000)]
-    async with small_buffer_publisher(feed_dsn, ws=ws, queue_size=10_000) as pub:
+    async with small_buffer_publisher(feed_dsn, ws=ws, queue_size=500, tail_batch=100) as pub:
+        publisher = pub.publisher
         slow = SlowListener(pub.ws_url)
         await slow.connect(batch=batch)
         assert slow.ws is not None
-        await wait_until(lambda: len(pub.publisher.registry) == 1)
-        (session,) = pub.publisher.registry.sessions
+        await wait_until(lambda: len(publisher.registry) == 1)
+        (session,) = publisher.registry
         await _publish(feed_dsn, ids[:3000], chunk=100)
-        # The socket is full and the rest waits in the publisher's queue.
-        await wait_until(lambda: session.outbox.offered == 3000, timeout=20)
-        assert len(session.outbox) > 0 and session.sent < 3000
+        # The socket is full, the queue overflowed: it is behind.
+        await wait_until(lambda: publisher.stats()["catchingUp"] == 1, timeout=20)
+        assert session.delivery.sent < 3000
         await _publish(feed_dsn, ids[3000:3900], chunk=100)
         received: list[str] = []
         async with asyncio.timeout(30):
             while len(received) < 3900:
                 received.extend(_ids_in(await slow.ws.recv()))
-            # Caught up: the next items take the fast path again.
+            # Caught up: the next items come live again.
+            await wait_until(lambda: session.delivery.live, timeout=10)
             await _publish(feed_dsn, ids[3900:], chunk=50)
             while len(received) < len(ids):
                 received.extend(_ids_in(await slow.ws.recv()))
         assert received == ids
-        assert session.sent == len(ids) and len(session.outbox) == 0
+        assert session.delivery.sent == len(ids) and len(session.delivery.queue) == 0
+        counters = publisher.stats()["counters"]
+        assert counters["fellBehind"] >= 1 and counters["rejoined"] >= 1
+        assert counters["evictions"] == 0
         await slow.ws.close()
 
 
@@ -711,9 +527,13 @@ async def test_a_cheap_flush_does_not_hold_the_next_change_back(feed_dsn: str, w
         await listener.close()
 
 
-def _ids_in(frame: str | bytes) -> list[str]:
+def _items_in(frame: str | bytes) -> list[dict[str, Any]]:
     doc = orjson.loads(frame)
-    return [item["changedResourceId"] for item in (doc if isinstance(doc, list) else [doc])]
+    return doc if isinstance(doc, list) else [doc]
+
+
+def _ids_in(frame: str | bytes) -> list[str]:
+    return [item["changedResourceId"] for item in _items_in(frame)]
 
 
 async def test_drain_closes_every_listener_with_1001_and_stop_ends_the_tailer(
@@ -809,7 +629,7 @@ async def _observe(
     import httpx
 
     async with (
-        small_buffer_publisher(feed_dsn, queue_size=200, tail_batch=100) as pub,
+        small_buffer_publisher(feed_dsn, queue_size=200, tail_batch=100, stall_timeout=1.0) as pub,
         httpx.AsyncClient(base_url=pub.server.url) as http,
     ):
         before = values((await http.get("/metrics")).text)
@@ -823,7 +643,7 @@ async def _observe(
         async with asyncio.timeout(30):
             while got < len(ids):
                 got += len(await receive_items(ws, 1))
-        await wait_until(lambda: pub.publisher.registry.evictions_total == 1)
+        await wait_until(lambda: pub.publisher.stats()["counters"]["evictions"] == 1)
         after = values((await http.get("/metrics")).text)
         for name in (
             "changefeed_entries_tailed_total",
@@ -831,7 +651,8 @@ async def _observe(
             "changefeed_deliveries_total",
             "changefeed_frames_total",
             "changefeed_connections_total",
-            "changefeed_evictions_total",
+            "changefeed_evictions_total{code=slow_listener}",
+            "changefeed_fell_behind_total",
             "changefeed_disconnects_total",
             "changefeed_dropped_total",
             "changefeed_registrations_total{resource=vm,resumed=false}",
@@ -845,6 +666,10 @@ async def _observe(
         assert after["changefeed_open_connections"] == 2.0  # the evicted one is still closing
         assert after["changefeed_tailer_up"] == 1.0
         for gauge in (
+            "changefeed_catching_up",
+            "changefeed_lag_seconds_max",
+            "changefeed_window_bytes",
+            "changefeed_window_entries",
             "changefeed_queue_depth_max",
             "changefeed_queued_items",
             "changefeed_tailer_lag_seconds",
@@ -864,7 +689,8 @@ async def _observe(
         for event in ("registration", "listener.evicted", "listener.disconnected"):
             assert event in events, event
         fields = events["listener.evicted"].cf_fields  # type: ignore[attr-defined]
-        assert fields["dropped"] > 0 and fields["queue"] == 200 and "listeners" in fields
+        assert fields["code"] == "slow_listener" and "no progress" in fields["reason"]
+        assert "listeners" in fields
         errors, code = await slow.read_until_closed(30)
         assert errors == ["slow_listener"] and code == CloseCode.SLOW_LISTENER
 
@@ -872,19 +698,19 @@ async def _observe(
 async def test_an_evicted_listener_that_never_reads_is_let_go_after_close_timeout(
     feed_dsn: str,
 ) -> None:
-    """The publisher waits at most close_timeout (twice: for the frame being written,
-    then for the error and close frames) on a listener that does not read; then the
-    connection is dropped with what its buffers still held, and the listener can
-    still come back."""
+    """A listener that takes nothing for stall_timeout is evicted; the publisher then
+    waits at most close_timeout (twice: for the frame being written, then for the
+    error and close frames) on it; then the connection is dropped with what its
+    buffers still held, and the listener can still come back."""
     async with small_buffer_publisher(
-        feed_dsn, queue_size=100, tail_batch=100, close_timeout=0.5
+        feed_dsn, queue_size=100, tail_batch=100, close_timeout=0.5, stall_timeout=1.0
     ) as pub:
         publisher = pub.publisher
         slow = SlowListener(pub.ws_url)
         await slow.connect()
         ids = [f"stuck-{i}-{'x' * 400}" for i in range(1500)]
         await _publish(feed_dsn, ids, chunk=100)
-        await wait_until(lambda: publisher.registry.evictions_total == 1)
+        await wait_until(lambda: publisher.stats()["counters"]["evictions"] == 1)
         await wait_until(lambda: publisher.connections == 0, timeout=5)
         assert len(publisher.registry) == 0
         # The server lets the socket go too: a graceful close would wait for good
@@ -902,9 +728,9 @@ def test_the_entry_age_histogram_counts_each_value_in_its_prometheus_bucket() ->
     """Bucket ``le=x`` holds values <= x, cumulatively; negative ages (clock skew) are 0."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from changefeed.publisher.metrics import AgeHistogram
+    from changefeed.publisher.metrics import FastHistogram
 
-    histogram = AgeHistogram("age_seconds", "ages", buckets=(0.01, 1))
+    histogram = FastHistogram("age_seconds", "ages", buckets=(0.01, 1))
     registry = CollectorRegistry()
     registry.register(histogram)
     for value in (-0.5, 0.01, 0.5, 1.0, 7.0):

@@ -1,0 +1,115 @@
+"""Catch-up: refilling the queue of a listener that is behind, from the window or the feed.
+
+A delivery that fell behind (or started behind: a resume) is refilled by its
+own connection's sender whenever its queue runs dry, so it is paced by its
+own socket and by nothing else. ``fill`` takes the next items it wants from
+the window of recent entries, synchronously; when the listener is further
+back than the window holds, ``load`` reads a page of the feed table (shared
+with every listener near that position, see ``pages``). Once the listener's
+position reaches the head, ``fill`` hands it back to the fan-out in the same
+synchronous step: the window's head *is* the fan-out's position, so the next
+batch the tailer dispatches is exactly the first one it has not been sent.
+
+What a listener is sent never depends on which of the three ways (live, the
+window, the feed) it came: the same entries, the same items, in feed order.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from enum import Enum
+
+from .delivery import Delivery
+from .entries import Chunk
+from .fanout import Fanout
+from .pages import FeedPages
+from .window import Window
+
+__all__ = ["Catchup", "Filled"]
+
+
+class Filled(Enum):
+    """What ``Catchup.fill`` did."""
+
+    QUEUED = "queued"
+    """Items were queued (or there were none to queue yet): the sender writes them."""
+    REJOINED = "rejoined"
+    """The listener reached the head and is live again."""
+    NEEDS_FEED = "needs_feed"
+    """The listener is behind the window: ``load`` a page of the feed table."""
+
+
+class Catchup:
+    """Refills deliveries that are behind.
+
+    Args:
+        window: the recent entries.
+        fanout: live delivery, which a listener rejoins at the head.
+        pages: the feed table's pages, for listeners behind the window.
+    """
+
+    def __init__(self, window: Window, fanout: Fanout, pages: FeedPages) -> None:
+        self._window = window
+        self._fanout = fanout
+        self._pages = pages
+        self.from_window = 0
+        """Items queued from the window."""
+        self.from_feed = 0
+        """Items queued from pages of the feed table."""
+        self.rejoined = 0
+        """Times a listener that was behind rejoined live delivery."""
+
+    def fill(self, delivery: Delivery, most: int) -> Filled:
+        """Queue up to ``most`` items ``delivery`` wants next, from the window."""
+        window = self._window
+        queued = 0
+        while queued < most:
+            found = window.find(delivery.cursor)
+            if found is None:
+                if delivery.cursor >= window.head:
+                    self._fanout.join(delivery)
+                    delivery.rejoin()
+                    self.rejoined += 1
+                    return Filled.REJOINED
+                return Filled.QUEUED if queued else Filled.NEEDS_FEED
+            taken = _take(found[0], delivery, most - queued)
+            queued += taken
+            self.from_window += taken
+        return Filled.QUEUED
+
+    async def load(self, delivery: Delivery, most: int) -> None:
+        """Queue up to ``most`` items from the page of the feed table after ``delivery``'s
+        position. Pages reach no further than where the window begins: from there
+        on the window has the entries, in memory.
+
+        Raises:
+            pages.CursorExpired: the feed was trimmed past the listener's position.
+            Exception: the read failed (the database is away); the caller retries.
+        """
+        delivery.waiting_on_feed = True
+        try:
+            page = await self._pages.page(
+                sorted(delivery.interest.resources), delivery.cursor, self._window.base
+            )
+        finally:
+            delivery.waiting_on_feed = False
+        if not delivery.live and delivery.closing is None and page.covers(delivery.cursor):
+            self.from_feed += _take(page, delivery, most)
+
+
+def _take(chunk: Chunk, delivery: Delivery, most: int) -> int:
+    """Queue the next items of ``chunk`` that ``delivery`` wants (at most ``most``),
+    and move its position past what was looked at."""
+    selection = chunk.selection(delivery.interest)
+    start = bisect_right(selection.positions, delivery.cursor)
+    end = start + most
+    items = selection.items[start:end]
+    delivery.queue.extend(items)
+    if end < len(selection.positions):
+        delivery.cursor = selection.positions[end - 1]
+        delivery.cursor_published = chunk.entries[selection.indexes[end - 1]].published
+    else:
+        delivery.cursor = chunk.through
+        if chunk.entries:
+            delivery.cursor_published = chunk.entries[-1].published
+    return len(items)

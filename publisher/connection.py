@@ -1,0 +1,470 @@
+"""The /changefeeds websocket: handshake auth, registration, ack, and delivery to one listener.
+
+``ListenerEndpoint`` is a plain ASGI app (Starlette mounts it as is), so the
+hot path calls the server's ASGI ``send`` directly, one await per frame, with
+no per-message wrapper objects. The connection's own coroutine registers the
+listener, then waits while two tasks of its own do the work: a sender, which
+writes the delivery's queue to the socket and refills it while the listener
+catches up, and a receiver, which takes whatever the listener sends
+(node-sdc-changefeed sends "heartbeat" text frames; the server keeps
+answering pings only while someone reads) and notices the disconnect.
+
+Refusals: a missing or bad bearer token is refused at the handshake with HTTP
+401 (503 when the authorizer is unavailable), before anything is read from
+the listener; every later refusal is an error frame followed by a documented
+close code (changefeed.schemas.closecodes). Nothing a listener sends can stop
+the publisher from serving the others: every wait on a listener is bounded
+(``registration_timeout``, ``close_timeout``, and ``stall_timeout`` through
+the publisher's watch), and a connection's failure ends that connection only.
+It must never await anything that depends on another listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.types import Message, Receive, Scope, Send
+
+from changefeed.logs import log_event
+from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
+
+from .auth import AuthUnavailable
+from .catchup import Filled
+from .delivery import Closing, Delivery
+from .host import ListenerHost
+from .pages import CursorExpired
+from .registration import Refusal
+from .registry import Session
+from .tailer import DB_ERRORS
+from .wire import DIRECT_WRITES, DISCONNECT_CAUSE, BatchFrames, Disconnect, FrameWriter, batch_text
+
+__all__ = ["ListenerEndpoint"]
+
+log = logging.getLogger(__name__)
+
+_FRAMES_PER_TURN = 128
+"""Single-item frames sent before yielding to other connections. Under uvloop the
+frames of one turn leave in one write system call."""
+
+_FRAMES_PER_FLUSH = 16
+"""Single-item frames a flush writes directly to each connection: the flush runs
+for every listener before any of them gets a second turn, so a burst reaches
+all of them early; the senders then go on in turns of _FRAMES_PER_TURN."""
+
+_REFILL_TURNS = 2
+"""Turns of items a catching-up connection queues at a time."""
+
+_FEED_RETRY = (0.05, 2.0)
+"""First and longest wait before reading the feed again after a failed page read."""
+
+_HTTP_STATUS = {"unauthorized": 401, "forbidden": 403, "unavailable": 503}
+
+
+class _Gone(Exception):
+    """The listener disconnected."""
+
+
+def _peer(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else ""
+
+
+def _server_closing(message: Message) -> Closing | None:
+    """Why the server itself ended the connection, from a disconnect message."""
+    cause = message.get(DISCONNECT_CAUSE)
+    code = int(message.get("code", 1005))
+    if cause is Disconnect.FRAME_TOO_LARGE:
+        return Closing(code, "frame_too_large", "frame exceeds the server's size limit")
+    if cause is Disconnect.KEEPALIVE_TIMEOUT:
+        return Closing(code, None, "no answer to pings (keepalive timeout)")
+    return None
+
+
+class ListenerEndpoint:
+    """The ASGI app behind ``WebSocketRoute("/changefeeds", ...)``.
+
+    Args:
+        host: the publisher whose listeners this serves.
+    """
+
+    def __init__(self, host: ListenerHost) -> None:
+        self._host = host
+        self._batches = BatchFrames()
+        """Batch frames serialised once for every connection of this publisher."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket":  # pragma: no cover - the route only sends these
+            return
+        await _Connection(self._host, self._batches, scope, receive, send).serve()
+
+
+class _Connection:
+    """One listener connection, from the handshake to the close."""
+
+    __slots__ = ("_batches", "_gone", "host", "peer", "receive", "scope", "send", "writer")
+
+    def __init__(
+        self, host: ListenerHost, batches: BatchFrames, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        self.host = host
+        self._batches = batches
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.peer = _peer(scope)
+        self.writer: FrameWriter | None = scope.get("extensions", {}).get(DIRECT_WRITES)
+        self._gone = False
+
+    async def serve(self) -> None:
+        message = await self.receive()
+        if message["type"] != "websocket.connect":
+            return
+        self.host.connection_opened(self.writer is not None)
+        try:
+            await self._serve()
+        except OSError:
+            pass  # the listener went away mid-send: nothing to tell it
+        finally:
+            self.host.connection_closed()
+
+    async def _serve(self) -> None:
+        host = self.host
+        try:
+            access = await host.authenticate(Headers(scope=self.scope))
+        except AuthUnavailable as exc:
+            await self._refuse_handshake("unavailable", str(exc))
+            return
+        if access is None:
+            await self._refuse_handshake("unauthorized", "missing or invalid bearer token")
+            return
+        await self.send({"type": "websocket.accept"})
+        full = host.capacity()
+        if full is not None:
+            await self._refuse(full)
+            return
+        try:
+            text = await self._receive_registration()
+        except _Refused as refused:
+            await self._refuse(refused.refusal)
+            return
+        except _Gone:
+            return
+        outcome = await host.register(text, access, self.peer)
+        if isinstance(outcome, Refusal):
+            await self._refuse(outcome)
+            return
+        session = outcome.session
+        try:
+            await self.send({"type": "websocket.send", "text": outcome.ack})
+            direct = None
+            if self.writer is not None:
+                direct = _DirectSender(
+                    session.delivery, self.writer, host.config.max_batch, self._batches
+                )
+                session.delivery.send_now = direct.send_now
+                session.delivery.buffered = self.writer.buffered
+            await self._pump(session, direct)
+        finally:
+            session.delivery.send_now = None
+            session.delivery.buffered = None
+            host.forget(session)
+
+    # -- refusals and closing ----------------------------------------------
+
+    async def _refuse_handshake(self, code: str, message: str) -> None:
+        """Refuse before accepting: an HTTP answer where the server can send one
+        (ASGI websocket denial response), else accept, error frame, close code."""
+        self.host.refused(code, "websocket", self.peer, message)
+        if "websocket.http.response" not in self.scope.get("extensions", {}):
+            await self.send({"type": "websocket.accept"})
+            await self._close(ERROR_CLOSE_CODES[code], ErrorFrame(code, message))
+            return
+        headers = [(b"content-type", b"application/json")]
+        if code == "unauthorized":
+            headers.append((b"www-authenticate", b"Bearer"))
+        elif code == "unavailable":
+            headers.append((b"retry-after", b"1"))
+        await self.send(
+            {
+                "type": "websocket.http.response.start",
+                "status": _HTTP_STATUS[code],
+                "headers": headers,
+            }
+        )
+        body = ErrorFrame(code, message).encode().encode()
+        await self.send({"type": "websocket.http.response.body", "body": body})
+
+    async def _refuse(self, refusal: Refusal) -> None:
+        self.host.refused(refusal.code, "websocket", self.peer, refusal.message)
+        error = ErrorFrame(refusal.code, refusal.message, refusal.retry_after)
+        await self._close(ERROR_CLOSE_CODES[refusal.code], error)
+
+    async def _close(self, close_code: int, error: ErrorFrame | None) -> None:
+        """Send the error frame (if any) and the close frame, waiting at most
+        ``close_timeout`` for a listener that does not read."""
+        if self._gone:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.host.config.close_timeout):
+                if error is not None:
+                    await self.send({"type": "websocket.send", "text": error.encode()})
+                reason = error.code if error is not None else ""
+                await self.send({"type": "websocket.close", "code": close_code, "reason": reason})
+
+    # -- registration --------------------------------------------------------
+
+    async def _receive_registration(self) -> str:
+        """The registration frame's text.
+
+        Raises:
+            _Refused: no registration in time, a binary one, or one too large.
+            _Gone: the listener disconnected.
+        """
+        config = self.host.config
+        try:
+            async with asyncio.timeout(config.registration_timeout):
+                message = await self.receive()
+        except TimeoutError:
+            raise _Refused(
+                Refusal(
+                    "registration_timeout",
+                    f"no registration within {config.registration_timeout:g}s",
+                )
+            ) from None
+        if message["type"] == "websocket.disconnect":
+            self._gone = True
+            closing = _server_closing(message)
+            if closing is not None and closing.error_code is not None:
+                self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
+            raise _Gone()
+        text = message.get("text")
+        if text is None:
+            raise _Refused(
+                Refusal("bad_frame", "registration must be a JSON text frame, not binary")
+            )
+        limit = config.max_frame_bytes
+        if len(text) > limit or len(text.encode()) > limit:
+            raise _Refused(Refusal("frame_too_large", f"registration frame exceeds {limit} bytes"))
+        return str(text)
+
+    # -- delivery ------------------------------------------------------------
+
+    async def _pump(self, session: Session, direct: _DirectSender | None) -> None:
+        # The sender and the receiver are tasks of their own, not coroutines awaited
+        # here: resuming a task wakes every coroutine frame it awaits through, and
+        # this one sits under a dozen (server, middleware, router). A sender woken
+        # for each change must resume two frames, not fourteen.
+        sender = asyncio.create_task(
+            self._send_loop(session, direct), name=f"changefeed-send-{session.id}"
+        )
+        receiver = asyncio.create_task(
+            self._receive_loop(session), name=f"changefeed-receive-{session.id}"
+        )
+        closed = session.delivery.closed()
+        try:
+            await asyncio.wait((sender, receiver, closed), return_when=asyncio.FIRST_COMPLETED)
+            if not sender.done():
+                # Closing (evicted, draining, the listener left or sent too much): the
+                # sender finishes the frame it is writing, unless the listener does not
+                # read; then it is given up after close_timeout.
+                await asyncio.wait((sender,), timeout=self.host.config.close_timeout)
+        finally:
+            for task in (sender, receiver):
+                task.cancel()
+            await asyncio.gather(sender, receiver, return_exceptions=True)
+        if not sender.cancelled() and (exc := sender.exception()) is not None:
+            if isinstance(exc, OSError):
+                self._gone = True  # the server's ClientDisconnected is an OSError
+            else:
+                log_event(
+                    log,
+                    "listener.error",
+                    logging.ERROR,
+                    exc=exc,
+                    instance=session.instance,
+                    peer=session.peer,
+                )
+                session.close(Closing(1011, None, f"internal error: {exc!r}"))
+        why = session.closing
+        if why is not None:
+            error = ErrorFrame(why.error_code, why.message) if why.error_code else None
+            await self._close(why.close_code, error)
+
+    async def _send_loop(self, session: Session, direct: _DirectSender | None) -> None:
+        delivery = session.delivery
+        send = self.send
+        ready = delivery.ready
+        batch = delivery.batch
+        turn = self.host.config.max_batch if batch else _FRAMES_PER_TURN
+        refill = turn * _REFILL_TURNS
+        catchup = self.host.catchup
+        failures = 0
+        while True:
+            await ready.wait()
+            if delivery.closing is not None:
+                return
+            if not delivery.queue:
+                if delivery.live:
+                    ready.clear()  # a flush's direct write took what woke us
+                    continue
+                if catchup.fill(delivery, refill) is Filled.NEEDS_FEED:
+                    failures = await self._load(session, refill, failures)
+                continue
+            if direct is not None and direct.ready():
+                direct.write_turn()
+            else:
+                items = delivery.take(turn)
+                delivery.sending = True
+                try:
+                    if batch:
+                        await send(
+                            {"type": "websocket.send", "text": batch_text([i.text for i in items])}
+                        )
+                        delivery.frames += 1
+                    else:
+                        for item in items:
+                            await send({"type": "websocket.send", "text": item.text})
+                        delivery.frames += len(items)
+                finally:
+                    delivery.sending = False
+                delivery.sent += len(items)
+            if delivery.queue or not delivery.live:
+                # Yield even when the transport never blocks: without it one busy
+                # connection starves every other one on the event loop.
+                await asyncio.sleep(0)
+
+    async def _load(self, session: Session, most: int, failures: int) -> int:
+        """Read the next page of the feed for a listener behind the window; returns
+        the failures in a row so far (retried with a growing wait)."""
+        try:
+            await self.host.catchup.load(session.delivery, most)
+        except CursorExpired:
+            self.host.evict(
+                session,
+                "cursor_expired",
+                "the feed was trimmed past this listener's position while it caught up;"
+                " register again without since and bootstrap",
+            )
+            return 0
+        except DB_ERRORS as exc:
+            failures += 1
+            if failures == 1:
+                log_event(
+                    log,
+                    "catchup.feed_unavailable",
+                    logging.WARNING,
+                    exc=exc,
+                    instance=session.instance,
+                    peer=session.peer,
+                )
+            first, longest = _FEED_RETRY
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(longest, first * 2 ** (failures - 1))):
+                    await session.delivery.closed()
+            return failures
+        return 0
+
+    async def _receive_loop(self, session: Session) -> None:
+        try:
+            await self._receive(session)
+        finally:
+            if session.closing is None:  # an unexpected end: let the sender know
+                session.close(Closing(1011, None, "receiver ended"))
+
+    async def _receive(self, session: Session) -> None:
+        max_frame_bytes = self.host.config.max_frame_bytes
+        receive = self.receive
+        while True:
+            message: Message = await receive()
+            if message["type"] == "websocket.disconnect":
+                self._gone = True
+                closing = _server_closing(message)
+                code = int(message.get("code", 1005))
+                session.close(closing or Closing(code, None, "closed by listener"))
+                return
+            data: Any = message.get("text")
+            if data is None:
+                data = message.get("bytes") or b""
+            elif len(data) * 4 > max_frame_bytes:
+                data = data.encode()  # the limit is in bytes; UTF-8 takes up to 4 a character
+            if len(data) > max_frame_bytes:
+                session.close(
+                    Closing(4006, "frame_too_large", f"frame exceeds {max_frame_bytes} bytes")
+                )
+                return
+            # Anything else (RFD 5 listeners send "heartbeat") needs no answer.
+
+
+class _Refused(Exception):
+    """A registration refused before it reached the publisher (timeout, size, binary)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+class _DirectSender:
+    """Direct writes for one connection (changefeed.publisher.wire): takes one turn
+    of queued items and writes their frames, serialised once for every listener,
+    straight to the transport, without a task switch. Used by the fan-out's flush
+    (``send_now``) and by the connection's sender. Refuses while the sender is
+    mid-send through ASGI (frames must never overtake each other) and while the
+    transport is paused or closing; the sender's ASGI send, which waits for the
+    transport, does that part.
+    """
+
+    __slots__ = ("_batches", "_delivery", "_flush_turn", "_turn", "_writer")
+
+    def __init__(
+        self, delivery: Delivery, writer: FrameWriter, max_batch: int, batches: BatchFrames
+    ) -> None:
+        self._delivery = delivery
+        self._writer = writer
+        self._batches = batches
+        self._turn = max_batch if delivery.batch else _FRAMES_PER_TURN
+        self._flush_turn = max_batch if delivery.batch else _FRAMES_PER_FLUSH
+
+    def ready(self) -> bool:
+        """True when a direct write may go out now."""
+        delivery = self._delivery
+        return not delivery.sending and delivery.closing is None and self._writer.open
+
+    def send_now(self) -> bool:
+        """The delivery's ``send_now``: one turn now; True when nothing is left queued."""
+        if not self.ready():
+            return False
+        delivery = self._delivery
+        items = delivery.take(self._flush_turn)
+        if items:
+            self._write(items)
+        return not delivery.queue
+
+    def write_turn(self) -> None:
+        """Write one turn of queued items (only when ``ready``)."""
+        items = self._delivery.take(self._turn)
+        if items:
+            self._write(items)
+
+    def _write(self, items: list[Any]) -> None:
+        delivery = self._delivery
+        if delivery.batch:
+            data = self._batches.frame(items, [item.text for item in items])
+            frames = 1
+        else:
+            data = b"".join([item.wire for item in items])
+            frames = len(items)
+        try:
+            self._writer.write(data)
+        except Exception as exc:
+            # Never let one connection's failure out of the flush: the tailer
+            # would see its batch fail and read it again for everyone.
+            delivery.dropped += len(items)
+            delivery.close(Closing(1011, None, f"write failed: {exc!r}"))
+            log_event(log, "listener.error", logging.ERROR, exc=exc)
+            return
+        delivery.frames += frames
+        delivery.sent += len(items)

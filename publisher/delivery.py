@@ -1,0 +1,195 @@
+"""Where one listener connection is in the feed, and what is queued for it. Pure code.
+
+A delivery is **live** while it keeps up: the fan-out offers it every new
+batch it wants, and its bounded queue takes them. When a batch does not fit
+(the listener reads slower than the feed is written, or not at all for a
+while), the delivery **falls behind**: it keeps what it has queued, remembers
+how far that goes (``cursor``) and leaves the fan-out. Its connection then
+*catches up*: whenever the queue runs low it refills it from the shared
+window of recent entries, or from the feed table when it is further back
+(``catchup``), paced by its own socket. Once it reaches the head it rejoins
+the fan-out in the same synchronous step, so nothing is skipped or sent
+twice. A resume is a delivery that starts behind.
+
+What a delivery holds does not grow with how far behind it is: a queue of at
+most ``capacity`` references to shared items, and a few fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from changefeed.schemas import Position
+
+from .entries import Item
+from .matching import Interest
+
+__all__ = ["Closing", "Delivery"]
+
+
+@dataclass(frozen=True, slots=True)
+class Closing:
+    """Why the publisher is closing a connection: close code, error code and message."""
+
+    close_code: int
+    error_code: str | None
+    message: str
+
+
+class Delivery:
+    """One connection's place in the feed and its send queue.
+
+    Args:
+        interest: what the connection registered for.
+        start: the position it starts after (the head for a new listener, the
+            resume cursor for one that resumes).
+        head: the fan-out's position now: a delivery that starts at or after it is
+            live (entries up to ``start`` are skipped); one that starts before it
+            catches up first.
+        capacity: the most items its queue holds.
+        batch: the listener takes batch frames.
+    """
+
+    __slots__ = (
+        "_closed",
+        "batch",
+        "buffered",
+        "capacity",
+        "closing",
+        "cursor",
+        "cursor_published",
+        "dropped",
+        "frames",
+        "interest",
+        "live",
+        "progress_at",
+        "progress_mark",
+        "queue",
+        "ready",
+        "send_now",
+        "sending",
+        "sent",
+        "skip_until",
+        "waiting_on_feed",
+    )
+
+    def __init__(
+        self,
+        interest: Interest,
+        start: Position,
+        head: Position,
+        *,
+        capacity: int,
+        batch: bool = False,
+    ) -> None:
+        self.interest = interest
+        self.capacity = capacity
+        self.batch = batch
+        self.queue: deque[Item] = deque()
+        self.live = start >= head
+        self.skip_until = start
+        """While live: entries at or before this are not sent (a resume cursor
+        ahead of this instance's tailer: another instance served them)."""
+        self.cursor = start
+        """While catching up: every wanted entry up to here has been queued."""
+        self.cursor_published: datetime | None = None
+        """When the entry at ``cursor`` was published (for the lag in seconds)."""
+        self.ready = asyncio.Event()
+        """Set while items are queued, while catching up, and once closing: the
+        connection's sender has work."""
+        if not self.live:
+            self.ready.set()
+        self.closing: Closing | None = None
+        self._closed: asyncio.Future[None] | None = None
+        self.sending = False
+        """True while the connection's sender writes items it took through an ASGI
+        send: nothing else may write meanwhile, or frames would overtake each other."""
+        self.send_now: Callable[[], bool] | None = None
+        """Set by a connection that can write synchronously: writes one turn of the
+        queue now; True when nothing is left, False when its sender must go on."""
+        self.buffered: Callable[[], int] | None = None
+        """Set by a connection that can tell: bytes its transport has yet to send."""
+        self.waiting_on_feed = False
+        """True while the sender waits for a page of the feed table (not the listener's fault)."""
+        self.sent = 0
+        """Items written to the socket (each item of a batch frame counts)."""
+        self.frames = 0
+        """Websocket frames written (a batch frame counts once)."""
+        self.dropped = 0
+        """Items lost when the connection closed: still queued."""
+        self.progress_at = 0.0
+        """When the listener last took something (see stall.StallWatch)."""
+        self.progress_mark: tuple[int, int] = (0, 0)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    @property
+    def pending(self) -> bool:
+        """True when there is something the listener has yet to take."""
+        return bool(self.queue) or not self.live
+
+    def offer(self, items: Sequence[Item]) -> bool:
+        """Queue a live batch's items whole, or none of them (returns False: the
+        caller makes the delivery fall behind). A closing delivery takes nothing."""
+        if self.closing is not None:
+            return True
+        if len(self.queue) + len(items) > self.capacity:
+            return False
+        self.queue.extend(items)
+        return True
+
+    def fall_behind(self, position: Position) -> None:
+        """Leave live delivery: everything wanted up to ``position`` is queued."""
+        self.live = False
+        self.cursor = max(position, self.skip_until)
+        self.ready.set()
+
+    def rejoin(self) -> None:
+        """Back to live delivery at the head (``cursor``): later entries come from the fan-out."""
+        self.live = True
+        self.skip_until = self.cursor
+        self.cursor_published = None
+        if not self.queue and self.closing is None:
+            self.ready.clear()
+
+    def take(self, most: int) -> list[Item]:
+        """Remove and return up to ``most`` queued items (possibly none)."""
+        queue = self.queue
+        if len(queue) <= most:
+            taken = list(queue)
+            queue.clear()
+        else:
+            popleft = queue.popleft
+            taken = [popleft() for _ in range(most)]
+        if not queue and self.live and self.closing is None:
+            self.ready.clear()
+        return taken
+
+    def wake(self) -> None:
+        """Wake the sender if anything is queued."""
+        if self.queue:
+            self.ready.set()
+
+    def closed(self) -> asyncio.Future[None]:
+        """A future done once the delivery is closing (made on first use, in the loop)."""
+        if self._closed is None:
+            self._closed = asyncio.get_running_loop().create_future()
+            if self.closing is not None:
+                self._closed.set_result(None)
+        return self._closed
+
+    def close(self, closing: Closing) -> None:
+        """Mark for closing (the first reason wins), drop what is queued, wake the sender."""
+        if self.closing is not None:
+            return
+        self.closing = closing
+        self.dropped += len(self.queue)
+        self.queue.clear()
+        self.ready.set()
+        if self._closed is not None and not self._closed.done():
+            self._closed.set_result(None)

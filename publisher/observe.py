@@ -1,0 +1,194 @@
+"""The publisher's figures, as /changefeeds/stats and /metrics show them. Pure code.
+
+Both read the same places (see counters): the stats document for people and
+tools that want the live picture, the metrics snapshot for Prometheus.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from .catchup import Catchup
+from .config import PublisherConfig
+from .counters import Counters
+from .feed import FeedHealth
+from .metrics import MetricsSnapshot
+from .pages import FeedPages
+from .registry import Registry
+from .tailer import Tailer
+from .window import Window
+
+__all__ = ["Observed", "metrics_snapshot", "stats_document"]
+
+
+class Observed(Protocol):
+    """The parts of a publisher its figures come from."""
+
+    @property
+    def config(self) -> PublisherConfig: ...
+    @property
+    def counters(self) -> Counters: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def window(self) -> Window: ...
+    @property
+    def catchup(self) -> Catchup: ...
+    @property
+    def pages(self) -> FeedPages: ...
+    @property
+    def tailer(self) -> Tailer: ...
+    @property
+    def feed_health(self) -> FeedHealth: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def failed(self) -> dict[str, str]: ...
+
+
+def _sent(observed: Observed) -> tuple[int, int]:
+    """Items and frames written, to connections open now and gone."""
+    counters = observed.counters
+    sent, frames = counters.gone_sent, counters.gone_frames
+    for delivery in observed.registry.connected:
+        sent += delivery.sent
+        frames += delivery.frames
+    return sent, frames
+
+
+def stats_document(observed: Observed, allowed: frozenset[str] | None = None) -> dict[str, Any]:
+    """The /changefeeds/stats document.
+
+    Args:
+        observed: the publisher.
+        allowed: show only registrations of these resources (None or ``{"*"}``: all).
+    """
+    counters, registry, window = observed.counters, observed.registry, observed.window
+    health = observed.feed_health
+    sent, frames = _sent(observed)
+    catching_up = sum(1 for d in registry.deliveries if not d.live)
+    return {
+        "listeners": len(registry),
+        "registrations": registry.rows(window.head, time.time(), allowed),
+        "connections": counters.connections_open,
+        "draining": observed.draining,
+        "catchingUp": catching_up,
+        "tailer": {
+            **observed.tailer.stats(),
+            "oldestOpenTransactionSeconds": round(health.oldest_writer_seconds, 3),
+        },
+        "feed": {
+            "head": list(window.head),
+            "oldestEntrySeconds": round(health.oldest_entry_seconds, 3),
+            "bytes": health.feed_bytes,
+        },
+        "window": {
+            "base": list(window.base),
+            "entries": len(window),
+            "bytes": window.nbytes,
+            "maxBytes": window.max_bytes,
+        },
+        "failed": dict(observed.failed),
+        "counters": {
+            "connections": counters.connections_opened,
+            "connectionsClosed": counters.connections_closed,
+            "listeners": counters.sessions,
+            "registrations": sum(counters.registrations.values()),
+            "disconnects": counters.disconnects,
+            "evictions": sum(counters.evictions.values()),
+            "evictionsByCode": dict(sorted(counters.evictions.items())),
+            "fellBehind": counters.fell_behind,
+            "rejoined": observed.catchup.rejoined,
+            "caughtUpFromWindow": observed.catchup.from_window,
+            "caughtUpFromFeed": observed.catchup.from_feed,
+            "pageReads": observed.pages.reads_total,
+            "pagesShared": observed.pages.shared_total,
+            "sent": sent,
+            "frames": frames,
+            "dropped": counters.gone_dropped + sum(d.dropped for d in registry.connected),
+            "refused": counters.refusals_by_code(),
+        },
+        "recentEvictions": list(counters.recent_evictions),
+        "recentRefusals": list(counters.recent_refusals),
+    }
+
+
+def metrics_snapshot(observed: Observed) -> MetricsSnapshot:
+    """Every figure of /metrics, read now."""
+    counters, registry, tailer = observed.counters, observed.registry, observed.tailer
+    catchup, pages, window, health = (
+        observed.catchup,
+        observed.pages,
+        observed.window,
+        observed.feed_health,
+    )
+    deliveries = list(registry.deliveries)
+    by_resource = registry.registrations_by_resource()
+    sent, frames = _sent(observed)
+    depths = [len(d.queue) for d in deliveries]
+    now = time.time()
+    oldest = [d.queue[0].published for d in deliveries if d.queue]
+    oldest += [
+        d.cursor_published.timestamp() for d in deliveries if not d.live and d.cursor_published
+    ]
+    evictions: dict[tuple[str, ...], float] = {
+        (code,): float(count) for code, count in counters.evictions.items()
+    }
+    return MetricsSnapshot(
+        counters={
+            "connections": counters.connections_opened,
+            "disconnects": counters.disconnects,
+            "dropped": counters.gone_dropped + sum(d.dropped for d in registry.connected),
+            "entries_tailed": tailer.entries_total,
+            "queued": counters.queued_live + catchup.from_window + catchup.from_feed,
+            "deliveries": sent,
+            "frames": frames,
+            "fell_behind": counters.fell_behind,
+            "rejoined": catchup.rejoined,
+            "catchup_page_reads": pages.reads_total,
+            "catchup_pages_shared": pages.shared_total,
+            "tailer_fanout_wait_seconds": tailer.fanout_wait_seconds,
+        },
+        labelled_counters={
+            "registrations": (
+                ("resource", "resumed"),
+                {
+                    (r, str(resumed).lower()): n
+                    for (r, resumed), n in counters.registrations.items()
+                },
+            ),
+            "refusals": (("code", "endpoint"), {k: n for k, n in counters.refusals.items()}),
+            "evictions": (("code",), evictions),
+            "catchup_items": (
+                ("source",),
+                {("window",): catchup.from_window, ("feed",): catchup.from_feed},
+            ),
+        },
+        gauges={
+            "listeners": len(registry),
+            "open_connections": counters.connections_open,
+            "catching_up": sum(1 for d in deliveries if not d.live),
+            "window_bytes": window.nbytes,
+            "window_entries": len(window),
+            "queue_depth_max": max(depths, default=0),
+            "queued_items": sum(depths),
+            "lag_seconds_max": max((now - t for t in oldest), default=0.0),
+            "tailer_lag_seconds": tailer.lag_seconds,
+            "tailer_up": 1.0 if tailer.status == "running" else 0.0,
+            "tailer_position": float(tailer.position.id) if tailer.position else 0.0,
+            "oldest_open_transaction_seconds": health.oldest_writer_seconds,
+            "feed_oldest_entry_seconds": health.oldest_entry_seconds,
+            "feed_max_age_seconds": observed.config.max_age,
+            "feed_bytes": health.feed_bytes,
+        },
+        labelled_gauges={
+            "active_registrations": (
+                ("resource",),
+                {
+                    (resource.name,): by_resource.get(resource.name, 0)
+                    for resource in observed.config.resources
+                },
+            ),
+        },
+    )

@@ -1,0 +1,180 @@
+"""Registration as a decision: may this connection register, and where does it start? Pure code.
+
+A registration is decided in three steps, and only the middle one awaits:
+
+1. ``check_capacity`` before the frame is even read (draining, too many
+   connections), then ``check_registration``: the frame, the limits, the
+   resources and the token's access, and the ``since`` cursor's form. A refusal names its error
+   code (schemas.closecodes) and says why, in words that quote no more of the
+   listener's input than ``quote`` allows.
+2. The publisher looks up what a resume needs to know in the feed
+   (``ResumeFacts``), when ``since`` was given; ``plan_resume`` then decides
+   whether it resumes, or why not (the ack's ``reason``).
+3. The publisher admits the connection in one synchronous step (reading the
+   fan-out's head and joining it, or starting to catch up from ``since``), so
+   no entry can slip between the head it read and the registration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from changefeed.schemas import (
+    ChangeKind,
+    CursorCodec,
+    CursorError,
+    Position,
+    ProtocolError,
+    Registration,
+    ResourceRoute,
+)
+
+from .config import PublisherConfig
+from .matching import Interest
+
+__all__ = [
+    "Refusal",
+    "Request",
+    "ResumeFacts",
+    "check_capacity",
+    "check_registration",
+    "plan_resume",
+    "quote",
+]
+
+_QUOTED = 64
+"""Characters of the listener's own input an error message or log line repeats."""
+
+
+def quote(text: object, most: int = _QUOTED) -> str:
+    """``repr`` of listener input, cut to ``most`` characters: an error frame or a log
+    line never echoes a 60 KB ``instance`` back."""
+    shown = repr(text)
+    return shown if len(shown) <= most else shown[: most - 1] + "…"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A registration refused: its error code (which names the close code) and why."""
+
+    code: str
+    message: str
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A registration this publisher may serve, checked."""
+
+    registration: Registration
+    interest: Interest
+    routes: tuple[ResourceRoute, ...]
+    since: Position | None
+    """The resume cursor's position (None: no ``since``)."""
+    undeclared: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(resource, sub-resources its config does not declare): accepted, worth a warning."""
+
+
+def check_capacity(config: PublisherConfig, *, draining: bool, connections: int) -> Refusal | None:
+    """Whether this publisher takes another listener at all (asked before its
+    registration is read).
+
+    Args:
+        config: the publisher's limits.
+        draining: the publisher is shutting down.
+        connections: websocket connections open now, this one included.
+    """
+    if draining:
+        return Refusal("unavailable", "publisher is shutting down; register elsewhere", 1.0)
+    if connections > config.max_connections:
+        return Refusal(
+            "too_many_connections",
+            f"publisher holds its maximum of {config.max_connections} connections",
+            1.0,
+        )
+    return None
+
+
+def check_registration(
+    text: str,
+    *,
+    config: PublisherConfig,
+    access: frozenset[str],
+    codec: CursorCodec,
+) -> Request | Refusal:
+    """Decide everything about a registration frame that needs no database.
+
+    Args:
+        text: the registration frame (its size already checked).
+        config: the publisher's resources and limits.
+        access: the resources the connection's token may read (``"*"``: all).
+        codec: the feed's cursors.
+    """
+    try:
+        registration = Registration.decode(text)
+    except ProtocolError as exc:
+        return Refusal(exc.code, exc.message)
+    kinds = registration.change_kinds
+    if len(kinds) > config.max_registrations:
+        return Refusal(
+            "too_many_registrations",
+            f"{len(kinds)} change kinds on one connection; the limit is {config.max_registrations}",
+        )
+    routes = []
+    undeclared = []
+    for kind in kinds:
+        resource = config.resource(kind.resource)
+        if resource is None:
+            return Refusal(
+                "unknown_resource", f"no change feed for resource {quote(kind.resource)}"
+            )
+        if "*" not in access and kind.resource not in access:
+            return Refusal("forbidden", f"this token may not read resource {quote(kind.resource)}")
+        unknown = tuple(sorted(set(kind.sub_resources) - set(resource.sub_resources)))
+        if resource.sub_resources and unknown:
+            # Accepted: the config's list is what GET /changefeeds advertises, not a
+            # rule writers are held to, and RFD 5 listeners must work unchanged.
+            undeclared.append((kind.resource, unknown))
+        routes.append(
+            ResourceRoute(resource.name, resource.sub_resources, resource.bootstrap_route)
+        )
+    since = None
+    if registration.since is not None:
+        try:
+            since = codec.decode(registration.since)
+        except CursorError as exc:
+            return Refusal("bad_cursor", exc.message)
+    return Request(registration, Interest(kinds), tuple(routes), since, tuple(undeclared))
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeFacts:
+    """What the feed says about a resume cursor, read in one snapshot."""
+
+    low_water: Position
+    """The oldest resumable position: everything after it is still held."""
+
+
+def plan_resume(
+    since: Position, facts: ResumeFacts, head: Position, replay_limit: int
+) -> tuple[bool, str | None]:
+    """Whether a registration with ``since`` resumes, and if not, why (the ack's ``reason``).
+
+    Args:
+        since: the resume cursor's position.
+        facts: the feed's answer about it.
+        head: the fan-out's position now.
+        replay_limit: the most entries a resume may be behind (estimated from
+            the entries' identities: ids the feed gave out between the two).
+    """
+    if since < facts.low_water:
+        return False, "cursor_expired"
+    if head.id - since.id > replay_limit:
+        return False, "too_far_behind"
+    return True, None
+
+
+def change_kinds_json(kinds: Sequence[ChangeKind]) -> list[dict[str, object]]:
+    """Change kinds as the stats and logs show them."""
+    return [kind.to_json() for kind in kinds]

@@ -1,0 +1,313 @@
+"""The publisher's listener connections: registering, admitting, evicting and forgetting them.
+
+``Sessions`` is what a connection talks to (``host.ListenerHost``): it
+decides registrations (``registration``), admits a connection in one
+synchronous step (reading the fan-out's head and joining it, or starting it
+behind so that it catches up), and closes the ones the publisher must close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+import asyncpg
+
+from changefeed.logs import log_event
+from changefeed.schemas import ERROR_CLOSE_CODES, Ack, CursorCodec
+
+from .auth import BearerAuth
+from .catchup import Catchup
+from .config import PublisherConfig
+from .counters import Counters, timestamp
+from .delivery import Closing, Delivery
+from .fanout import Fanout
+from .feed import FeedReader
+from .host import Admitted
+from .registration import (
+    Refusal,
+    Request,
+    ResumeFacts,
+    check_capacity,
+    check_registration,
+    plan_resume,
+    quote,
+)
+from .registry import Registry, Session
+from .stall import stalled
+from .tailer import DB_ERRORS, Tailer
+from .window import Window
+
+__all__ = ["Sessions"]
+
+log = logging.getLogger(__name__)
+
+_READY_TIMEOUT = 5.0
+
+
+class Sessions:
+    """The listener connections of one publisher (``host.ListenerHost``).
+
+    Args:
+        config: the publisher's configuration.
+        codec: the feed's cursors.
+        auth: bearer-token authentication.
+        counters: where events are counted.
+        window: the recent entries (its head is the fan-out's position).
+        fanout: live delivery.
+        catchup: refills connections that are behind.
+        tailer: the feed's tailer (ready once it knows its position).
+        reader: the feed's queries.
+        pool: the publisher's pool, once started.
+    """
+
+    def __init__(
+        self,
+        config: PublisherConfig,
+        *,
+        codec: CursorCodec,
+        auth: BearerAuth,
+        counters: Counters,
+        window: Window,
+        fanout: Fanout,
+        catchup: Catchup,
+        tailer: Tailer,
+        reader: FeedReader,
+        pool: Callable[[], asyncpg.Pool],
+    ) -> None:
+        self._config = config
+        self._codec = codec
+        self.auth = auth
+        self._counters = counters
+        self._window = window
+        self._fanout = fanout
+        self._catchup = catchup
+        self._tailer = tailer
+        self._reader = reader
+        self._pool = pool
+        self.registry = Registry()
+        self.draining = False
+        self.direct_writes: bool | None = None
+        """Whether connections get direct writes (known from the first one)."""
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    @property
+    def config(self) -> PublisherConfig:
+        return self._config
+
+    @property
+    def catchup(self) -> Catchup:
+        return self._catchup
+
+    async def drain(self, grace: float) -> None:
+        """Refuse new registrations and close every listener with 1001 ("going away"),
+        so that they re-register with another instance; wait up to ``grace`` seconds."""
+        if not self.draining:
+            log_event(log, "publisher.draining", listeners=len(self.registry))
+        self.draining = True
+        for session in list(self.registry):
+            session.close(Closing(1001, None, "publisher shutting down"))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace):
+                await self._empty.wait()
+
+    async def authenticate(self, headers: Mapping[str, str]) -> frozenset[str] | None:
+        """The resources a request's bearer token may read (``{"*"}``: all); None
+        when it is missing or unknown (see ``BearerAuth``).
+
+        Raises:
+            AuthUnavailable: the authorizer raised or took longer than 5 s.
+        """
+        return await self.auth.resolve(headers.get("authorization", ""))
+
+    def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None:
+        """Count and log one refusal (bad input, auth, limits) with its error code."""
+        self._counters.refused(code, endpoint, peer, reason)
+        log_event(
+            log,
+            "registration.refused" if endpoint == "websocket" else "request.refused",
+            logging.WARNING,
+            code=code,
+            endpoint=endpoint,
+            peer=peer,
+            reason=reason,
+        )
+
+    def connection_opened(self, direct_writes: bool) -> None:
+        self._counters.connections_opened += 1
+        if self.direct_writes is None:
+            self.direct_writes = direct_writes
+            log_event(log, "fanout.path", path="direct writes" if direct_writes else "ASGI sends")
+
+    def connection_closed(self) -> None:
+        self._counters.connections_closed += 1
+
+    def capacity(self) -> Refusal | None:
+        """A refusal when this publisher takes no more listeners now (draining, full)."""
+        return check_capacity(
+            self._config, draining=self.draining, connections=self._counters.connections_open
+        )
+
+    async def register(self, text: str, access: frozenset[str], peer: str) -> Admitted | Refusal:
+        """Decide on a registration frame and admit the connection if it may register."""
+        config = self._config
+        request = self.capacity() or check_registration(
+            text, config=config, access=access, codec=self._codec
+        )
+        if isinstance(request, Refusal):
+            return request
+        for resource, unknown in request.undeclared:
+            log_event(
+                log,
+                "registration.undeclared_sub_resources",
+                logging.WARNING,
+                peer=peer,
+                instance=quote(request.registration.instance),
+                resource=resource,
+                undeclared=list(unknown),
+            )
+        if not await self.wait_ready():
+            return Refusal("unavailable", "the feed database is unreachable; retry later", 1.0)
+        resumed, reason = False, None
+        if request.since is not None:
+            try:
+                async with self._pool().acquire(timeout=_READY_TIMEOUT) as conn:
+                    facts = ResumeFacts(low_water=await self._reader.low_water(conn))
+            except DB_ERRORS as exc:
+                log_event(log, "resume.unavailable", logging.WARNING, error=repr(exc), peer=peer)
+                return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
+            resumed, reason = plan_resume(
+                request.since, facts, self._window.head, config.replay_limit
+            )
+        if self.draining:
+            return Refusal("unavailable", "publisher is shutting down; register elsewhere", 1.0)
+        return self._admit(request, resumed, reason, peer)
+
+    def _admit(self, request: Request, resumed: bool, reason: str | None, peer: str) -> Admitted:
+        # One synchronous step, from reading the head to joining the fan-out: no
+        # entry can be dispatched between the two (see registration).
+        registration = request.registration
+        head = self._window.head
+        start = request.since if resumed and request.since is not None else head
+        delivery = Delivery(
+            request.interest,
+            start,
+            head,
+            capacity=self._config.queue_size,
+            batch=registration.batch,
+        )
+        delivery.progress_at = time.monotonic()
+        if delivery.live:
+            self._fanout.join(delivery)
+        session = Session(
+            registration.instance,
+            registration.service,
+            registration.change_kinds,
+            delivery,
+            peer=peer,
+            resumed=resumed,
+        )
+        self.registry.add(session)
+        self._empty.clear()
+        counters = self._counters
+        counters.sessions += 1
+        for kind in registration.change_kinds:
+            counters.registrations[kind.resource, resumed] += 1
+        log_event(
+            log,
+            "registration",
+            instance=session.instance,
+            service=session.service,
+            peer=peer,
+            kinds=[k.to_json() for k in session.kinds],
+            resumed=resumed,
+            reason=reason,
+            start=str(start),
+            catching_up=not delivery.live,
+            batch=delivery.batch,
+            listeners=len(self.registry),
+        )
+        ack = Ack(
+            request.routes,
+            self._codec.encode(start),
+            resumed,
+            batch=registration.batch,
+            multi=registration.multi,
+            reason=reason,
+        )
+        return Admitted(session, ack.encode())
+
+    def evict(self, session: Session, code: str, message: str) -> None:
+        """Close ``session`` for the publisher's own reason (``code``: ``slow_listener``,
+        ``cursor_expired``)."""
+        if session.closing is not None:
+            return
+        self._fanout.leave(session.delivery)
+        session.close(Closing(ERROR_CLOSE_CODES[code], code, message))
+        if self.registry.retire(session):
+            self._unregistered()
+        self._counters.evictions[code] += 1
+        self._counters.recent_evictions.append(
+            {"at": timestamp(), "code": code, **session.summary()}
+        )
+        log_event(
+            log,
+            "listener.evicted",
+            logging.WARNING,
+            code=code,
+            reason=message,
+            instance=session.instance,
+            service=session.service,
+            peer=session.peer,
+            delivered=session.delivery.sent,
+            listeners=len(self.registry),
+        )
+
+    def forget(self, session: Session) -> None:
+        """Drop a session whose connection ended."""
+        if session.closing is None:
+            session.close(Closing(1000, None, "connection ended"))
+        self._fanout.leave(session.delivery)
+        counters = self._counters
+        counters.gone_sent += session.delivery.sent
+        counters.gone_frames += session.delivery.frames
+        counters.gone_dropped += session.delivery.dropped
+        if not self.registry.remove(session):
+            return  # evicted: already unregistered
+        self._unregistered()
+        log_event(
+            log,
+            "listener.disconnected",
+            instance=session.instance,
+            service=session.service,
+            peer=session.peer,
+            reason=session.closing.message if session.closing else "closed by listener",
+            delivered=session.delivery.sent,
+            listeners=len(self.registry),
+        )
+
+    def _unregistered(self) -> None:
+        self._counters.disconnects += 1
+        if not len(self.registry):
+            self._empty.set()
+
+    async def wait_ready(self) -> bool:
+        """True once the tailer knows its position (it may be briefly reconnecting)."""
+        try:
+            async with asyncio.timeout(_READY_TIMEOUT):
+                await self._tailer.ready.wait()
+        except TimeoutError:
+            return False
+        return self._tailer.status not in ("unavailable", "failed")
+
+    async def evict_stalled(self) -> None:
+        """Close the listeners that made no progress for ``stall_timeout`` (only those)."""
+        sessions = {id(s.delivery): s for s in self.registry}
+        timeout = self._config.stall_timeout
+        for delivery in stalled(self.registry.deliveries, time.monotonic(), timeout):
+            message = f"no progress for {timeout:g}s: evicted; register again and resume"
+            self.evict(sessions[id(delivery)], "slow_listener", message)
