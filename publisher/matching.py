@@ -1,4 +1,4 @@
-"""Which registrations an entry reaches (DESIGN.md section 3). Pure code.
+"""Which registrations an entry reaches (docs/design.md, "Matching"). Pure code.
 
 An entry with sub-resources C reaches a registration with sub-resources S when
 C and S intersect, or C is empty (the resource as a whole: created, deleted),
