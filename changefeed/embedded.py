@@ -343,6 +343,18 @@ class EmbeddedPostgres:
                     f"cannot enter {blocked[0]}: put the data directory elsewhere "
                     f"(e.g. {default_data_dir()} or under /tmp)"
                 )
+            # The programs too: a virtualenv under /root holding the pgserver wheel
+            # would otherwise fail later as a bare "permission denied".
+            unreachable = [
+                d for d in (*reversed(bindir.parents), bindir) if not run_as.can_traverse(d)
+            ]
+            if unreachable:
+                raise EmbeddedPostgresError(
+                    f"PostgreSQL runs as {run_as.name!r} (this process is root), which "
+                    f"cannot enter {unreachable[0]} to run the server programs in {bindir}: "
+                    "install Debian's postgresql package, or keep the programs where that "
+                    "user can reach them (CHANGEFEED_PG_BINDIR)"
+                )
         if (self.data_dir / "PG_VERSION").exists():
             if run_as.switches and self.data_dir.stat().st_uid != run_as.uid:
                 run_as.chown_tree(self.data_dir)

@@ -23,6 +23,7 @@ from typing import Any
 __all__ = ["EmbeddedPostgresError", "default_data_dir", "find_postgres_bindir"]
 
 _PROGRAMS = ("initdb", "pg_ctl", "postgres")
+_DEBIAN_ROOT = Path("/usr/lib/postgresql")
 
 
 class EmbeddedPostgresError(Exception):
@@ -41,8 +42,9 @@ def _version_key(name: str) -> tuple[int, ...]:
 
 
 def _pgserver_bindir() -> Path | None:
-    # pgserver (PyPI) ships the binaries in <package dir>/pginstall/bin. Only
-    # locate the package: importing it has side effects (lock files).
+    # pgserver (PyPI; changefeed's `pgserver` extra) ships the binaries in
+    # <package dir>/pginstall/bin. Only locate the package: importing it has
+    # side effects (lock files).
     try:
         spec = importlib.util.find_spec("pgserver")
     except (ImportError, ValueError):
@@ -56,8 +58,8 @@ def find_postgres_bindir() -> Path:
     """Return the directory holding ``initdb``, ``pg_ctl`` and ``postgres``.
 
     Looked up in order: env ``CHANGEFEED_PG_BINDIR``; Debian's
-    ``/usr/lib/postgresql/<highest version>/bin``; the ``pgserver`` package's
-    bundled binaries; ``pg_ctl`` on ``PATH``.
+    ``/usr/lib/postgresql/<highest version>/bin``; the binaries bundled in the
+    ``pgserver`` wheel (changefeed's ``pgserver`` extra); ``pg_ctl`` on ``PATH``.
 
     Raises:
         EmbeddedPostgresError: nothing found, or ``CHANGEFEED_PG_BINDIR``
@@ -72,7 +74,7 @@ def find_postgres_bindir() -> Path:
                 f"{', '.join(_PROGRAMS)}"
             )
         return bindir
-    debian = Path("/usr/lib/postgresql")
+    debian = _DEBIAN_ROOT
     if debian.is_dir():
         versions = sorted(
             (p for p in debian.iterdir() if _version_key(p.name)),

@@ -95,7 +95,8 @@ class PublisherConfig:
     dsn: str | None = field(
         default=None,
         metadata=_doc(
-            "PostgreSQL DSN of the feed database. Embedding APIs may pass a pool instead."
+            "PostgreSQL DSN of the feed database. Required, even with a pool: the tailer "
+            "opens its own connection (LISTEN); an embedding API's pool serves the other queries."
         ),
     )
     schema: str = field(default="changefeed", metadata=_doc("Schema holding the feed table."))

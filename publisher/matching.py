@@ -1,4 +1,4 @@
-"""Which entries a listener wants (the matching rule of docs/design.md). Pure code.
+"""Which entries a listener wants (docs/design.md, "Matching"). Pure code.
 
 An entry with sub-resources C reaches a registration with sub-resources S when
 C and S intersect, or C is empty (the resource as a whole: created, deleted),

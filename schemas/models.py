@@ -1,8 +1,8 @@
 """Typed models of the wire protocol, with encode / decode / validate.
 
-Shapes follow DESIGN.md section 3 (RFD 5 plus ``since``, ``cursor``,
-``published``, ``resumed`` and ``batch``) and node-sdc-changefeed's v2
-registration of several resources on one socket. Decoders validate against
+Shapes follow the websocket contract in docs/design.md (RFD 5 plus ``since``,
+``cursor``, ``published``, ``resumed``, ``reason`` and ``batch``) and
+node-sdc-changefeed's v2 registration of several resources on one socket. Decoders validate against
 the JSON Schema files and raise ProtocolError with a precise message.
 
 Pure code: no I/O.

@@ -26,6 +26,7 @@ from changefeed.embedded import (
     find_postgres_bindir,
     temporary,
 )
+from changefeed.schemas.migrations import apply_schema, load_migrations
 
 IS_ROOT = os.geteuid() == 0
 
@@ -281,3 +282,62 @@ def test_root_refuses_data_dir_the_server_user_cannot_enter() -> None:
             EmbeddedPostgres(private / "data").start()
     finally:
         shutil.rmtree(private)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="only root hands the server to another user")
+def test_root_refuses_server_programs_the_server_user_cannot_reach() -> None:
+    private = Path(tempfile.mkdtemp(prefix="changefeed-test-"))  # mode 700, owned by root
+    try:
+        (private / "bin").symlink_to(find_postgres_bindir())
+        pg = temporary(bindir=private / "bin")
+        with pytest.raises(EmbeddedPostgresError, match=f"cannot enter {private} to run"):
+            pg.start()
+        pg.close()
+    finally:
+        shutil.rmtree(private)
+
+
+# --------------------------------------------------------------------------- the pgserver wheel
+
+
+def _without_debians_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Make this machine look like one without Debian's postgresql package; return
+    the pgserver wheel's program directory, which must then be the one found."""
+    monkeypatch.delenv("CHANGEFEED_PG_BINDIR", raising=False)
+    monkeypatch.setattr(embedded_host, "_DEBIAN_ROOT", tmp_path / "no-debian-postgresql")
+    bindir = embedded_host._pgserver_bindir()
+    assert bindir is not None, "the pgserver wheel is missing: ./dev setup installs that extra"
+    return bindir
+
+
+def test_without_debians_server_the_pgserver_wheel_is_found(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    bindir = _without_debians_server(monkeypatch, tmp_path)
+    assert find_postgres_bindir() == bindir
+    for name in ("initdb", "pg_ctl", "postgres"):
+        assert os.access(bindir / name, os.X_OK)
+
+
+async def test_the_embedded_server_runs_from_the_pgserver_wheel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    bindir = _without_debians_server(monkeypatch, tmp_path)
+    pg = temporary()
+    try:
+        run_as = embedded_host._RunAs()
+        if run_as.switches and not all(run_as.can_traverse(d) for d in (*bindir.parents, bindir)):
+            # Root, with the virtualenv where the server's user cannot go: say so.
+            with pytest.raises(EmbeddedPostgresError, match=r"cannot enter .* server programs"):
+                pg.start()
+            return
+        conn = await asyncpg.connect(pg.start())
+        try:
+            assert await apply_schema(conn) == [m.version for m in load_migrations()]
+            await conn.execute("SELECT changefeed.publish('vm', ARRAY['nic'], 'x')")
+            assert await conn.fetchval("SELECT count(*) FROM changefeed.feed") == 1
+        finally:
+            await conn.close()
+        assert Path(server_tree(pg)[0].exe()).parent == bindir.resolve()
+    finally:
+        pg.close()

@@ -41,7 +41,7 @@ async def test_registration_ack_and_change_items_have_the_contract_shapes(feed_d
         await ws.close()
 
 
-async def test_matching_follows_design_section_3(feed_dsn: str) -> None:
+async def test_matching_follows_the_contract(feed_dsn: str) -> None:
     async with running_publisher(feed_dsn) as pub:
         nic_only, _ = await register(pub.ws_url, registration(subs=["nic"]))
         everything, _ = await register(pub.ws_url, registration(subs=[]))
@@ -377,7 +377,7 @@ async def test_entries_committed_out_of_order_are_not_skipped(feed_dsn: str) -> 
 async def test_a_listener_that_stops_answering_pings_is_dropped_and_its_registration_gone(
     feed_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Liveness (DESIGN.md section 3): the server pings; a listener that stops
+    """Liveness (docs/design.md): the server pings; a listener that stops
     reading, and so answering, is dropped within ping interval + ping timeout, its
     registration is gone, and the log says why. Another listener is untouched."""
     caplog.set_level(logging.INFO, logger="changefeed")
