@@ -278,30 +278,31 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from changefeed.publisher.config import parse_duration
-    from changefeed.publisher.errors import ConfigError
+    from changefeed.compaction import CompactionError, parse_duration, run_compaction
 
     try:
         max_age = parse_duration(args.max_age, "--max-age")
         lag = parse_duration(args.compaction_lag, "--compaction-lag")
-    except ConfigError as exc:
+    except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
-    from changefeed.publisher.compaction import run_compaction
 
     def progress(stage: str, fields: dict[str, Any]) -> None:
         detail = " ".join(f"{k}={v}" for k, v in fields.items())
         print(f"[{stage}] {detail}", file=sys.stderr, flush=True)
 
-    summary = run_compaction(
-        _dsn(args),
-        schema=args.schema,
-        max_age=max_age,
-        compaction_lag=lag,
-        master=args.master,
-        dry_run=args.dry_run,
-        jdbc_jar=args.jdbc_jar,
-        progress=progress,
-    )
+    try:
+        summary = run_compaction(
+            _dsn(args),
+            schema=args.schema,
+            max_age=max_age,
+            compaction_lag=lag,
+            master=args.master,
+            dry_run=args.dry_run,
+            jdbc_jar=args.jdbc_jar,
+            progress=progress,
+        )
+    except CompactionError as exc:
+        raise CommandError(str(exc)) from None
     print(summary.to_text())
     return 0
 

@@ -24,7 +24,7 @@ import asyncpg
 import pytest
 from helpers import fresh_database
 
-from changefeed.publisher.compaction import notifications, run_compaction, uncovered
+from changefeed.compaction import notifications, run_compaction, uncovered
 from changefeed.publisher.feed import FeedReader
 from changefeed.schemas import ORIGIN, Position
 
@@ -37,7 +37,7 @@ ENTRIES = 3000
 
 CHILD = r"""
 import json, os, signal, sys
-from changefeed.publisher.compaction import run_compaction
+from changefeed.compaction import run_compaction
 
 dsn, failpoint = sys.argv[1], json.loads(sys.argv[2])
 
@@ -55,7 +55,7 @@ print("FINISHED", flush=True)
 
 @pytest.fixture(scope="module")
 def spark() -> Any:
-    from changefeed.publisher.compaction import spark_session
+    from changefeed.compaction import spark_session
 
     with spark_session("local[2]") as session:
         yield session

@@ -20,7 +20,7 @@ import asyncpg
 import pytest
 from helpers import wait_until
 
-from changefeed.publisher.compaction import (
+from changefeed.compaction import (
     Notification,
     PlanEntry,
     notifications,

@@ -41,11 +41,12 @@ from typing import Any
 
 import asyncpg
 
-from changefeed.publisher.errors import CompactionError
 from changefeed.schemas import ORIGIN, Position, quote_schema
 from changefeed.schemas.errors import ProtocolError
 
 from .apply import CompactionStore
+from .durations import format_duration
+from .errors import CompactionError
 from .frames import _plan_and_stage, _ts, block_ranges, head_bound, plan_garbage, read_predicates
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
 from .session import spark_session
@@ -142,11 +143,11 @@ class CompactionSummary:
                 f"  low water     {_pos(self.low_water_before)} -> {_pos(self.low_water_after)}",
                 f"  scanned       {self.scanned:,} entries in {self.partitions} partitions"
                 f" ({self.rows_per_second:,.0f} entries/s)",
-                f"  collected     {verb} {self.collected:,} older than {_age(self.max_age)}"
-                f" in {self.gc_batches:,} batches",
+                f"  collected     {verb} {self.collected:,} older than"
+                f" {format_duration(self.max_age)} in {self.gc_batches:,} batches",
                 f"  merged        {verb} {self.merged:,} into later entries of {self.groups:,}"
                 f" resource ids ({self.rewritten:,} rewritten with the union),"
-                f" older than {_age(self.compaction_lag)}",
+                f" older than {format_duration(self.compaction_lag)}",
                 f"  time          {phases}  total {self.seconds:.1f}s",
             ]
         )
@@ -154,13 +155,6 @@ class CompactionSummary:
 
 def _pos(p: Position) -> str:
     return f"({p.txid}, {p.id})"
-
-
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
 
 
 # --------------------------------------------------------------------------- the run

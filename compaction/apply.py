@@ -33,9 +33,9 @@ from typing import Any
 
 import asyncpg
 
-from changefeed.publisher.errors import CompactionError
 from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema
 
+from .errors import CompactionError
 from .plan import GcChunk
 
 __all__ = [

@@ -5,7 +5,7 @@ On a cluster, spark-submit owns the master, the executors and the class path
 the session from that configuration and calls :func:`run_compaction` with it::
 
     spark-submit --master yarn --packages org.postgresql:postgresql:42.7.4 \\
-        "$(python -c 'import changefeed.publisher.compaction.submit as m; print(m.__file__)')" \\
+        "$(python -c 'import changefeed.compaction.submit as m; print(m.__file__)')" \\
         --dsn postgresql://compactor@db.internal:5432/app --max-age 24h --compaction-lag 10m
 
 The executors run no Python: every step is a DataFrame operation, so they need
@@ -21,9 +21,9 @@ import json
 import sys
 from typing import Any
 
-from changefeed.publisher.compaction.job import run_compaction
-from changefeed.publisher.config import parse_duration
-from changefeed.publisher.errors import PublisherError
+from changefeed.compaction.durations import parse_duration
+from changefeed.compaction.errors import CompactionError
+from changefeed.compaction.job import run_compaction
 
 __all__ = ["main"]
 
@@ -31,7 +31,7 @@ __all__ = ["main"]
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
-    except PublisherError as exc:
+    except CompactionError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             partitions=args.partitions,
             progress=progress if args.progress else None,
         )
-    except PublisherError as exc:
+    except CompactionError as exc:
         print(f"changefeed-compaction: {exc}", file=sys.stderr)
         return 1
     finally:
