@@ -5,7 +5,10 @@ command calls. The rules are in ``plan`` (pure code, also the reference the
 tests hold the Spark job to), the same rules as Spark DataFrames in ``frames``,
 the Spark session in ``session``, the DSN-to-JDBC conversion in ``jdbc``, and
 the PostgreSQL side (snapshot, staging, batched apply) in ``apply``, the
-exceptions in ``errors``. docs/compaction.md explains the algorithm and why
+exceptions in ``errors``. The job reports through a ``Progress`` (``progress``),
+rendered as log lines (``progress_log``) or terminal bars (``progress_rich``,
+which needs rich and is not imported here); ``sparkwatch`` feeds it Spark's
+task counts. docs/compaction.md explains the algorithm and why
 invariant I5 holds.
 
 The job depends on the feed's SQL (``changefeed.schemas``) and never on the
@@ -17,7 +20,7 @@ from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
 from .durations import parse_duration
 from .errors import CompactionError
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .job import CompactionSummary, Progress, run_compaction
+from .job import CompactionSummary, run_compaction
 from .plan import (
     GcChunk,
     Notification,
@@ -30,6 +33,8 @@ from .plan import (
     simulate,
     uncovered,
 )
+from .progress import NullProgress, Progress
+from .progress_log import LogProgress
 from .session import spark_session
 
 __all__ = [
@@ -40,7 +45,9 @@ __all__ = [
     "FeedSnapshot",
     "GcChunk",
     "JdbcTarget",
+    "LogProgress",
     "Notification",
+    "NullProgress",
     "Plan",
     "PlanEntry",
     "Progress",
