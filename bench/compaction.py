@@ -39,8 +39,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
+from changefeed.compaction import CompactionSummary, run_compaction, spark_session
 from changefeed.embedded import temporary
-from changefeed.publisher.compaction import CompactionSummary, run_compaction, spark_session
 from changefeed.schemas import apply_schema
 
 MAX_AGE = 24 * 3600.0

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from changefeed import __version__
 from changefeed.logs import configure_logging
+
+if TYPE_CHECKING:
+    from changefeed.compaction import Progress
 
 __all__ = ["main"]
 
@@ -169,6 +173,19 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument("--master", default="local[*]", help="Spark master URL")
     compact.add_argument("--jdbc-jar", default=None, help="PostgreSQL JDBC driver jar")
     compact.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    compact.add_argument(
+        "--batch-size", type=int, default=5000, help="entries per apply transaction"
+    )
+    compact.add_argument(
+        "--partitions", type=int, default=None, help="read partitions (default: one per 64 MiB)"
+    )
+    compact.add_argument(
+        "--progress",
+        choices=["auto", "bar", "log"],
+        default="auto",
+        help="bar: progress bars on stderr; log: progress as log lines"
+        " (default: bars when stderr is a terminal)",
+    )
     return parser
 
 
@@ -278,32 +295,51 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from changefeed.publisher.config import parse_duration
-    from changefeed.publisher.errors import ConfigError
+    from changefeed.compaction import CompactionError, parse_duration, run_compaction
 
     try:
         max_age = parse_duration(args.max_age, "--max-age")
         lag = parse_duration(args.compaction_lag, "--compaction-lag")
-    except ConfigError as exc:
+    except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
-    from changefeed.publisher.compaction import run_compaction
-
-    def progress(stage: str, fields: dict[str, Any]) -> None:
-        detail = " ".join(f"{k}={v}" for k, v in fields.items())
-        print(f"[{stage}] {detail}", file=sys.stderr, flush=True)
-
-    summary = run_compaction(
-        _dsn(args),
-        schema=args.schema,
-        max_age=max_age,
-        compaction_lag=lag,
-        master=args.master,
-        dry_run=args.dry_run,
-        jdbc_jar=args.jdbc_jar,
-        progress=progress,
-    )
+    dsn = _dsn(args)
+    with _compaction_progress(args.progress) as progress:
+        try:
+            summary = run_compaction(
+                dsn,
+                schema=args.schema,
+                max_age=max_age,
+                compaction_lag=lag,
+                master=args.master,
+                dry_run=args.dry_run,
+                jdbc_jar=args.jdbc_jar,
+                batch_size=args.batch_size,
+                partitions=args.partitions,
+                progress=progress,
+            )
+        except CompactionError as exc:
+            raise CommandError(str(exc)) from None
     print(summary.to_text())
     return 0
+
+
+@contextlib.contextmanager
+def _compaction_progress(mode: str) -> Iterator[Progress]:
+    """Bars on a terminal (stderr), log lines otherwise, or as ``--progress`` says."""
+    from changefeed.compaction import LogProgress
+
+    if mode == "auto":
+        mode = "bar" if sys.stderr.isatty() else "log"
+    if mode == "bar":
+        try:
+            from changefeed.compaction.progress_rich import RichProgress
+        except ImportError:  # rich comes with the spark extra; without it, log lines
+            pass
+        else:
+            with RichProgress() as bars:
+                yield bars
+            return
+    yield LogProgress()
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -6,13 +6,12 @@ Exception tree::
     ├── ConfigError          a configuration value is wrong (names the key and the file)
     ├── FeedUnavailable      the feed database cannot be reached within the retry budget
     ├── ResumeGap            the feed was trimmed past a resuming listener's cursor mid-replay
-    ├── AuthUnavailable      the authorizer failed or timed out (publisher/auth.py)
-    └── CompactionError      the compaction / garbage-collection job cannot run or failed
+    └── AuthUnavailable      the authorizer failed or timed out (publisher/auth.py)
 """
 
 from __future__ import annotations
 
-__all__ = ["CompactionError", "ConfigError", "FeedUnavailable", "PublisherError", "ResumeGap"]
+__all__ = ["ConfigError", "FeedUnavailable", "PublisherError", "ResumeGap"]
 
 
 class PublisherError(Exception):
@@ -41,11 +40,3 @@ class FeedUnavailable(PublisherError):
 
 class ResumeGap(PublisherError):
     """Entries after a resuming listener's cursor were trimmed while they were replayed."""
-
-
-class CompactionError(PublisherError):
-    """The compaction / garbage-collection job cannot run, or failed part-way.
-
-    A job that failed part-way left the feed consistent (every step it applied
-    is safe on its own); running it again finishes the work.
-    """

@@ -1,9 +1,9 @@
 """Killing the Spark job part-way and running it again ends in the same feed as one clean run.
 
-The job runs in a child process with a failpoint: its progress callback
-SIGKILLs the child's own process at a chosen event (after the plan is staged,
-after a few garbage / keeper / merge batches), so the kill lands at an exact
-place without any timing. The child gets its own session (process group), which
+The job runs in a child process with a failpoint: its progress reporter
+SIGKILLs the child's own process at a chosen place (when the apply step
+begins, after a few garbage / keeper / merge batches), so the kill lands at
+an exact place without any timing. The child gets its own session (process group), which
 is killed as a whole afterwards so that no Spark JVM outlives it.
 """
 
@@ -24,7 +24,7 @@ import asyncpg
 import pytest
 from helpers import fresh_database
 
-from changefeed.publisher.compaction import notifications, run_compaction, uncovered
+from changefeed.compaction import notifications, run_compaction, uncovered
 from changefeed.publisher.feed import FeedReader
 from changefeed.schemas import ORIGIN, Position
 
@@ -37,25 +37,37 @@ ENTRIES = 3000
 
 CHILD = r"""
 import json, os, signal, sys
-from changefeed.publisher.compaction import run_compaction
+from changefeed.compaction import NullProgress, run_compaction
 
 dsn, failpoint = sys.argv[1], json.loads(sys.argv[2])
 
-def progress(event, fields):
-    want = dict(failpoint)
-    if want.pop("event") == event and all(fields.get(k) == v for k, v in want.items()):
-        print("FAILPOINT", event, json.dumps(fields), flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+class Failpoint(NullProgress):
+    # Dies when phase failpoint["phase"] has begun and seen failpoint["batches"] batches.
+    def __init__(self):
+        self.current, self.batches = None, 0
+
+    def phase(self, name, total=None, unit=None):
+        self.current, self.batches = name, 0
+        self.check()
+
+    def advance(self, n):
+        self.batches += 1
+        self.check()
+
+    def check(self):
+        if [self.current, self.batches] == [failpoint["phase"], failpoint["batches"]]:
+            print("FAILPOINT", self.current, self.batches, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 run_compaction(dsn, max_age=float(sys.argv[3]), compaction_lag=float(sys.argv[4]),
-               master="local[1]", batch_size=int(sys.argv[5]), progress=progress)
+               master="local[1]", batch_size=int(sys.argv[5]), progress=Failpoint())
 print("FINISHED", flush=True)
 """
 
 
 @pytest.fixture(scope="module")
 def spark() -> Any:
-    from changefeed.publisher.compaction import spark_session
+    from changefeed.compaction import spark_session
 
     with spark_session("local[2]") as session:
         yield session
@@ -171,10 +183,10 @@ async def run_child(dsn: str, failpoint: dict[str, Any]) -> str:
 
 
 FAILPOINTS = [
-    pytest.param({"event": "staged"}, id="after-staging"),
-    pytest.param({"event": "batch", "phase": "gc", "batch": 3}, id="mid-gc"),
-    pytest.param({"event": "batch", "phase": "keep", "batch": 1}, id="mid-keepers"),
-    pytest.param({"event": "batch", "phase": "merge", "batch": 2}, id="mid-merge"),
+    pytest.param({"phase": "apply-gc", "batches": 0}, id="after-staging"),
+    pytest.param({"phase": "apply-gc", "batches": 3}, id="mid-gc"),
+    pytest.param({"phase": "apply-keep", "batches": 1}, id="mid-keepers"),
+    pytest.param({"phase": "apply-merge", "batches": 2}, id="mid-merge"),
 ]
 
 

@@ -1,10 +1,14 @@
-"""changefeed.publisher.compaction without Spark: the reference plan, the I5 model,
+"""changefeed.compaction without Spark: the reference plan, the I5 model,
 the DSN -> JDBC conversion, argument checks, and the apply step's safety guards
 against a real PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import pkgutil
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -12,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from changefeed.publisher.compaction import (
+from changefeed.compaction import (
     COMPACTION_LOCK_KEY,
     CompactionStore,
     CompactionSummary,
@@ -26,10 +30,11 @@ from changefeed.publisher.compaction import (
     simulate,
     uncovered,
 )
-from changefeed.publisher.compaction.frames import block_ranges, read_predicates
-from changefeed.publisher.compaction.jdbc import find_jdbc_jar
-from changefeed.publisher.compaction.plan import chunk_garbage
-from changefeed.publisher.errors import CompactionError, PublisherError
+from changefeed.compaction.durations import format_duration, parse_duration
+from changefeed.compaction.errors import CompactionError
+from changefeed.compaction.frames import block_ranges, read_predicates
+from changefeed.compaction.jdbc import find_jdbc_jar
+from changefeed.compaction.plan import chunk_garbage
 from changefeed.schemas import ORIGIN, Position
 
 # --------------------------------------------------------------------------- unions
@@ -202,7 +207,7 @@ def test_block_ranges_cover_the_table_without_overlap() -> None:
 
 
 def test_read_predicates_bound_each_partition_to_its_pages_and_the_head() -> None:
-    from changefeed.publisher.compaction import FeedSnapshot
+    from changefeed.compaction import FeedSnapshot
 
     snap = FeedSnapshot(7, datetime.now(UTC), Position(5, 42), ORIGIN, 10)
     preds = read_predicates(snap, [(0, 5), (5, None)], "published < now()")
@@ -307,8 +312,71 @@ def test_run_compaction_refuses_bad_arguments(kwargs: dict[str, object], message
         run_compaction("postgresql://h/db", **kwargs)  # type: ignore[arg-type]
 
 
-def test_compaction_error_is_a_publisher_error() -> None:
-    assert issubclass(CompactionError, PublisherError)
+def test_compaction_error_is_its_own_root() -> None:
+    assert CompactionError.__mro__[1:] == (Exception, BaseException, object)
+
+
+def _modules_after(statement: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after ``statement``."""
+    code = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    return set(out.stdout.split())
+
+
+def test_the_publisher_does_not_import_the_compaction_job_nor_spark() -> None:
+    loaded = _modules_after("import changefeed.publisher, changefeed.publisher.service")
+    assert "changefeed.publisher.service" in loaded
+    assert not {m for m in loaded if m.startswith(("changefeed.compaction", "pyspark", "py4j"))}
+
+
+def test_the_compaction_job_does_not_import_the_publisher() -> None:
+    """Every module of the package, imported in a fresh interpreter."""
+    loaded = _modules_after(
+        "import importlib, pkgutil, changefeed.compaction as c\n"
+        "for m in pkgutil.iter_modules(c.__path__, 'changefeed.compaction.'):\n"
+        "    importlib.import_module(m.name)"
+    )
+    assert {"changefeed.compaction.submit", "changefeed.compaction.session"} <= loaded
+    assert not {m for m in loaded if m.startswith("changefeed.publisher")}
+    assert not {m for m in loaded if m.startswith(("pyspark", "py4j"))}  # only run_compaction
+
+
+def test_every_module_is_documented_and_exports_its_names() -> None:
+    import changefeed.compaction as package
+
+    for name in package.__all__:
+        assert hasattr(package, name), name
+    for info in pkgutil.iter_modules(package.__path__, "changefeed.compaction."):
+        module = importlib.import_module(info.name)
+        assert module.__doc__ and "__all__" in vars(module), info.name
+        for name in module.__all__:
+            assert hasattr(module, name), (info.name, name)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90.0), ("500ms", 0.5), ("10m", 600.0), (" 24h ", 86400.0), ("1.5d", 129600.0)],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "ten", "-5m", "10 minutes", "5w"])
+def test_parse_duration_refuses_clearly(text: str) -> None:
+    with pytest.raises(CompactionError, match=r"--max-age: expected a duration such as"):
+        parse_duration(text, "--max-age")
+
+
+def test_format_duration() -> None:
+    assert [format_duration(s) for s in (86400, 600, 7200, 90, 0.5)] == [
+        "1d",
+        "10m",
+        "2h",
+        "90s",
+        "0.5s",
+    ]
 
 
 async def test_run_compaction_refuses_a_running_event_loop() -> None:
@@ -517,7 +585,7 @@ async def test_gc_rechecks_age_and_never_lowers_the_low_water_mark(feed_dsn: str
 
 
 def test_spark_errors_report_the_innermost_java_cause() -> None:
-    from changefeed.publisher.compaction.job import _spark_message
+    from changefeed.compaction.job import _spark_message
 
     class Java:
         def __init__(self, text: str, cause: Java | None = None) -> None:

@@ -12,7 +12,8 @@ import asyncio
 import random
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,8 +21,9 @@ import asyncpg
 import pytest
 from helpers import wait_until
 
-from changefeed.publisher.compaction import (
+from changefeed.compaction import (
     Notification,
+    NullProgress,
     PlanEntry,
     notifications,
     plan_feed,
@@ -153,6 +155,43 @@ def cursors_for(rng: random.Random, positions: list[Position], *extra: Position)
     return found
 
 
+@dataclass
+class PhaseRecord:
+    name: str
+    unit: str | None
+    total: int | None
+    done: int = 0
+    batches: int = 0
+    ended: bool = False
+
+
+class RecordedProgress(NullProgress):
+    """Everything the job reported, phase by phase."""
+
+    def __init__(self) -> None:
+        self.phases: list[PhaseRecord] = []
+        self.notes: dict[str, dict[str, Any]] = {}
+
+    def phase(self, name: str, total: int | None = None, unit: str | None = None) -> None:
+        self.phases.append(PhaseRecord(name, unit, total))
+
+    def advance(self, n: int) -> None:
+        self.phases[-1].done += n
+        self.phases[-1].batches += 1
+
+    def add_total(self, n: int) -> None:
+        self.phases[-1].total = (self.phases[-1].total or 0) + n
+
+    def end_phase(self) -> None:
+        self.phases[-1].ended = True
+
+    def note(self, event: str, fields: Mapping[str, Any]) -> None:
+        self.notes[event] = dict(fields)
+
+    def named(self) -> dict[str, PhaseRecord]:
+        return {p.name: p for p in self.phases}
+
+
 def compact(dsn: str, spark: Any, **kwargs: Any) -> Any:
     return run_compaction(
         dsn, max_age=MAX_AGE, compaction_lag=LAG, spark=spark, **{"batch_size": 7, **kwargs}
@@ -231,10 +270,8 @@ async def test_dry_run_changes_nothing_and_counts_the_same(feed_dsn: str, spark:
             if plan.garbage and plan.drops and plan.updates:
                 break
         low_water = await FeedReader().low_water(conn)
-        events: list[str] = []
-        summary = await asyncio.to_thread(
-            compact, feed_dsn, spark, dry_run=True, progress=lambda e, f: events.append(e)
-        )
+        progress = RecordedProgress()
+        summary = await asyncio.to_thread(compact, feed_dsn, spark, dry_run=True, progress=progress)
         assert (await read_feed(conn))[1] == feed
         assert await FeedReader().low_water(conn) == low_water
         assert (summary.scanned, summary.collected, summary.merged, summary.rewritten) == (
@@ -244,7 +281,13 @@ async def test_dry_run_changes_nothing_and_counts_the_same(feed_dsn: str, spark:
             len(plan.updates),
         )
         assert summary.dry_run and "dry run" in summary.to_text()
-        assert "batch" not in events and "staged" not in events
+        # No lock, no apply phase; the scans counted in Spark tasks, each to the end.
+        assert [p.name for p in progress.phases] == ["snapshot", "scan-gc", "scan-merge"]
+        for scan in progress.phases[1:]:
+            assert scan.unit == "tasks" and scan.ended
+            assert scan.total is not None and scan.done == scan.total > 0, scan
+        assert progress.notes["planned"]["drops"] == summary.merged
+        assert progress.notes["done"]["dry_run"] is True
         tables = await conn.fetch(
             "SELECT tablename FROM pg_tables WHERE schemaname = 'changefeed'"
             " AND tablename LIKE 'compaction%'"
@@ -353,7 +396,7 @@ async def test_job_beside_four_writers_and_a_tailer(feed_dsn: str, spark: Any) -
     try:
         await asyncio.wait_for(asyncio.gather(*(writer(n, 150) for n in range(4))), 120)
         phase["name"] = "during"
-        events: list[tuple[str, dict[str, Any]]] = []
+        progress = RecordedProgress()
         writers = [asyncio.create_task(writer(n, None)) for n in range(4)]
         try:
             summary = await asyncio.wait_for(
@@ -362,7 +405,7 @@ async def test_job_beside_four_writers_and_a_tailer(feed_dsn: str, spark: Any) -
                     feed_dsn,
                     spark,
                     batch_size=500,
-                    progress=lambda e, f: events.append((e, f)),
+                    progress=progress,
                 ),
                 240,
             )
@@ -382,7 +425,24 @@ async def test_job_beside_four_writers_and_a_tailer(feed_dsn: str, spark: Any) -
     positions = [p for p, _ in received]
     assert positions == sorted(positions) and len(set(positions)) == len(positions)
     assert summary.collected > 0 and summary.merged > 0
-    assert any(e == "batch" for e, _ in events)
+    phases = progress.named()
+    assert list(phases) == [
+        "lock",
+        "snapshot",
+        "scan-gc",
+        "scan-merge+stage",
+        "count",
+        "apply-gc",
+        "apply-keep",
+        "apply-merge",
+    ]
+    # Every phase with a count got to its total, in as many batches as the summary says.
+    for phase in phases.values():
+        assert phase.ended and (phase.total is None or phase.done == phase.total), phase
+    assert phases["apply-gc"].total == summary.collected
+    assert phases["apply-gc"].batches == summary.gc_batches > 1
+    assert phases["apply-merge"].total >= summary.merged  # a guard may leave one alone
+    assert phases["apply-merge"].batches > 1
 
     check = await asyncpg.connect(feed_dsn)
     try:

@@ -4,15 +4,23 @@
 command calls. The rules are in ``plan`` (pure code, also the reference the
 tests hold the Spark job to), the same rules as Spark DataFrames in ``frames``,
 the Spark session in ``session``, the DSN-to-JDBC conversion in ``jdbc``, and
-the PostgreSQL side (snapshot, staging, batched apply) in ``apply``.
-docs/compaction.md explains the algorithm and why invariant I5 holds.
+the PostgreSQL side (snapshot, staging, batched apply) in ``apply``, the
+exceptions in ``errors``. The job reports through a ``Progress`` (``progress``),
+rendered as log lines (``progress_log``) or terminal bars (``progress_rich``,
+which needs rich and is not imported here); ``sparkwatch`` feeds it Spark's
+task counts. docs/compaction.md explains the algorithm and why
+invariant I5 holds.
 
-Importing this package does not import pyspark; ``run_compaction`` does.
+The job depends on the feed's SQL (``changefeed.schemas``) and never on the
+publisher: an API that embeds the publisher ships none of this. Importing this
+package does not import pyspark; ``run_compaction`` does.
 """
 
 from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
+from .durations import parse_duration
+from .errors import CompactionError
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .job import CompactionSummary, Progress, run_compaction
+from .job import CompactionSummary, run_compaction
 from .plan import (
     GcChunk,
     Notification,
@@ -25,16 +33,21 @@ from .plan import (
     simulate,
     uncovered,
 )
+from .progress import NullProgress, Progress
+from .progress_log import LogProgress
 from .session import spark_session
 
 __all__ = [
     "COMPACTION_LOCK_KEY",
+    "CompactionError",
     "CompactionStore",
     "CompactionSummary",
     "FeedSnapshot",
     "GcChunk",
     "JdbcTarget",
+    "LogProgress",
     "Notification",
+    "NullProgress",
     "Plan",
     "PlanEntry",
     "Progress",
@@ -43,6 +56,7 @@ __all__ = [
     "jdbc_from_dsn",
     "merge_subs",
     "notifications",
+    "parse_duration",
     "plan_feed",
     "run_compaction",
     "simulate",

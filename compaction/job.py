@@ -22,7 +22,10 @@ One run:
 This module runs the steps in order; the Spark DataFrames of steps 2-4 are
 built in ``frames``, the PostgreSQL statements of steps 1 and 5 in ``apply``.
 
-The job prints nothing; it reports through ``progress``. Spark is started
+The job prints nothing; it reports through a ``Progress`` (module ``progress``):
+each step above is a phase, with its total where the job knows it -- Spark
+tasks for the scans (from Spark's status tracker, see ``sparkwatch``),
+entries for the apply step. Spark is started
 quietly on one machine (loopback only, UI off, log level WARN, scratch space
 under the temp dir; see ``session``) unless a session is handed in.
 """
@@ -34,31 +37,26 @@ import contextlib
 import importlib
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
 
-from changefeed.publisher.errors import CompactionError
 from changefeed.schemas import ORIGIN, Position, quote_schema
 from changefeed.schemas.errors import ProtocolError
 
 from .apply import CompactionStore
+from .durations import format_duration
+from .errors import CompactionError
 from .frames import _plan_and_stage, _ts, block_ranges, head_bound, plan_garbage, read_predicates
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
+from .progress import NullProgress, Progress
 from .session import spark_session
+from .sparkwatch import watch_spark
 
-__all__ = [
-    "CompactionSummary",
-    "Progress",
-    "run_compaction",
-]
-
-Progress = Callable[[str, dict[str, Any]], None]
-"""``progress(event, fields)``: how the job reports (``start``, ``snapshot``,
-``phase``, ``planned``, ``staged``, ``batch``, ``done``)."""
+__all__ = ["CompactionSummary", "run_compaction"]
 
 _BLOCKS_PER_PARTITION = 8192  # 64 MiB of heap per read partition
 _MAX_PARTITIONS = 4096
@@ -142,11 +140,11 @@ class CompactionSummary:
                 f"  low water     {_pos(self.low_water_before)} -> {_pos(self.low_water_after)}",
                 f"  scanned       {self.scanned:,} entries in {self.partitions} partitions"
                 f" ({self.rows_per_second:,.0f} entries/s)",
-                f"  collected     {verb} {self.collected:,} older than {_age(self.max_age)}"
-                f" in {self.gc_batches:,} batches",
+                f"  collected     {verb} {self.collected:,} older than"
+                f" {format_duration(self.max_age)} in {self.gc_batches:,} batches",
                 f"  merged        {verb} {self.merged:,} into later entries of {self.groups:,}"
                 f" resource ids ({self.rewritten:,} rewritten with the union),"
-                f" older than {_age(self.compaction_lag)}",
+                f" older than {format_duration(self.compaction_lag)}",
                 f"  time          {phases}  total {self.seconds:.1f}s",
             ]
         )
@@ -156,36 +154,36 @@ def _pos(p: Position) -> str:
     return f"({p.txid}, {p.id})"
 
 
-def _age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
-
-
 # --------------------------------------------------------------------------- the run
 
 
 class _Clock:
-    def __init__(self, summary: CompactionSummary, progress: Progress | None) -> None:
+    """Times the phases into the summary and tells ``progress`` where the run is."""
+
+    def __init__(self, summary: CompactionSummary, progress: Progress) -> None:
         self.summary = summary
         self.progress = progress
         self.started = time.monotonic()
 
-    def emit(self, event: str, **fields: Any) -> None:
-        if self.progress is not None:
-            self.progress(event, fields)
+    def note(self, event: str, **fields: Any) -> None:
+        self.progress.note(event, fields)
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        self.emit("phase", name=name, state="start")
+    def phase(self, name: str, total: int | None = None, unit: str | None = None) -> Iterator[None]:
+        self.progress.phase(name, total, unit)
         t0 = time.monotonic()
         try:
             yield
         finally:
             took = time.monotonic() - t0
             self.summary.phases[name] = self.summary.phases.get(name, 0.0) + took
-            self.emit("phase", name=name, state="end", seconds=round(took, 3))
+            self.progress.end_phase()
+
+    @contextlib.contextmanager
+    def spark_phase(self, name: str, spark: Any) -> Iterator[None]:
+        """A phase of Spark actions, counted in Spark tasks as Spark plans them."""
+        with self.phase(name, unit="tasks"), watch_spark(spark, self.progress):
+            yield
 
 
 def _check_durations(max_age: float, compaction_lag: float, batch_size: int) -> None:
@@ -255,7 +253,8 @@ def run_compaction(
         master: Spark master when the job starts its own session.
         dry_run: plan and count only; nothing is written.
         jdbc_jar: the PostgreSQL JDBC driver jar (default: found automatically).
-        progress: ``progress(event, fields)``; the job prints nothing itself.
+        progress: told each phase, its total and what is done, and the
+            run's facts (see ``progress.Progress``); the job prints nothing.
         spark: an existing SparkSession to use (it is not stopped; its class
             path must hold the JDBC driver); default: start one on ``master``.
         batch_size: entries per apply transaction (and per garbage chunk).
@@ -290,8 +289,8 @@ def run_compaction(
     summary = CompactionSummary(
         schema=schema, dry_run=dry_run, max_age=max_age, compaction_lag=compaction_lag
     )
-    clock = _Clock(summary, progress)
-    clock.emit("start", url=target.url, schema=schema, dry_run=dry_run, master=master)
+    clock = _Clock(summary, progress or NullProgress())
+    clock.note("start", url=target.url, schema=schema, dry_run=dry_run, master=master)
     with asyncio.Runner() as runner:
         try:
             conn = runner.run(asyncpg.connect(dsn, timeout=_CONNECT_TIMEOUT))
@@ -319,7 +318,7 @@ def run_compaction(
             with contextlib.suppress(*_DB_ERRORS):
                 runner.run(conn.close(timeout=5))
     summary.seconds = time.monotonic() - clock.started
-    clock.emit("done", **summary.to_dict())
+    clock.note("done", **summary.to_dict())
     return summary
 
 
@@ -350,7 +349,7 @@ def _run(
     summary.low_water_before = summary.low_water_after = snap.low_water
     gc_cutoff = snap.taken - timedelta(seconds=summary.max_age)
     lag_cutoff = snap.taken - timedelta(seconds=summary.compaction_lag)
-    clock.emit(
+    clock.note(
         "snapshot",
         head=list(snap.head),
         horizon=snap.horizon,
@@ -373,7 +372,7 @@ def _run(
         summary.partitions = len(ranges)
         table = f"{store.q}.feed"
         candidate = f"published >= {_ts(gc_cutoff)} AND published < {_ts(lag_cutoff)}"
-        with clock.phase("scan-gc"):
+        with clock.spark_phase("scan-gc", spark):
             chunks, candidates = plan_garbage(
                 spark,
                 target,
@@ -391,7 +390,7 @@ def _run(
             summary.run_id = run_id
             staging = runner.run(store.create_staging(run_id))
         try:
-            with clock.phase("scan-merge" if summary.dry_run else "scan-merge+stage"):
+            with clock.spark_phase("scan-merge" if summary.dry_run else "scan-merge+stage", spark):
                 counted = _plan_and_stage(spark, target, table, cand_preds, staging)
             if counted is None:
                 assert run_id is not None
@@ -401,8 +400,9 @@ def _run(
             groups, updates, drops = counted
             summary.scanned = garbage + candidates
             summary.groups = groups
-            clock.emit(
+            clock.note(
                 "planned",
+                run_id=run_id,
                 scanned=summary.scanned,
                 garbage=garbage,
                 gc_batches=len(chunks),
@@ -414,17 +414,13 @@ def _run(
                 summary.collected, summary.merged, summary.rewritten = garbage, drops, updates
                 summary.gc_batches = len(chunks)
                 return
-            clock.emit("staged", run_id=run_id, rows=updates + drops)
-
-            def report(phase: str, number: int, rows: int) -> None:
-                clock.emit("batch", phase=phase, batch=number, rows=rows)
-
-            with clock.phase("apply-gc"):
+            report = clock.progress.advance
+            with clock.phase("apply-gc", garbage, "entries"):
                 summary.collected = runner.run(store.apply_gc(chunks, gc_cutoff, report))
                 summary.gc_batches = len(chunks)
-            with clock.phase("apply-keep"):
+            with clock.phase("apply-keep", updates, "entries"):
                 summary.rewritten = runner.run(store.apply_keepers(run_id, batch_size, report))
-            with clock.phase("apply-merge"):
+            with clock.phase("apply-merge", drops, "entries"):
                 summary.merged = runner.run(store.apply_drops(run_id, batch_size, report))
             summary.low_water_after = runner.run(store.low_water())
             runner.run(store.drop_staging(run_id))

@@ -5,25 +5,26 @@ On a cluster, spark-submit owns the master, the executors and the class path
 the session from that configuration and calls :func:`run_compaction` with it::
 
     spark-submit --master yarn --packages org.postgresql:postgresql:42.7.4 \\
-        "$(python -c 'import changefeed.publisher.compaction.submit as m; print(m.__file__)')" \\
+        "$(python -c 'import changefeed.compaction.submit as m; print(m.__file__)')" \\
         --dsn postgresql://compactor@db.internal:5432/app --max-age 24h --compaction-lag 10m
 
 The executors run no Python: every step is a DataFrame operation, so they need
 the JDBC driver and network access to PostgreSQL, not changefeed. The driver
-needs changefeed (and asyncpg) installed. The summary goes to stdout, progress
-events (one JSON object a line) to stderr with ``--progress``.
+needs changefeed (and asyncpg) installed. The summary goes to stdout, and
+with ``--progress`` the job's phases and progress go to stderr as JSON log
+lines (``progress_log``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import Any
 
-from changefeed.publisher.compaction.job import run_compaction
-from changefeed.publisher.config import parse_duration
-from changefeed.publisher.errors import PublisherError
+from changefeed.compaction.durations import parse_duration
+from changefeed.compaction.errors import CompactionError
+from changefeed.compaction.job import run_compaction
+from changefeed.compaction.progress_log import LogProgress
+from changefeed.logs import configure_logging
 
 __all__ = ["main"]
 
@@ -31,7 +32,7 @@ __all__ = ["main"]
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
-    except PublisherError as exc:
+    except CompactionError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -47,14 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--partitions", type=int, default=None)
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--progress", action="store_true", help="JSON progress on stderr")
+    parser.add_argument(
+        "--progress", action="store_true", help="progress as JSON log lines on stderr"
+    )
     args = parser.parse_args(argv)
 
     from pyspark.sql import SparkSession
 
-    def progress(event: str, fields: dict[str, Any]) -> None:
-        print(json.dumps({"event": event, **fields}, default=str), file=sys.stderr, flush=True)
-
+    configure_logging("info", json_output=True)
     spark = SparkSession.builder.appName("changefeed-compaction").getOrCreate()
     try:
         summary = run_compaction(
@@ -66,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             spark=spark,
             batch_size=args.batch_size,
             partitions=args.partitions,
-            progress=progress if args.progress else None,
+            progress=LogProgress() if args.progress else None,
         )
-    except PublisherError as exc:
+    except CompactionError as exc:
         print(f"changefeed-compaction: {exc}", file=sys.stderr)
         return 1
     finally:

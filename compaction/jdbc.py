@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-from changefeed.publisher.errors import CompactionError
+from .errors import CompactionError
 
 __all__ = [
     "DEBIAN_JDBC_JAR",

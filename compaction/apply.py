@@ -33,9 +33,9 @@ from typing import Any
 
 import asyncpg
 
-from changefeed.publisher.errors import CompactionError
 from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema
 
+from .errors import CompactionError
 from .plan import GcChunk
 
 __all__ = [
@@ -68,8 +68,11 @@ _STAGING_NAME = re.compile(r"^compaction_plan_[0-9]+$")
 _RETRIES = 3
 _RETRYABLE = (asyncpg.exceptions.LockNotAvailableError, asyncpg.exceptions.DeadlockDetectedError)
 
-BatchReport = Callable[[str, int, int], None]
-"""Called after each committed batch with (phase, batch number, rows changed)."""
+BatchReport = Callable[[int], None]
+"""Called after each committed batch with the planned entries it covered: a
+garbage chunk's entries, or the staging rows of a batch. They add up to the
+planned total (whether or not a guard left some entry alone), so they measure
+progress; the applied counts are what the apply methods return."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +325,7 @@ class CompactionStore:
             SELECT (SELECT count(*) FROM deleted) AS done, (SELECT count(*) FROM raised) AS raised
         """
         total = 0
-        for number, chunk in enumerate(chunks, 1):
+        for chunk in chunks:
             row = await self._batch(
                 sql,
                 chunk.first.txid,
@@ -335,7 +338,7 @@ class CompactionStore:
             )
             total += int(row["done"])
             if report is not None:
-                report("gc", number, int(row["done"]))
+                report(chunk.rows)
         return total
 
     def _walk_sql(self, run_id: int, columns: str, action: str) -> str:
@@ -356,7 +359,6 @@ class CompactionStore:
 
     async def _walk(
         self,
-        phase: str,
         kind: int,
         *,
         run_id: int,
@@ -366,14 +368,12 @@ class CompactionStore:
     ) -> int:
         """Run ``sql`` over the staging rows of ``kind``, about ``batch_size`` at a time."""
         total = 0
-        number = 0
 
         def done(row: asyncpg.Record) -> None:
-            nonlocal total, number
-            number += 1
+            nonlocal total
             total += int(row["done"])
             if report is not None:
-                report(phase, number, int(row["done"]))
+                report(int(row["batch"]))
 
         if self.page_walk:
             table = self.staging_table(run_id)
@@ -423,7 +423,7 @@ class CompactionStore:
         """
         sql = self._walk_sql(run_id, "txid, id, sub_resources", action)
         return await self._walk(
-            "keep", KIND_KEEP, run_id=run_id, sql=sql, batch_size=batch_size, report=report
+            KIND_KEEP, run_id=run_id, sql=sql, batch_size=batch_size, report=report
         )
 
     async def apply_drops(
@@ -449,5 +449,5 @@ class CompactionStore:
         """
         sql = self._walk_sql(run_id, "txid, id, keep_txid, keep_id", action)
         return await self._walk(
-            "merge", KIND_DROP, run_id=run_id, sql=sql, batch_size=batch_size, report=report
+            KIND_DROP, run_id=run_id, sql=sql, batch_size=batch_size, report=report
         )

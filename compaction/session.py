@@ -16,8 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from changefeed.publisher.errors import CompactionError
-
+from .errors import CompactionError
 from .jdbc import find_jdbc_jar
 
 __all__ = ["session_conf", "spark_session"]
@@ -98,7 +97,7 @@ def spark_session(
 
     On a ``local`` master the driver binds to 127.0.0.1 only (``SPARK_LOCAL_IP``
     is set for this process if unset). ``jdbc_jar`` defaults to
-    :func:`~changefeed.publisher.compaction.jdbc.find_jdbc_jar`.
+    :func:`~changefeed.compaction.jdbc.find_jdbc_jar`.
 
     Raises:
         CompactionError: pyspark is not installed, or Java cannot start.
