@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -180,6 +182,34 @@ async def test_changefeed_serve_takes_the_deadline_from_its_config(
             writer.close()
         assert data.startswith(b"HTTP/1.1 408 "), data
         assert '"event":"http.head_timeout"' in publisher.log()
+
+
+async def test_changefeed_example_api_takes_the_deadline_from_its_flag(
+    dsn: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    args = ["example-api", "--dsn", dsn, "--port", str(port), "--header-timeout", "0.5"]
+    api = ChangefeedServer("example-api", args, port, tmp_path)
+    async with stopping(api):
+        api.start()
+        await api.wait_ready()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data == b""
+
+
+def test_example_api_refuses_a_header_timeout_that_is_not_positive() -> None:
+    refused = subprocess.run(
+        [sys.executable, "-m", "changefeed.cli", "example-api", "--header-timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2 and "--header-timeout" in refused.stderr, refused.stderr
 
 
 def test_the_protocol_class_and_its_default() -> None:

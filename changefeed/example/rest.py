@@ -47,7 +47,7 @@ __all__ = [
     "uuid_field",
 ]
 
-log = logging.getLogger("changefeed.example.vmapi")
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 65536
 
