@@ -707,12 +707,13 @@ def plot_samples(report: SoakReport, path: Path) -> Path | None:
 
 
 async def api_vms(conn: asyncpg.Connection) -> dict[str, dict[str, Any]]:
-    rows = await conn.fetch("SELECT uuid, alias, nics FROM vmapi.vms")
+    rows = await conn.fetch("SELECT uuid, alias, nics, server_uuid FROM vmapi.vms")
     return {
         str(r["uuid"]): {
             "uuid": str(r["uuid"]),
             "alias": r["alias"],
             "nics": orjson.loads(r["nics"]),
+            "server_uuid": r["server_uuid"] and str(r["server_uuid"]),
         }
         for r in rows
     }

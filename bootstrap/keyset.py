@@ -264,6 +264,8 @@ class KeysetQuery:
         Raises:
             PageRequestError: ``parse_id`` refused it.
         """
+        if "\x00" in text:
+            raise PageRequestError("an id must not contain the NUL character (U+0000)")
         try:
             return self.parse_id(text)
         except (ValueError, TypeError):
@@ -279,6 +281,9 @@ class KeysetQuery:
         for name, value in params:
             if name in seen:
                 raise PageRequestError(f"{name}: given more than once")
+            if "\x00" in value:
+                # PostgreSQL text cannot hold U+0000: the query would fail with a 500.
+                raise PageRequestError(f"{name}: must not contain the NUL character (U+0000)")
             if name not in _RESERVED and name not in self.filters:
                 known = ", ".join(["limit", "after", "ids", *sorted(self.filters)])
                 raise PageRequestError(f"unknown query parameter {name!r} (known: {known})")

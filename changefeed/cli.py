@@ -101,7 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=float, default=5.0, help="VM writes per second")
     demo.add_argument("--data-dir", help="embedded PostgreSQL data directory")
 
-    api = command("example-api", "Serve only the example VM API with its publisher.")
+    api = command(
+        "example-api", "Serve only the example VM API (VMs and servers) with its publisher."
+    )
     api.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8080)
@@ -110,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="accept this bearer token (repeatable); default: no auth",
+    )
+    api.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="close an HTTP connection whose request head has not arrived by then "
+        "(default: that of [server] header_timeout, docs/config.md)",
     )
 
     serve = command(
@@ -257,16 +267,20 @@ def render_stats(doc: dict[str, Any]) -> str:
 
 async def _example_api(args: argparse.Namespace) -> int:
     from changefeed.example.vmapi import create_app
+    from changefeed.http_timeouts import DEFAULT_HEAD_TIMEOUT, head_timeout_protocol
     from changefeed.serving import DrainingServer, server_config
     from changefeed.standalone import check_database
 
+    header_timeout = DEFAULT_HEAD_TIMEOUT if args.header_timeout is None else args.header_timeout
+    if not header_timeout > 0:
+        raise CommandError(f"--header-timeout: must be positive, got {header_timeout}", 2)
     dsn = _dsn(args)
     await check_database(dsn, None)
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
     app = create_app(dsn, **overrides)
-    server = DrainingServer(
-        server_config(app, args.host, args.port), [app.state.publisher], owns_process=True
-    )
+    http = head_timeout_protocol(header_timeout)
+    config = server_config(app, args.host, args.port, http=http)
+    server = DrainingServer(config, [app.state.publisher], owns_process=True)
     print(
         f"example VM API with publisher on http://{args.host}:{args.port} "
         f"(websocket ws://{args.host}:{args.port}/changefeeds)",

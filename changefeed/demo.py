@@ -1,12 +1,13 @@
 """``changefeed demo``: the whole system on one machine, in one command.
 
 It starts PostgreSQL (embedded unless a DSN is given), the example VM API with
-its publisher on 127.0.0.1, the example DNS controller (a listener that
-mirrors VMs into DNS records in its own database) and a small load generator
-that creates, updates and deletes VMs. It prints what the DNS service learns
-and a live status line, and when it stops (Ctrl-C, SIGTERM or --duration) it
-checks that the mirror equals the API's data, then stops everything it
-started: no process is left behind.
+its publisher on 127.0.0.1 (VMs and the servers they run on, one feed), the
+example DNS controller (a listener that mirrors VMs into DNS records in its
+own database) and a small load generator that creates, updates, migrates and
+deletes VMs and creates, updates and retires servers. It prints what the DNS
+service learns and a live status line, and when it stops (Ctrl-C, SIGTERM or
+--duration) it checks that the mirror equals the API's data in what the DNS
+service follows, then stops everything it started: no process is left behind.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from changefeed.bootstrap import Pager
 from changefeed.embedded import EmbeddedPostgres, default_data_dir
 from changefeed.example.dns import DnsController, Record
 from changefeed.example.vmapi import create_app
+from changefeed.http_timeouts import head_timeout_protocol
 from changefeed.listener import ListenerConfig
 from changefeed.serving import DrainingServer, server_config
 
@@ -36,6 +39,11 @@ __all__ = ["run_demo"]
 
 _WORDS = ("web", "db", "cache", "queue", "api", "search", "auth", "media", "mail", "build")
 _TARGET_VMS = 40
+_TARGET_SERVERS = 4
+_FOLLOWED = ("uuid", "alias", "nics")
+"""What the DNS service follows of a VM: it registers for ``nic`` and ``alias`` only, so
+a migration (sub-resource ``server``) is not sent to it, and its mirror keeps the
+``server_uuid`` it last fetched."""
 
 
 async def _ensure_database(dsn: str, name: str) -> str:
@@ -53,13 +61,15 @@ async def _ensure_database(dsn: str, name: str) -> str:
 
 
 class LoadGenerator:
-    """Creates, renames, re-addresses and deletes VMs through the public API."""
+    """Creates, renames, re-addresses, migrates and deletes VMs, and creates, updates and
+    retires the servers they run on, through the public API."""
 
     def __init__(self, client: httpx.AsyncClient, rate: float, rng: random.Random) -> None:
         self.client = client
         self.rate = rate
         self.rng = rng
         self.known: list[str] = []
+        self.servers: list[str] = []
         self.writes = 0
         self.errors = 0
 
@@ -72,13 +82,61 @@ class LoadGenerator:
             for _ in range(self.rng.randint(1, 2))
         ]
 
+    async def _add_server(self) -> None:
+        body = {
+            "hostname": f"cn-{self.rng.randint(1, 999):03d}",
+            "ram": self.rng.choice((65536, 131072, 262144)),
+            "datacenter": "demo-1",
+            "status": "running",
+        }
+        response = await self.client.post("/servers", json=body)
+        response.raise_for_status()
+        self.servers.append(response.json()["uuid"])
+
+    async def _server_write(self) -> None:
+        """Flip a server's status, or retire one: refused (409) while it hosts VMs."""
+        server = self.rng.choice(self.servers)
+        if len(self.servers) > 1 and self.rng.random() < 0.2:
+            response = await self.client.delete(f"/servers/{server}")
+            if response.status_code == 204:
+                self.servers.remove(server)
+            elif response.status_code != 409:
+                response.raise_for_status()
+            return
+        status = self.rng.choice(("running", "running", "unavailable"))
+        response = await self.client.patch(f"/servers/{server}", json={"status": status})
+        if response.status_code != 404:
+            response.raise_for_status()
+
+    async def _migrate(self) -> None:
+        vm = self.rng.choice(self.known)
+        target = self.rng.choice(self.servers)
+        response = await self.client.patch(f"/vms/{vm}", json={"server_uuid": target})
+        if response.status_code not in (404, 422):  # VM gone, or the server just retired
+            response.raise_for_status()
+
     async def _one(self) -> None:
+        if len(self.servers) < _TARGET_SERVERS:
+            await self._add_server()
+            self.writes += 1
+            return
         choice = self.rng.random()
         if not self.known or (len(self.known) < _TARGET_VMS and choice < 0.5):
             alias = f"{self.rng.choice(_WORDS)}-{self.rng.randint(1, 99)}"
-            response = await self.client.post("/vms", json={"alias": alias, "nics": self._nics()})
+            new = {
+                "alias": alias,
+                "nics": self._nics(),
+                "server_uuid": self.rng.choice(self.servers),
+            }
+            response = await self.client.post("/vms", json=new)
+            if response.status_code == 422:  # the server just retired
+                return
             response.raise_for_status()
             self.known.append(response.json()["uuid"])
+        elif (choice := self.rng.random()) < 0.15:
+            await self._migrate()
+        elif choice < 0.25:
+            await self._server_write()
         elif choice < 0.8:
             vm = self.rng.choice(self.known)
             body: dict[str, Any] = (
@@ -99,6 +157,8 @@ class LoadGenerator:
     async def run(self) -> None:
         async for vm in Pager(self.client, "/vms"):
             self.known.append(vm["uuid"])
+        async for server in Pager(self.client, "/servers"):
+            self.servers.append(server["uuid"])
         while True:
             try:
                 await self._one()
@@ -117,8 +177,17 @@ def _print_learned(before: dict[str, Record], after: dict[str, Record]) -> None:
             print(f"  dns learned  ~ {name} -> {', '.join(after[name].ips)}", flush=True)
 
 
+def _followed(vm: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: vm[name] for name in _FOLLOWED}
+
+
 async def _api_vms(client: httpx.AsyncClient) -> dict[str, Any]:
-    return {vm["uuid"]: vm async for vm in Pager(client, "/vms")}
+    """Every VM the API holds, as far as the DNS service follows it."""
+    return {vm["uuid"]: _followed(vm) async for vm in Pager(client, "/vms")}
+
+
+def _mirrored(dns: DnsController) -> dict[str, Any]:
+    return {vm: _followed(item) for vm, item in dns.controller.mirror.items()}
 
 
 async def run_demo(args: argparse.Namespace) -> int:
@@ -149,9 +218,8 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
     dns_dsn = await _ensure_database(dsn, "changefeed_demo_cns")
     app = create_app(api_dsn, poll_interval=0.2)
     publisher = app.state.publisher
-    server = DrainingServer(
-        server_config(app, "127.0.0.1", args.port), [publisher], grace=3.0, owns_process=True
-    )
+    config = server_config(app, "127.0.0.1", args.port, http=head_timeout_protocol())
+    server = DrainingServer(config, [publisher], grace=3.0, owns_process=True)
     serving = asyncio.create_task(server.serve(), name="demo-api")
     async with asyncio.timeout(30):
         while not server.started:
@@ -163,7 +231,8 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
     base = f"http://127.0.0.1:{port}"
     print(f"VM API + publisher on {base} (websocket ws://127.0.0.1:{port}/changefeeds)", flush=True)
     print(
-        f"  try: changefeed listen {base} --resource vm    |    changefeed stats {base}", flush=True
+        f"  try: changefeed listen {base} --resource vm  (or server)  |  changefeed stats {base}",
+        flush=True,
     )
     dns = DnsController(
         f"ws://127.0.0.1:{port}/changefeeds",
@@ -200,6 +269,7 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
                     tailer = publisher.tailer
                     print(
                         f"[{time.monotonic() - started:5.1f}s] writes={load.writes} "
+                        f"servers={len(load.servers)} "
                         f"mirrored={len(dns.controller.mirror)} dns_records={len(now)} "
                         f"listener={st.state.value} buffer={st.buffer_size} "
                         f"publisher: listeners={len(publisher.registry)} "
@@ -221,12 +291,13 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
 
 
 async def _converge(client: httpx.AsyncClient, dns: DnsController) -> int:
-    """After writes stop, the mirror must equal the API's data (invariant I4)."""
+    """After writes stop, the mirror must equal the API's data (invariant I4), in the
+    fields the DNS service follows."""
     expected = await _api_vms(client)
     try:
         async with asyncio.timeout(15):
             # The API's state is not an event we can await: compare until equal.
-            while dict(dns.controller.mirror) != expected:  # noqa: ASYNC110
+            while _mirrored(dns) != expected:  # noqa: ASYNC110
                 await asyncio.sleep(0.1)
     except TimeoutError:
         print(

@@ -257,10 +257,23 @@ class ServerConfig:
             "On SIGTERM, time allowed for listeners to be closed with 1001 before exit.", "seconds"
         ),
     )
+    header_timeout: float = field(
+        default=15.0,
+        metadata=_doc(
+            "An HTTP connection whose request line and headers have not all arrived this long "
+            "after it was accepted (or after its previous response) is closed, with 408 if it "
+            "sent part of them. Websockets, once upgraded, are not affected.",
+            "seconds",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError("server.port", f"must be 1-65535, got {self.port}")
+        if not self.header_timeout > 0:
+            raise ConfigError(
+                "server.header_timeout", f"must be positive, got {self.header_timeout}"
+            )
 
 
 _DURATION_KEYS = {
@@ -275,6 +288,7 @@ _DURATION_KEYS = {
     "ping_interval",
     "ping_timeout",
     "drain_grace",
+    "header_timeout",
 }
 _POSITIVE_INTS = {
     "tail_batch",

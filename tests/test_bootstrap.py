@@ -208,6 +208,8 @@ def test_parse_request() -> None:
         [("ids", "1,,2")],
         [("ids", "1,2,3,4,5,6")],
         [("ids", "1,x")],
+        [("grp", "2\x00")],
+        [("ids", "1,\x002")],
     ]
     for params in bad:
         with pytest.raises(PageRequestError):
@@ -395,6 +397,23 @@ async def test_bad_requests_get_400_with_error_body(dsn: str) -> None:
             status, page = await get_json(client, f"/items?limit={limit}")
             assert status == 200 and len(page["items"]) == route.query.max_limit == 20
             assert page["next"].startswith("/items?limit=20&after=")
+
+
+async def test_nul_in_a_query_value_is_a_400_not_a_database_error(dsn: str) -> None:
+    # PostgreSQL text cannot hold U+0000: bound as a parameter, it fails the query.
+    await create_items(dsn, 3)
+    query = items_query(filters={"name": Filter("name")}, parse_id=str, key="name")
+    async with (
+        items_server(dsn, query=query) as (url, _),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        for path in ("/items?name=a%00b", "/items?ids=item%001", "/items/item%001"):
+            status, body = await get_json(client, path)
+            assert status == 400, (path, body)
+            assert body["error"]["code"] == "bad_request", path
+            assert "NUL" in body["error"]["message"], (path, body)
+        status, page = await get_json(client, "/items?name=item%201")
+        assert status == 200 and [item["id"] for item in page["items"]] == [1]
 
 
 async def test_ids_and_per_id_routes(dsn: str) -> None:

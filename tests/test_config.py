@@ -107,6 +107,7 @@ def test_every_key_refuses_a_wrong_value_naming_file_and_key(
         ("[publishers]\n", "publishers"),
         ('[[resources]]\nname = "vm"\n', "resources[0].bootstrap_route"),
         ("[server]\nport = 70000\n", "server.port"),
+        ('[server]\nheader_timeout = "0s"\n', "server.header_timeout"),
         ("not toml ===", "(file)"),
     ],
 )

@@ -167,10 +167,11 @@ class Proxy:
 
 
 async def api_state(dsn: str) -> dict[str, dict[str, Any]]:
-    """Every VM the API holds, as its routes serve it: uuid -> {"uuid", "alias", "nics"}."""
+    """Every VM the API holds, as its routes serve it:
+    uuid -> {"uuid", "alias", "nics", "server_uuid"}."""
     conn = await asyncpg.connect(dsn, timeout=10)
     try:
-        rows = await conn.fetch("SELECT uuid, alias, nics FROM vmapi.vms")
+        rows = await conn.fetch("SELECT uuid, alias, nics, server_uuid FROM vmapi.vms")
     finally:
         await conn.close()
     return {
@@ -178,6 +179,7 @@ async def api_state(dsn: str) -> dict[str, dict[str, Any]]:
             "uuid": str(r["uuid"]),
             "alias": r["alias"],
             "nics": orjson.loads(r["nics"]),
+            "server_uuid": r["server_uuid"] and str(r["server_uuid"]),
         }
         for r in rows
     }

@@ -22,6 +22,7 @@ from changefeed.bootstrap import Pager, fetch_many, fetch_one
 from changefeed.embedded import EmbeddedPostgres
 from changefeed.example.vmapi import (
     InvalidBody,
+    NewVm,
     VmChange,
     changed_sub_resources,
     create_app,
@@ -35,10 +36,15 @@ NICS = [{"ip": "10.0.0.1"}]
 
 
 def test_parse_create_and_patch() -> None:
-    assert parse_create({"alias": "web", "nics": [{"ip": "::1"}]}) == ("web", [{"ip": "::1"}])
-    assert parse_create({"alias": "web", "nics": [{"ip": "::0001"}]})[1] == [{"ip": "::1"}]
+    assert parse_create({"alias": "web", "nics": [{"ip": "::1"}]}) == NewVm("web", [{"ip": "::1"}])
+    assert parse_create({"alias": "web", "nics": [{"ip": "::0001"}]}).nics == [{"ip": "::1"}]
+    server = str(uuid.uuid4())
+    placed = parse_create({"alias": "a", "nics": [], "server_uuid": server.upper()})
+    assert placed == NewVm("a", [], server)
+    assert parse_create({"alias": "a", "nics": [], "server_uuid": None}).server_uuid is None
     assert parse_patch({}) == VmChange()
     assert parse_patch({"nics": []}) == VmChange(nics=[])
+    assert parse_patch({"server_uuid": server}) == VmChange(server_uuid=server)
     bad = [
         [],
         {"alias": "x"},
@@ -51,12 +57,15 @@ def test_parse_create_and_patch() -> None:
         {"alias": "x", "nics": [{"ip": 1}]},
         {"alias": "x", "nics": [{"ip": "10.0.0.1", "mac": "x"}]},
         {"alias": "x", "nics": [], "uuid": str(uuid.uuid4())},
+        {"alias": "x", "nics": [], "server_uuid": "cn-1"},
+        {"alias": "x", "nics": [], "server_uuid": 7},
     ]
     for doc in bad:
         with pytest.raises(InvalidBody):
             parse_create(doc)
-    with pytest.raises(InvalidBody):
-        parse_patch({"owner": "x"})
+    for doc in ({"owner": "x"}, {"server_uuid": None}, {"server_uuid": "nope"}):
+        with pytest.raises(InvalidBody):
+            parse_patch(doc)
 
 
 def test_changed_sub_resources() -> None:
@@ -65,6 +74,10 @@ def test_changed_sub_resources() -> None:
     assert changed_sub_resources("a", NICS, VmChange(alias="b")) == ["alias"]
     assert changed_sub_resources("a", NICS, VmChange(nics=[])) == ["nic"]
     assert changed_sub_resources("a", NICS, VmChange(alias="b", nics=[])) == ["alias", "nic"]
+    server, other = str(uuid.uuid4()), str(uuid.uuid4())
+    assert changed_sub_resources("a", NICS, VmChange(server_uuid=server), server) == []
+    assert changed_sub_resources("a", NICS, VmChange(server_uuid=server), other) == ["server"]
+    assert changed_sub_resources("a", NICS, VmChange(server_uuid=server)) == ["server"]
 
 
 # --------------------------------------------------------------------------- over HTTP
@@ -96,7 +109,8 @@ async def test_crud_publishes_each_change_in_its_transaction(dsn: str) -> None:
             created = await client.post("/vms", json={"alias": "web", "nics": NICS})
             assert created.status_code == 201
             vm = created.json()
-            assert set(vm) == {"uuid", "alias", "nics"} and vm["alias"] == "web"
+            assert vm["alias"] == "web" and vm["server_uuid"] is None
+            assert set(vm) == {"uuid", "alias", "nics", "server_uuid"}
             vm_id = vm["uuid"]
             assert (await client.get(f"/vms/{vm_id}")).json() == vm
             rows = await feed_rows(conn)
@@ -124,7 +138,7 @@ async def test_crud_publishes_each_change_in_its_transaction(dsn: str) -> None:
             assert await patch({"alias": "web-2", "nics": []}) is None
             assert await patch({}) is None
             current = (await client.get(f"/vms/{vm_id}")).json()
-            assert current == {"uuid": vm_id, "alias": "web-2", "nics": []}
+            assert current == {"uuid": vm_id, "alias": "web-2", "nics": [], "server_uuid": None}
 
             deleted = await client.delete(f"/vms/{vm_id}")
             assert deleted.status_code == 204
@@ -193,7 +207,9 @@ async def test_bad_requests_are_refused_clearly(dsn: str) -> None:
             response = await client.request(method, path, json=body)
             assert response.status_code == 400, (method, path, response.text)
             assert response.json()["error"]["code"] == "bad_request", (method, path)
-        broken = await client.post("/vms", content=b'{"alias": ', headers={"content-type": "x"})
+        broken = await client.post(
+            "/vms", content=b'{"alias": ', headers={"content-type": "application/json"}
+        )
         assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
         large = {"alias": "a", "nics": [{"ip": "10.0.0.1"}] * 30, "pad": "x" * 2000}
         too_large = await client.post("/vms", json=large)
@@ -204,7 +220,9 @@ async def test_bad_requests_are_refused_clearly(dsn: str) -> None:
             for _ in range(10):
                 yield b" " * 200  # no Content-Length: counted while read
 
-        streamed = await client.post("/vms", content=chunks())
+        streamed = await client.post(
+            "/vms", content=chunks(), headers={"content-type": "application/json"}
+        )
         assert streamed.status_code == 413
         assert (await client.put("/vms", json={})).status_code == 405
 
@@ -223,7 +241,16 @@ async def test_bearer_token_guards_every_route(dsn: str) -> None:
         assert await fetch_one(client, "/vms", created.json()["uuid"], token="s3cret")
         resources = await client.get("/changefeeds", headers=auth)
         assert resources.json()["resources"] == [
-            {"resource": "vm", "subResources": ["nic", "alias"], "bootstrapRoute": "/vms"}
+            {
+                "resource": "vm",
+                "subResources": ["nic", "alias", "server"],
+                "bootstrapRoute": "/vms",
+            },
+            {
+                "resource": "server",
+                "subResources": ["hostname", "status", "ram"],
+                "bootstrapRoute": "/servers",
+            },
         ]
 
 
@@ -286,3 +313,137 @@ async def test_thousand_vms_walk_through_the_bootstrap_route(dsn: str) -> None:
         assert await fetch_one(client, "/vms", first["uuid"]) is None
         stats = app.state.vmapi.vms.stats()
         assert stats["walksFinished"] == 2 and stats["walksActive"] == 0
+
+
+async def test_nul_in_any_text_is_a_400_and_writes_nothing(dsn: str) -> None:
+    # PostgreSQL text cannot hold U+0000: without the check the write fails with a 500.
+    async with vmapi(dsn) as (client, _):
+        vm = (await client.post("/vms", json={"alias": "a", "nics": NICS})).json()
+        server = {"hostname": "cn-1", "ram": 1024, "datacenter": "dc-1"}
+        cases: list[tuple[str, str, Any]] = [
+            ("POST", "/vms", {"alias": "web\u0000", "nics": []}),
+            ("POST", "/vms", {"alias": "web", "nics": [], "x\u0000": 1}),
+            ("PATCH", f"/vms/{vm['uuid']}", {"alias": "\u0000"}),
+            ("PATCH", f"/vms/{vm['uuid']}", {"nics": [{"ip": "10.0.0.1\u0000"}]}),
+            ("POST", "/servers", {**server, "hostname": "cn\u00001"}),
+            ("POST", "/servers", {**server, "datacenter": "\u0000"}),
+            ("GET", "/vms?alias=web%00", None),
+            ("GET", f"/vms?ids={vm['uuid']}%00", None),
+            ("GET", "/servers?hostname=cn%00", None),
+        ]
+        for method, path, body in cases:
+            response = await client.request(method, path, json=body)
+            assert response.status_code == 400, (method, path, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "bad_request" and "NUL" in error["message"], (path, error)
+        conn = await asyncpg.connect(dsn)
+        try:
+            assert [r[:3] for r in await feed_rows(conn)] == [("vm", [], vm["uuid"])]
+        finally:
+            await conn.close()
+        assert (await client.get(f"/vms/{vm['uuid']}")).json() == vm
+
+
+async def test_writes_take_only_json_so_a_browser_form_cannot_make_them(dsn: str) -> None:
+    body = b'{"alias": "csrf", "nics": []}'
+    async with vmapi(dsn) as (client, _):
+        vm = (await client.post("/vms", json={"alias": "a", "nics": NICS})).json()
+        refused = [
+            "text/plain",
+            "text/plain; charset=utf-8",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "application/json; charset=latin-1",
+            "application/jsonp",
+            None,
+        ]
+        for content_type in refused:
+            headers = {"content-type": content_type} if content_type else {}
+            for method, path in (("POST", "/vms"), ("PATCH", f"/vms/{vm['uuid']}")):
+                response = await client.request(method, path, content=body, headers=headers)
+                assert response.status_code == 415, (method, content_type, response.text)
+                assert response.json()["error"]["code"] == "unsupported_media_type"
+            response = await client.post("/servers", content=b"{}", headers=headers)
+            assert response.status_code == 415, content_type
+        aliases = [v["alias"] async for v in Pager(client, "/vms")]
+        assert aliases == ["a"]
+        for content_type in ("application/json", "Application/JSON; charset=UTF-8"):
+            headers = {"content-type": content_type}
+            created = await client.post("/vms", content=body, headers=headers)
+            assert created.status_code == 201, (content_type, created.text)
+        # DELETE has no body: it needs no Content-Type (no form can send one).
+        assert (await client.delete(f"/vms/{vm['uuid']}")).status_code == 204
+    async with vmapi(dsn, auth_tokens=("s3cret",)) as (client, _):
+        # The token is checked first: no hint about the API to an unauthenticated caller.
+        response = await client.post("/vms", content=body, headers={"content-type": "text/plain"})
+        assert response.status_code == 401
+
+
+async def test_a_vm_points_at_its_server_and_a_migration_is_its_own_change(dsn: str) -> None:
+    async with vmapi(dsn) as (client, _):
+        conn = await asyncpg.connect(dsn)
+        try:
+            servers = []
+            for name in ("cn-1", "cn-2"):
+                body = {"hostname": name, "ram": 4096, "datacenter": "dc-1"}
+                servers.append((await client.post("/servers", json=body)).json()["uuid"])
+            cn1, cn2 = servers
+            created = await client.post("/vms", json={"alias": "a", "nics": [], "server_uuid": cn1})
+            assert created.status_code == 201, created.text
+            vm = created.json()
+            assert vm["server_uuid"] == cn1
+            assert (await client.get(f"/vms/{vm['uuid']}")).json() == vm
+            assert [v["uuid"] async for v in Pager(client, f"/vms?server_uuid={cn1}")] == [
+                vm["uuid"]
+            ]
+            before = len(await feed_rows(conn))
+            moved = await client.patch(f"/vms/{vm['uuid']}", json={"server_uuid": cn2})
+            assert moved.status_code == 200 and moved.json()["server_uuid"] == cn2
+            rows = await feed_rows(conn)
+            assert len(rows) == before + 1
+            assert rows[-1][:3] == ("vm", ["server"], vm["uuid"])
+            assert rows[-1][3] % 2**32 == await row_xmin(conn, vm["uuid"])
+            again = await client.patch(f"/vms/{vm['uuid']}", json={"server_uuid": cn2})
+            assert again.status_code == 200 and len(await feed_rows(conn)) == before + 1
+
+            # A server the API does not hold: refused by the foreign key, nothing written.
+            missing = str(uuid.uuid4())
+            for method, path, body in (
+                ("POST", "/vms", {"alias": "b", "nics": [], "server_uuid": missing}),
+                ("PATCH", f"/vms/{vm['uuid']}", {"server_uuid": missing}),
+                ("PATCH", f"/vms/{vm['uuid']}", {"alias": "renamed", "server_uuid": missing}),
+            ):
+                response = await client.request(method, path, json=body)
+                assert response.status_code == 422, (method, body, response.text)
+                assert response.json()["error"]["code"] == "unknown_server"
+                assert missing in response.json()["error"]["message"]
+            assert len(await feed_rows(conn)) == before + 1
+            assert (await client.get(f"/vms/{vm['uuid']}")).json() == moved.json()
+            unplace = await client.patch(f"/vms/{vm['uuid']}", json={"server_uuid": None})
+            assert unplace.status_code == 400
+        finally:
+            await conn.close()
+
+
+async def test_an_api_made_before_servers_existed_gains_the_column(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "CREATE SCHEMA vmapi; CREATE TABLE vmapi.vms (uuid uuid PRIMARY KEY,"
+            " alias text NOT NULL, nics jsonb NOT NULL DEFAULT '[]',"
+            " created timestamptz NOT NULL DEFAULT now(),"
+            " updated timestamptz NOT NULL DEFAULT now());"
+            " INSERT INTO vmapi.vms (uuid, alias) VALUES (gen_random_uuid(), 'old')"
+        )
+    finally:
+        await conn.close()
+    async with vmapi(dsn) as (client, _):
+        (old,) = [vm async for vm in Pager(client, "/vms")]
+        assert old["alias"] == "old" and old["server_uuid"] is None
+        server = await client.post(
+            "/servers", json={"hostname": "cn-1", "ram": 1, "datacenter": "dc"}
+        )
+        moved = await client.patch(
+            f"/vms/{old['uuid']}", json={"server_uuid": server.json()["uuid"]}
+        )
+        assert moved.status_code == 200, moved.text

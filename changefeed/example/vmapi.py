@@ -1,4 +1,5 @@
-"""The VM API of RFD 5: a small API that owns ``vm`` resources and embeds the publisher.
+"""The VM API of RFD 5: a small API that owns ``vm`` and ``server`` resources and embeds
+the publisher.
 
 It is the example the tests, the demo and the benchmarks run against, and the
 pattern any API follows to publish its changes:
@@ -7,16 +8,25 @@ pattern any API follows to publish its changes:
   on the same connection, inside ``conn.transaction()``), so a change is
   announced exactly when it becomes visible, and a rolled-back write announces
   nothing;
-* the change's sub-resources are exactly what changed: ``alias``, ``nic``;
-  creation and deletion name none (the resource as a whole); a PATCH that
-  changes nothing publishes nothing;
+* the change's sub-resources are exactly what changed: ``alias``, ``nic``,
+  ``server`` (a migration); creation and deletion name none (the resource as a
+  whole); a PATCH that changes nothing publishes nothing;
 * ``GET /vms`` is the bootstrap route (keyset pagination and ``?ids=``, from
   ``changefeed.bootstrap``, with admission control), ``GET /vms/{uuid}`` the
   per-id route; both honour the publisher's bearer tokens, as do the writes.
 
-Routes: ``POST /vms``, ``GET /vms``, ``GET|PATCH|DELETE /vms/{uuid}``, plus the
-publisher's ``/changefeeds`` routes. Its table is ``vmapi.vms``, created at
-start-up (idempotent).
+A VM is ``{"uuid", "alias", "nics", "server_uuid"}``; ``server_uuid``, the server
+it runs on (``changefeed.example.servers``), is a foreign key: naming a server
+the API does not hold is a 422 ``unknown_server``. It is null for a VM not
+placed yet (in Triton a VM exists before the allocator picks its server), so
+it is optional at creation. A PATCH moves a VM to another server (a
+migration, sub-resource ``server``) but cannot take it off every server.
+
+Routes: ``POST /vms``, ``GET /vms`` (filters ``alias``, ``server_uuid``),
+``GET|PATCH|DELETE /vms/{uuid}``, the server routes, and the publisher's
+``/changefeeds`` routes, all on one feed. The tables, ``vmapi.servers`` and
+``vmapi.vms``, are created at start-up (idempotent). Writes take
+``application/json`` only (``changefeed.example.rest``).
 
 It must never write without publishing in the same transaction, never
 publish an entry for a change that did not happen, and never answer a
@@ -30,7 +40,7 @@ import dataclasses
 import ipaddress
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,25 +51,32 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from changefeed.bootstrap import (
-    DB_UNAVAILABLE,
-    Admission,
-    BootstrapRoute,
-    Filter,
-    KeysetQuery,
-    encode_json,
-    error_response,
-    unavailable_response,
-)
+from changefeed.bootstrap import Admission, BootstrapRoute, Filter, KeysetQuery
 from changefeed.logs import log_event
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish
+
+from .rest import (
+    MAX_BODY_BYTES,
+    Handler,
+    InvalidBody,
+    Refused,
+    fields,
+    guard,
+    json_response,
+    path_uuid,
+    read_json,
+    uuid_field,
+)
+from .servers import SERVER_RESOURCE, SERVERS_SQL, ServerApi
 
 __all__ = [
     "MAX_ALIAS_LENGTH",
     "MAX_NICS",
     "SCHEMA_SQL",
+    "SERVER_RESOURCE",
     "VM_RESOURCE",
     "InvalidBody",
+    "NewVm",
     "VmApi",
     "VmChange",
     "changed_sub_resources",
@@ -71,15 +88,15 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-VM_RESOURCE = ResourceConfig("vm", "/vms", ("nic", "alias"))
-"""The change feed this API publishes: ``vm``, sub-resources ``nic`` and ``alias``."""
+VM_RESOURCE = ResourceConfig("vm", "/vms", ("nic", "alias", "server"))
+"""The change feed of VMs: sub-resources ``nic``, ``alias`` and ``server`` (a migration)."""
 
 MAX_ALIAS_LENGTH = 255
 MAX_NICS = 32
-MAX_BODY_BYTES = 65536
 
-SCHEMA_SQL = """
-CREATE SCHEMA IF NOT EXISTS vmapi;
+SCHEMA_SQL = (
+    SERVERS_SQL
+    + """
 CREATE TABLE IF NOT EXISTS vmapi.vms (
     uuid    uuid PRIMARY KEY,
     alias   text NOT NULL,
@@ -87,22 +104,35 @@ CREATE TABLE IF NOT EXISTS vmapi.vms (
     created timestamptz NOT NULL DEFAULT now(),
     updated timestamptz NOT NULL DEFAULT now()
 );
+ALTER TABLE vmapi.vms ADD COLUMN IF NOT EXISTS server_uuid uuid REFERENCES vmapi.servers (uuid);
+CREATE INDEX IF NOT EXISTS vms_server_uuid ON vmapi.vms (server_uuid);
 """
-"""The API's own table; its primary key is the bootstrap route's sort key."""
+)
+"""The API's own tables; their primary keys are the bootstrap routes' sort keys.
+``server_uuid`` is added apart so that a table made before servers existed gains it."""
 
 _SCHEMA_LOCK = 0x766D_6170_6900  # "vmapi": concurrent start-ups create the table once
 
-_SELECT_FOR_UPDATE = "SELECT alias, nics FROM vmapi.vms WHERE uuid = $1 FOR UPDATE"
-_INSERT = "INSERT INTO vmapi.vms (uuid, alias, nics) VALUES ($1, $2, $3::jsonb)"
-_UPDATE = "UPDATE vmapi.vms SET alias = $2, nics = $3::jsonb, updated = now() WHERE uuid = $1"
+_COLUMNS = ("uuid", "alias", "nics", "server_uuid")
+_SELECT_FOR_UPDATE = "SELECT alias, nics, server_uuid FROM vmapi.vms WHERE uuid = $1 FOR UPDATE"
+_INSERT = "INSERT INTO vmapi.vms (uuid, alias, nics, server_uuid) VALUES ($1, $2, $3::jsonb, $4)"
+_UPDATE = (
+    "UPDATE vmapi.vms SET alias = $2, nics = $3::jsonb, server_uuid = $4, updated = now()"
+    " WHERE uuid = $1"
+)
 _DELETE = "DELETE FROM vmapi.vms WHERE uuid = $1 RETURNING uuid"
 
 
 # -- pure: bodies and what changed ------------------------------------------------
 
 
-class InvalidBody(ValueError):
-    """A request body that breaks the VM API's contract (answered with 400)."""
+@dataclass(frozen=True, slots=True)
+class NewVm:
+    """A ``POST /vms`` body; ``server_uuid`` None: not placed on a server yet."""
+
+    alias: str
+    nics: list[dict[str, str]]
+    server_uuid: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +141,7 @@ class VmChange:
 
     alias: str | None = None
     nics: list[dict[str, str]] | None = None
+    server_uuid: str | None = None
 
 
 def _alias(value: Any) -> str:
@@ -140,75 +171,81 @@ def _nics(value: Any) -> list[dict[str, str]]:
     return nics
 
 
-def _fields(doc: Any, allowed: Sequence[str]) -> dict[str, Any]:
-    if not isinstance(doc, dict):
-        raise InvalidBody("body: expected a JSON object")
-    unknown = sorted(set(doc) - set(allowed))
-    if unknown:
-        raise InvalidBody(f"unknown fields {unknown} (known: {', '.join(allowed)})")
-    return doc
+def _server_uuid(value: Any) -> str:
+    return str(uuid_field(value, "server_uuid"))
 
 
-def parse_create(doc: Any) -> tuple[str, list[dict[str, str]]]:
-    """The alias and nics of a ``POST /vms`` body (both required).
+def parse_create(doc: Any) -> NewVm:
+    """A ``POST /vms`` body: ``alias`` and ``nics`` required, ``server_uuid`` optional.
 
     Raises:
         InvalidBody: a field is missing, unknown or of the wrong type.
     """
-    fields = _fields(doc, ("alias", "nics"))
+    body = fields(doc, ("alias", "nics", "server_uuid"))
     for name in ("alias", "nics"):
-        if name not in fields:
+        if name not in body:
             raise InvalidBody(f"{name}: required")
-    return _alias(fields["alias"]), _nics(fields["nics"])
-
-
-def parse_patch(doc: Any) -> VmChange:
-    """What a ``PATCH /vms/{uuid}`` body sets (either field may be absent).
-
-    Raises:
-        InvalidBody: a field is unknown or of the wrong type.
-    """
-    fields = _fields(doc, ("alias", "nics"))
-    return VmChange(
-        alias=_alias(fields["alias"]) if "alias" in fields else None,
-        nics=_nics(fields["nics"]) if "nics" in fields else None,
+    server = body.get("server_uuid")
+    return NewVm(
+        _alias(body["alias"]), _nics(body["nics"]), None if server is None else _server_uuid(server)
     )
 
 
-def changed_sub_resources(alias: str, nics: list[dict[str, str]], change: VmChange) -> list[str]:
-    """The sub-resources ``change`` really changes on a VM with ``alias`` and ``nics``."""
+def parse_patch(doc: Any) -> VmChange:
+    """What a ``PATCH /vms/{uuid}`` body sets (any field may be absent).
+
+    Raises:
+        InvalidBody: a field is unknown or of the wrong type, or ``server_uuid``
+            is null (a VM moves to another server; it is never taken off all).
+    """
+    body = fields(doc, ("alias", "nics", "server_uuid"))
+    if "server_uuid" in body and body["server_uuid"] is None:
+        raise InvalidBody("server_uuid: a VM moves to another server; it cannot be un-placed")
+    return VmChange(
+        alias=_alias(body["alias"]) if "alias" in body else None,
+        nics=_nics(body["nics"]) if "nics" in body else None,
+        server_uuid=_server_uuid(body["server_uuid"]) if "server_uuid" in body else None,
+    )
+
+
+def changed_sub_resources(
+    alias: str, nics: list[dict[str, str]], change: VmChange, server_uuid: str | None = None
+) -> list[str]:
+    """The sub-resources ``change`` really changes on a VM with ``alias``, ``nics``
+    and ``server_uuid``."""
     subs = []
     if change.alias is not None and change.alias != alias:
         subs.append("alias")
     if change.nics is not None and change.nics != nics:
         subs.append("nic")
+    if change.server_uuid is not None and change.server_uuid != server_uuid:
+        subs.append("server")
     return subs
 
 
-def _vm(vm_uuid: uuid.UUID | str, alias: str, nics: Any) -> dict[str, Any]:
-    return {"uuid": str(vm_uuid), "alias": alias, "nics": nics}
+def _vm(vm_uuid: uuid.UUID | str, alias: str, nics: Any, server: str | None) -> dict[str, Any]:
+    return {"uuid": str(vm_uuid), "alias": alias, "nics": nics, "server_uuid": server}
 
 
 def _vm_item(row: asyncpg.Record) -> dict[str, Any]:
     # jsonb arrives as its JSON text: embedded as it is, never parsed and re-encoded.
-    return {"uuid": str(row["uuid"]), "alias": row["alias"], "nics": orjson.Fragment(row["nics"])}
+    server = row["server_uuid"]
+    return _vm(row["uuid"], row["alias"], orjson.Fragment(row["nics"]), server and str(server))
 
 
-def _parse_uuid(text: str) -> uuid.UUID:
-    return uuid.UUID(text)
+def _unknown_server(server: str | None) -> Refused:
+    return Refused(422, "unknown_server", f"server_uuid: no server {server}")
 
 
 # -- I/O ---------------------------------------------------------------------------
 
 
 async def ensure_schema(conn: Any) -> None:
-    """Create ``vmapi.vms`` if it does not exist (safe when several start at once)."""
+    """Create ``vmapi.servers`` and ``vmapi.vms`` if they do not exist (safe when
+    several start at once)."""
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
         await conn.execute(SCHEMA_SQL)
-
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 class VmApi:
@@ -242,14 +279,17 @@ class VmApi:
         self.max_body_bytes = max_body_bytes
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None
         self.vms = BootstrapRoute(
-            "/vms",
+            VM_RESOURCE.bootstrap_route,
             KeysetQuery(
                 "vms",
                 table="vmapi.vms",
                 key="uuid",
-                columns=("uuid", "alias", "nics"),
-                filters={"alias": Filter("alias")},
-                parse_id=_parse_uuid,
+                columns=_COLUMNS,
+                filters={
+                    "alias": Filter("alias"),
+                    "server_uuid": Filter("server_uuid", uuid.UUID),
+                },
+                parse_id=uuid.UUID,
                 default_limit=default_limit,
                 max_limit=max_limit,
             ),
@@ -274,7 +314,7 @@ class VmApi:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any = None) -> AsyncIterator[None]:
-        """Open the pool, create the table, run the publisher; undo it all on exit."""
+        """Open the pool, create the tables, run the publisher; undo it all on exit."""
         self._pool = await asyncpg.create_pool(
             self.dsn, min_size=1, max_size=self.pool_size, timeout=5.0
         )
@@ -288,8 +328,11 @@ class VmApi:
             await pool.close()
 
     def routes(self) -> list[Route]:
-        """The VM routes (the publisher's are added by ``create_app``)."""
-        guarded = self._guarded
+        """The VM routes (the server routes and the publisher's are added by ``create_app``)."""
+
+        def guarded(handler: Handler) -> Handler:
+            return guard(handler, self.vms.refuse_unauthorized)
+
         return [
             Route("/vms", self.vms.list_endpoint, methods=["GET"]),
             Route("/vms", guarded(self.create), methods=["POST"]),
@@ -298,109 +341,59 @@ class VmApi:
             Route("/vms/{id}", guarded(self.delete), methods=["DELETE"]),
         ]
 
-    def _guarded(self, handler: Handler) -> Handler:
-        """Auth, then the handler; database failures become 503 / 500 with the error body."""
-
-        async def endpoint(request: Request) -> Response:
-            if (refused := await self.vms.refuse_unauthorized(request)) is not None:
-                return refused
-            try:
-                return await handler(request)
-            except InvalidBody as exc:
-                return error_response(400, "bad_request", str(exc))
-            except DB_UNAVAILABLE as exc:
-                log_event(log, "vmapi.unavailable", logging.WARNING, error=repr(exc))
-                return unavailable_response(exc)
-            except asyncpg.PostgresError as exc:
-                log_event(log, "vmapi.failed", logging.ERROR, error=repr(exc))
-                return error_response(
-                    500, "internal", f"the write failed and was rolled back ({exc.sqlstate})"
-                )
-
-        return endpoint
-
-    async def _body(self, request: Request) -> Any:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise _TooLarge(self.max_body_bytes)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise _TooLarge(self.max_body_bytes)
-        try:
-            return orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidBody(f"body is not valid JSON: {exc}") from None
-
-    async def _read(self, request: Request) -> Any | Response:
-        try:
-            return await self._body(request)
-        except _TooLarge as exc:
-            return error_response(413, "too_large", f"request body larger than {exc.limit} bytes")
-
-    def _uuid(self, request: Request) -> uuid.UUID:
-        text = request.path_params["id"]
-        try:
-            return uuid.UUID(text)
-        except ValueError:
-            raise InvalidBody(f"{text!r} is not a valid VM uuid") from None
-
-    @staticmethod
-    def _json(document: Any, status: int = 200) -> Response:
-        return Response(encode_json(document), status, None, "application/json")
-
     async def create(self, request: Request) -> Response:
         """``POST /vms``: 201 and the VM; feed entry ``vm`` with no sub-resources."""
-        doc = await self._read(request)
-        if isinstance(doc, Response):
-            return doc
-        alias, nics = parse_create(doc)
+        new = parse_create(await read_json(request, self.max_body_bytes))
         vm_uuid = uuid.uuid4()
-        async with self.pool().acquire(timeout=5.0) as conn, conn.transaction():
-            await conn.execute(_INSERT, vm_uuid, alias, orjson.dumps(nics).decode())
-            await publish(conn, "vm", [], str(vm_uuid), schema=self.feed_schema)
+        server = None if new.server_uuid is None else uuid.UUID(new.server_uuid)
+        try:
+            async with self.pool().acquire(timeout=5.0) as conn, conn.transaction():
+                await conn.execute(
+                    _INSERT, vm_uuid, new.alias, orjson.dumps(new.nics).decode(), server
+                )
+                await publish(conn, "vm", [], str(vm_uuid), schema=self.feed_schema)
+        except asyncpg.ForeignKeyViolationError:
+            raise _unknown_server(new.server_uuid) from None
         log_event(log, "vm.created", logging.DEBUG, uuid=str(vm_uuid))
-        return self._json(_vm(vm_uuid, alias, nics), 201)
+        return json_response(_vm(vm_uuid, new.alias, new.nics, new.server_uuid), 201)
 
     async def update(self, request: Request) -> Response:
         """``PATCH /vms/{uuid}``: 200 and the VM; publishes only what changed."""
-        vm_uuid = self._uuid(request)
-        doc = await self._read(request)
-        if isinstance(doc, Response):
-            return doc
-        change = parse_patch(doc)
-        async with self.pool().acquire(timeout=5.0) as conn, conn.transaction():
-            row = await conn.fetchrow(_SELECT_FOR_UPDATE, vm_uuid)
-            if row is None:
-                return error_response(404, "not_found", f"no VM {vm_uuid}")
-            alias, nics = row["alias"], orjson.loads(row["nics"])
-            subs = changed_sub_resources(alias, nics, change)
-            if change.alias is not None:
-                alias = change.alias
-            if change.nics is not None:
-                nics = change.nics
-            if subs:
-                await conn.execute(_UPDATE, vm_uuid, alias, orjson.dumps(nics).decode())
-                await publish(conn, "vm", subs, str(vm_uuid), schema=self.feed_schema)
+        vm_uuid = path_uuid(request, "VM")
+        change = parse_patch(await read_json(request, self.max_body_bytes))
+        try:
+            async with self.pool().acquire(timeout=5.0) as conn, conn.transaction():
+                row = await conn.fetchrow(_SELECT_FOR_UPDATE, vm_uuid)
+                if row is None:
+                    raise Refused(404, "not_found", f"no VM {vm_uuid}")
+                alias, nics = row["alias"], orjson.loads(row["nics"])
+                server = row["server_uuid"] and str(row["server_uuid"])
+                subs = changed_sub_resources(alias, nics, change, server)
+                alias = change.alias if change.alias is not None else alias
+                nics = change.nics if change.nics is not None else nics
+                server = change.server_uuid if change.server_uuid is not None else server
+                if subs:
+                    placed = server and uuid.UUID(server)
+                    await conn.execute(_UPDATE, vm_uuid, alias, orjson.dumps(nics).decode(), placed)
+                    await publish(conn, "vm", subs, str(vm_uuid), schema=self.feed_schema)
+        except asyncpg.ForeignKeyViolationError:
+            raise _unknown_server(change.server_uuid) from None
         log_event(log, "vm.updated", logging.DEBUG, uuid=str(vm_uuid), changed=subs)
-        return self._json(_vm(vm_uuid, alias, nics))
+        return json_response(_vm(vm_uuid, alias, nics, server))
 
     async def delete(self, request: Request) -> Response:
-        """``DELETE /vms/{uuid}``: 204; feed entry ``vm`` with no sub-resources."""
-        vm_uuid = self._uuid(request)
+        """``DELETE /vms/{uuid}``: 204; feed entry ``vm`` with no sub-resources.
+
+        No Content-Type is asked of a DELETE: it has no body, and no web page
+        can make a browser send one to another site without a CORS preflight.
+        """
+        vm_uuid = path_uuid(request, "VM")
         async with self.pool().acquire(timeout=5.0) as conn, conn.transaction():
             if await conn.fetchval(_DELETE, vm_uuid) is None:
-                return error_response(404, "not_found", f"no VM {vm_uuid}")
+                raise Refused(404, "not_found", f"no VM {vm_uuid}")
             await publish(conn, "vm", [], str(vm_uuid), schema=self.feed_schema)
         log_event(log, "vm.deleted", logging.DEBUG, uuid=str(vm_uuid))
         return Response(status_code=204)
-
-
-class _TooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"body larger than {limit} bytes")
-        self.limit = limit
 
 
 def create_app(
@@ -417,33 +410,38 @@ def create_app(
     """The VM API as a Starlette app, with the publisher mounted and running in its lifespan.
 
     Args:
-        dsn: the database of the VMs and of the feed.
-        publisher_config: the publisher's config; default: resource ``vm``
-            (``nic``, ``alias``, bootstrap route ``/vms``) on ``dsn``.
-        admission: admission control of ``GET /vms`` walks (default ``Admission()``).
+        dsn: the database of the VMs, the servers and the feed.
+        publisher_config: the publisher's config; default: resources ``vm``
+            (bootstrap route ``/vms``) and ``server`` (``/servers``) on ``dsn``.
+        admission: admission control of ``GET /vms`` and ``GET /servers`` walks
+            (default ``Admission()``, one for both).
         pool_size, max_body_bytes, default_limit, max_limit: see ``VmApi``.
         publisher_overrides: PublisherConfig fields to replace, e.g.
             ``poll_interval=0.05`` or ``auth_tokens=("secret",)``.
 
-    ``app.state.publisher`` is the Publisher and ``app.state.vmapi`` the VmApi
-    (``app.state.vmapi.vms.stats()``: bootstrap counters).
+    ``app.state.publisher`` is the Publisher, ``app.state.vmapi`` the VmApi
+    (``app.state.vmapi.vms.stats()``: bootstrap counters) and
+    ``app.state.servers`` the ServerApi.
     """
-    config = publisher_config or PublisherConfig(dsn=dsn, resources=(VM_RESOURCE,))
+    config = publisher_config or PublisherConfig(dsn=dsn, resources=(VM_RESOURCE, SERVER_RESOURCE))
     if config.dsn is None:
         publisher_overrides.setdefault("dsn", dsn)
     if publisher_overrides:
         config = dataclasses.replace(config, **publisher_overrides)
     publisher = Publisher(config)
-    api = VmApi(
-        dsn,
-        publisher,
-        admission=admission,
-        pool_size=pool_size,
-        max_body_bytes=max_body_bytes,
-        default_limit=default_limit,
-        max_limit=max_limit,
+    admission = admission if admission is not None else Admission()
+    limits: dict[str, Any] = {
+        "admission": admission,
+        "max_body_bytes": max_body_bytes,
+        "default_limit": default_limit,
+        "max_limit": max_limit,
+    }
+    api = VmApi(dsn, publisher, pool_size=pool_size, **limits)
+    servers = ServerApi(api.pool, publisher, **limits)
+    app = Starlette(
+        routes=[*api.routes(), *servers.routes(), *publisher.routes], lifespan=api.lifespan
     )
-    app = Starlette(routes=[*api.routes(), *publisher.routes], lifespan=api.lifespan)
     app.state.publisher = publisher
     app.state.vmapi = api
+    app.state.servers = servers
     return app

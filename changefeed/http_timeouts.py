@@ -1,0 +1,198 @@
+"""A deadline for an HTTP request's head, for uvicorn: connections that send nothing,
+or half a request, are closed.
+
+uvicorn (0.54, both its httptools and its h11 protocols) has one timer on an
+HTTP connection, ``timeout_keep_alive``: it is armed only when a response has
+been sent, and cancelled by the next byte that arrives. Nothing is armed when
+a connection is accepted, and nothing once the first byte of a request is in.
+A peer that connects and sends nothing, or sends part of a request line or of
+its headers and then stops (slowloris), keeps its socket, its protocol object
+and its place in ``limit_concurrency`` for as long as it likes: uvicorn never
+closes it.
+
+``head_timeout_protocol(seconds)`` is uvicorn's HTTP protocol (httptools, as
+``http="auto"`` chooses with uvicorn[standard], or h11) with a second timer,
+the request head's deadline. It is armed when a connection is accepted and
+whenever it starts waiting for its next request (a response was sent), and
+cancelled once the request line and every header have arrived. When it
+fires, a connection that sent part of a head is answered ``408 Request
+Timeout`` and closed; one that sent nothing is closed without a word, as an
+idle keep-alive connection is. An idle keep-alive connection still goes after
+``timeout_keep_alive`` (5 s by default) when that comes first.
+
+The deadline covers the head only. A websocket upgrade cancels it with its
+headers, before the connection becomes a websocket: registered listeners are
+never touched (the publisher's own ``registration_timeout`` covers a websocket
+that never registers). A request body is the app's to read, with its limits.
+
+Use it as uvicorn's ``http`` setting: ``uvicorn.Config(app,
+http=head_timeout_protocol(15.0))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any, ClassVar
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from changefeed.logs import log_event
+from changefeed.publisher.config import ServerConfig
+
+__all__ = ["DEFAULT_HEAD_TIMEOUT", "head_timeout_protocol"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HEAD_TIMEOUT: float = ServerConfig().header_timeout
+"""Seconds a connection has to deliver a whole request head (``[server] header_timeout``):
+far above any real client's, even over a slow link, and short enough that idle
+sockets cannot pile up by the thousand."""
+
+_TIMEOUT_MESSAGE = b"the request head did not arrive in time\n"
+_REQUEST_TIMEOUT = (
+    b"HTTP/1.1 408 Request Timeout\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"content-length: %d\r\n"
+    b"connection: close\r\n"
+    b"\r\n%s" % (len(_TIMEOUT_MESSAGE), _TIMEOUT_MESSAGE)
+)
+
+
+class _HeadDeadline:
+    """The deadline's state and what happens when it passes (shared by both protocols)."""
+
+    head_timeout: ClassVar[float] = DEFAULT_HEAD_TIMEOUT
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    client: tuple[str, int] | None
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_started = False
+
+    def _arm_head_deadline(self) -> None:
+        """Start the deadline, unless it is running: bytes never extend it."""
+        if self._head_timer is None and not self.transport.is_closing():
+            self._head_started = False
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_deadline_passed)
+
+    def _cancel_head_deadline(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _note_head_bytes(self) -> None:
+        if self._head_timer is not None:
+            self._head_started = True
+
+    def _head_deadline_passed(self) -> None:
+        self._head_timer = None
+        transport = self.transport
+        # Once handed to a websocket protocol, the transport is not this one's to close.
+        protocol: object = transport.get_protocol()
+        if transport.is_closing() or protocol is not self:
+            return
+        client = self.client
+        log_event(
+            log,
+            "http.head_timeout",
+            logging.INFO,
+            peer=f"{client[0]}:{client[1]}" if client else "",
+            partial=self._head_started,
+            timeout=self.head_timeout,
+        )
+        if self._head_started:
+            transport.write(_REQUEST_TIMEOUT)
+        transport.close()
+
+
+class _HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
+    """uvicorn's httptools protocol with the request head's deadline."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        self._note_head_bytes()
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_deadline()
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        # A queued (pipelined) request already has its whole head: it runs next.
+        waits_for_a_request = not self.pipeline
+        super().on_response_complete()
+        if waits_for_a_request:
+            self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
+
+
+class _H11HeadDeadline(_HeadDeadline, H11Protocol):
+    """uvicorn's h11 protocol with the request head's deadline: h11 says whether the
+    connection waits for a request (``IDLE``) after each step."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        self._note_head_bytes()
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._follow_h11_state()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow_h11_state()
+
+    def _follow_h11_state(self) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self._arm_head_deadline()
+        else:  # a request head arrived (or an upgrade, or an error that closes)
+            self._cancel_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
+
+
+_BASES: dict[str, type[_HeadDeadline]] = {
+    "httptools": _HttpToolsHeadDeadline,
+    "h11": _H11HeadDeadline,
+}
+
+
+@functools.cache
+def head_timeout_protocol(
+    seconds: float = DEFAULT_HEAD_TIMEOUT, http: str = "auto"
+) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class that closes a connection whose request head has not
+    arrived ``seconds`` after it was accepted or after its previous response.
+
+    Args:
+        seconds: the deadline (``[server] header_timeout``).
+        http: ``"auto"`` or ``"httptools"`` (uvicorn[standard]'s choice), or ``"h11"``.
+
+    Raises:
+        ValueError: ``seconds`` is not positive, or ``http`` is unknown.
+    """
+    if not seconds > 0:
+        raise ValueError(f"the request head timeout must be positive, got {seconds!r}")
+    if http == "auto":
+        http = "httptools"
+    if http not in _BASES:
+        raise ValueError(f"unknown HTTP protocol {http!r} (known: auto, {', '.join(_BASES)})")
+    base = _BASES[http]
+    attributes: dict[str, Any] = {"head_timeout": float(seconds), "__module__": __name__}
+    protocol: type[asyncio.Protocol] = type(base.__name__.lstrip("_"), (base,), attributes)
+    return protocol

@@ -1,0 +1,225 @@
+"""The request head's deadline (changefeed.http_timeouts) on real uvicorn servers on
+127.0.0.1, for both of uvicorn's HTTP protocols, with raw sockets.
+
+Plain uvicorn never closes a connection that sends nothing or half a request:
+each of the first three tests fails without the deadline (the bounded wait
+for the server to close the socket runs out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from helpers import free_port
+from servers import RunningServer, serve_app
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from test_deploy_support import ChangefeedServer, stopping, toml_document
+from websockets.asyncio.client import connect
+
+from changefeed.example.vmapi import create_app
+from changefeed.http_timeouts import DEFAULT_HEAD_TIMEOUT, head_timeout_protocol
+from changefeed.publisher.config import ServerConfig
+
+PROTOCOLS = ("httptools", "h11")
+CLOSE_BOUND = 10.0
+"""Seconds past the deadline allowed for the server to close a connection (a loaded machine)."""
+
+
+async def echo(request: Request) -> PlainTextResponse:
+    body = await request.body()
+    return PlainTextResponse(f"{request.method} {len(body)}")
+
+
+APP = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"])])
+
+
+@contextlib.asynccontextmanager
+async def serving(timeout: float, http: str) -> AsyncIterator[RunningServer]:
+    async with serve_app(APP, http=head_timeout_protocol(timeout, http)) as server:
+        yield server
+
+
+async def closed_after(reader: asyncio.StreamReader, bound: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when it closed."""
+    started = time.monotonic()
+    data = await asyncio.wait_for(reader.read(), bound)  # read() returns at EOF only
+    return data, time.monotonic() - started
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+async def test_a_connection_that_sends_nothing_is_closed(http: str) -> None:
+    async with serving(0.5, http) as server:
+        connecting = time.monotonic()  # the deadline starts once the server accepts
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        after = time.monotonic() - connecting
+        assert data == b""  # nothing asked, nothing answered
+        assert after >= 0.45, f"closed after {after:.2f}s, before its deadline"
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+@pytest.mark.parametrize("part", [b"GET /ec", b"GET /echo HTTP/1.1\r\nHost: x\r\nAccept: */"])
+async def test_half_a_request_head_gets_408_and_is_closed(http: str, part: bytes) -> None:
+    async with serving(0.5, http) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(part)
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data.startswith(b"HTTP/1.1 408 "), data
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+async def test_the_next_request_on_a_kept_alive_connection_has_its_own_deadline(
+    http: str,
+) -> None:
+    # Longer than the deadline, so that the keep-alive timer (5 s) is not what closes it.
+    async with serve_app(
+        APP, http=head_timeout_protocol(0.5, http), timeout_keep_alive=60
+    ) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200 ")
+            assert await asyncio.wait_for(reader.readexactly(5), 10) == b"GET 0"
+            writer.write(b"GET /echo HTTP/1.1\r\nHo")  # the next request, half sent
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data.startswith(b"HTTP/1.1 408 "), data
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+async def test_a_slow_but_complete_request_is_served(http: str) -> None:
+    # The head trickles in well within its deadline; the body, which the deadline
+    # does not cover, takes longer than the deadline.
+    timeout = 3.0
+    async with serving(timeout, http) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            for piece in (b"POST /ec", b"ho HTTP/1.1\r\nHost: x\r\n", b"Content-Length: 4\r\n\r\n"):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            for byte in b"body":
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(timeout / 3)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200 "), head
+            assert await asyncio.wait_for(reader.readexactly(6), 10) == b"POST 4"
+        finally:
+            writer.close()
+        async with httpx.AsyncClient(base_url=server.url) as client:  # keep-alive, many requests
+            for _ in range(3):
+                assert (await client.get("/echo")).text == "GET 0"
+
+
+async def test_a_registered_websocket_is_never_closed_by_the_deadline(dsn: str) -> None:
+    app = create_app(dsn, poll_interval=0.05)
+    async with (
+        serve_app(app, http=head_timeout_protocol(0.5)) as server,
+        connect(f"{server.ws_url}/changefeeds", open_timeout=10) as ws,
+    ):
+        registration = {
+            "instance": str(uuid.uuid4()),
+            "service": "test",
+            "changeKind": {"resource": "vm", "subResources": []},
+        }
+        await ws.send(orjson.dumps(registration).decode())
+        ack = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert ack["bootstrapRoute"] == "/vms"
+        # A silent connection accepted after the websocket is closed by its deadline:
+        # the websocket's own would have passed by then, had it one.
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            assert (await closed_after(reader, 0.5 + CLOSE_BOUND))[0] == b""
+        finally:
+            writer.close()
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            created = await client.post("/vms", json={"alias": "a", "nics": []})
+        item = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert item["changedResourceId"] == created.json()["uuid"]
+
+
+async def test_changefeed_serve_takes_the_deadline_from_its_config(
+    feed_dsn: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    config = tmp_path / "changefeed.toml"
+    config.write_text(
+        toml_document(
+            {"dsn": feed_dsn},
+            [{"name": "vm", "bootstrap_route": "/vms"}],
+            {"port": port, "header_timeout": "500ms"},
+        )
+    )
+    publisher = ChangefeedServer.standalone("serve", config, port, tmp_path)
+    async with stopping(publisher):
+        publisher.start()
+        await publisher.wait_ready()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /readyz HTTP/1.1\r\n")
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data.startswith(b"HTTP/1.1 408 "), data
+        assert '"event":"http.head_timeout"' in publisher.log()
+
+
+async def test_changefeed_example_api_takes_the_deadline_from_its_flag(
+    dsn: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    args = ["example-api", "--dsn", dsn, "--port", str(port), "--header-timeout", "0.5"]
+    api = ChangefeedServer("example-api", args, port, tmp_path)
+    async with stopping(api):
+        api.start()
+        await api.wait_ready()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data == b""
+
+
+def test_example_api_refuses_a_header_timeout_that_is_not_positive() -> None:
+    refused = subprocess.run(
+        [sys.executable, "-m", "changefeed.cli", "example-api", "--header-timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2 and "--header-timeout" in refused.stderr, refused.stderr
+
+
+def test_the_protocol_class_and_its_default() -> None:
+    assert ServerConfig().header_timeout == DEFAULT_HEAD_TIMEOUT
+    assert head_timeout_protocol(2.0) is head_timeout_protocol(2.0)  # one class per setting
+    assert head_timeout_protocol(2.0, "h11").head_timeout == 2.0  # type: ignore[attr-defined]
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="positive"):
+            head_timeout_protocol(bad)
+    with pytest.raises(ValueError, match="unknown"):
+        head_timeout_protocol(1.0, "zttp")
