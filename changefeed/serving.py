@@ -27,6 +27,7 @@ from websockets.frames import Close, Frame, Opcode
 from websockets.http11 import Request
 from websockets.protocol import State
 
+from changefeed.http_timeouts import head_timeout_protocol
 from changefeed.logs import log_event
 from changefeed.publisher import Publisher
 from changefeed.publisher.wire import DIRECT_WRITES, DISCONNECT_CAUSE, Disconnect
@@ -278,7 +279,8 @@ def server_config(app: Any, host: str, port: int, **overrides: Any) -> uvicorn.C
         "host": host,
         "port": port,
         "loop": "auto",
-        "http": "auto",
+        # A connection that never finishes its request head is closed (header_timeout).
+        "http": head_timeout_protocol(),
         "ws": FanoutWebSocketProtocol,
         "ws_ping_interval": 20.0,
         "ws_ping_timeout": 20.0,
