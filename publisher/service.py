@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -41,6 +42,7 @@ from .feed import FeedEntry, FeedHealth, FeedReader
 from .matching import matches
 from .metrics import PublisherMetrics
 from .outbox import Outbox
+from .rates import RateHistory
 from .registry import Closing, ListenerSession, Registry
 from .retention import trim_expired
 from .tailer import DB_ERRORS, Tailer
@@ -60,6 +62,7 @@ _SLICE_YIELDS = 2
 (see Publisher._requeue_slice)."""
 _READY_TIMEOUT = 5.0
 _FANNED_OUT_TIMEOUT = 1.0
+_REFUSALS_KEPT = 100
 
 
 class _FlushRound:
@@ -147,6 +150,10 @@ class Publisher:
         self.feed_health = FeedHealth(0.0, 0.0, 0)
         """The feed as last seen by _watch_loop (oldest writer, oldest entry, size)."""
         self.refusals: dict[str, int] = {}
+        self.recent_refusals: deque[dict[str, str]] = deque(maxlen=_REFUSALS_KEPT)
+        self.rates = RateHistory()
+        """Entries, deliveries and evictions per second, sampled by _watch_loop
+        (the dashboard's chart)."""
         self._no_listeners = asyncio.Event()
         self._no_listeners.set()
         self.metrics.bind(
@@ -269,7 +276,7 @@ class Publisher:
     @property
     def routes(self) -> list[BaseRoute]:
         """Routes to mount in the embedding app: /changefeeds (GET and websocket),
-        /changefeeds/stats, /metrics, /healthz, /readyz."""
+        /changefeeds/stats, /changefeeds/dashboard, /metrics, /healthz, /readyz."""
         from .routes import publisher_routes
 
         return publisher_routes(self)
@@ -460,6 +467,10 @@ class Publisher:
     def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None:
         """Count and log one refusal (bad input, auth, limits) with its error code."""
         self.refusals[code] = self.refusals.get(code, 0) + 1
+        at = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        self.recent_refusals.append(
+            {"at": at, "code": code, "endpoint": endpoint, "peer": peer, "reason": reason[:256]}
+        )
         self.metrics.refusals_total.labels(code, endpoint).inc()
         log_event(
             log,
@@ -665,6 +676,15 @@ class Publisher:
         # On the pool, not the tailer's connection: a slow look never delays a read.
         # While the database is away the last figures stay (the tailer reports it).
         while True:
+            self.rates.observe(
+                time.monotonic(),
+                time.time(),
+                {
+                    "entries": self.entries_total,
+                    "deliveries": self.sent_total,
+                    "evictions": self.registry.evictions_total,
+                },
+            )
             assert self._pool is not None
             with contextlib.suppress(*DB_ERRORS):
                 async with self._pool.acquire(timeout=_READY_TIMEOUT) as conn:
@@ -681,6 +701,8 @@ class Publisher:
             allowed: show only registrations of these resources (None or ``{"*"}``: all).
         """
         registry = self.registry
+        everything = allowed is None or "*" in allowed
+        visible = frozenset() if allowed is None else allowed
         return {
             "listeners": len(registry),
             "registrations": registry.registrations(allowed),
@@ -706,5 +728,13 @@ class Publisher:
                 "dropped": self.dropped_total,
                 "refused": dict(sorted(self.refusals.items())),
             },
-            "recentEvictions": list(registry.recent_evictions),
+            # A token limited to some resources sees those resources' listeners
+            # only, and no refusals (they name peers and other resources).
+            "recentEvictions": [
+                eviction
+                for eviction in registry.recent_evictions
+                if everything or any(k["resource"] in visible for k in eviction["changeKinds"])
+            ],
+            "recentRefusals": list(self.recent_refusals) if everything else [],
+            "rates": self.rates.to_json(),
         }
