@@ -3,7 +3,8 @@
 Thin adapter: each endpoint renders state the Publisher already keeps. The
 /changefeeds websocket is ``ListenerEndpoint``, a plain ASGI app (see
 websocket.py). /changefeeds and /changefeeds/stats need the bearer token when
-auth is configured and show only the resources the token may read; /metrics,
+auth is configured and show only the resources the token may read (stats
+also takes it as a Basic password, for the dashboard's browser); /metrics,
 /healthz and /readyz never do (scrapers and probes; they show counts, not
 listeners). Query parameters are validated: an unknown one, or a bad value,
 is a 400 with the protocol's error body, never ignored.
@@ -23,6 +24,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from changefeed.schemas import ErrorFrame
 
 from .auth import AuthUnavailable
+from .dashboard import dashboard_routes
 from .websocket import ListenerEndpoint
 
 if TYPE_CHECKING:
@@ -70,12 +72,14 @@ def _query(request: Request, allowed: Mapping[str, int]) -> dict[str, str]:
 
 def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
     """Routes for ``publisher``: /changefeeds (GET + websocket), /changefeeds/stats,
-    /metrics, /healthz, /readyz."""
+    /metrics, /healthz, /readyz, and the dashboard (dashboard.py)."""
 
-    async def access(request: Request) -> frozenset[str] | Response:
+    async def access(request: Request, *, basic: bool = False) -> frozenset[str] | Response:
         peer = f"{request.client.host}:{request.client.port}" if request.client else ""
         try:
-            allowed = await publisher.authenticate(request)
+            # basic: the dashboard's browser sends the token as a Basic password.
+            header = request.headers.get("authorization", "")
+            allowed = await publisher.auth.resolve(header, basic=basic)
         except AuthUnavailable as exc:
             publisher.refused("unavailable", "http", peer, str(exc))
             return error_response(503, "unavailable", str(exc), {"Retry-After": "1"})
@@ -112,7 +116,7 @@ def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
         )
 
     async def stats(request: Request) -> Response:
-        allowed = await access(request)
+        allowed = await access(request, basic=True)
         if isinstance(allowed, Response):
             return allowed
         try:
@@ -171,4 +175,5 @@ def publisher_routes(publisher: Publisher) -> list[BaseRoute]:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        *dashboard_routes(publisher.auth, publisher.refused),
     ]
