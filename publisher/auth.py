@@ -3,11 +3,21 @@
 Static tokens from the config are looked up first, in constant time per
 entry; a token they do not know goes to the embedding API's ``Authorizer``,
 when it has one. Without either, everything is allowed.
+
+A browser cannot add a bearer header to a page it navigates to, so the
+routes meant for people (the dashboard and the stats it reads) also take the
+token as the password of HTTP Basic credentials, the user name ignored:
+``resolve(header, basic=True)``. The websocket never does: a browser adds
+the Basic credentials it remembers to requests that other sites make it
+send. The same-origin policy keeps those sites from reading the answer of an
+HTTP GET, but not from using a websocket they opened that way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import hmac
 import logging
@@ -17,7 +27,7 @@ from changefeed.logs import log_event
 
 from .errors import PublisherError
 
-__all__ = ["AuthUnavailable", "Authorizer", "BearerAuth"]
+__all__ = ["AuthUnavailable", "Authorizer", "BearerAuth", "presented_token"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +79,25 @@ class _Tokens:
         return found
 
 
+def presented_token(authorization: str, *, basic: bool = False) -> str | None:
+    """The token in an ``Authorization`` header: ``Bearer <token>``, or, with
+    ``basic``, the password of ``Basic base64(user:password)``; None otherwise."""
+    scheme, _, credentials = authorization.partition(" ")
+    credentials = credentials.strip()
+    if not credentials:
+        return None
+    if scheme.lower() == "bearer":
+        return credentials
+    if not basic or scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(credentials, validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _user, colon, password = decoded.partition(":")
+    return password if colon and password else None
+
+
 class BearerAuth:
     """Who may read what, from the ``Authorization: Bearer`` header.
 
@@ -92,19 +121,22 @@ class BearerAuth:
         """Whether requests need a bearer token (static tokens or an authorizer)."""
         return bool(self._tokens) or self._authorize is not None
 
-    async def resolve(self, authorization: str) -> frozenset[str] | None:
+    async def resolve(self, authorization: str, *, basic: bool = False) -> frozenset[str] | None:
         """The resources an ``Authorization`` header's bearer token may read
         (``{"*"}``: all); None when it is missing or unknown. Without configured
         auth everything is allowed.
+
+        Args:
+            authorization: the header's value (empty when there is none).
+            basic: also take ``Basic`` credentials, whose password is the token.
 
         Raises:
             AuthUnavailable: the authorizer raised or took longer than 5 s.
         """
         if not self.required:
             return _EVERYTHING
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = presented_token(authorization, basic=basic)
+        if token is None:
             return None
         found = self._tokens.lookup(token)
         if found is not None or self._authorize is None:

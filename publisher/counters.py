@@ -68,7 +68,13 @@ class Counters:
         """Count one refusal and remember it among the recent ones."""
         self.refusals[code, endpoint] += 1
         self.recent_refusals.append(
-            {"at": timestamp(), "code": code, "endpoint": endpoint, "peer": peer, "reason": reason}
+            {
+                "at": timestamp(),
+                "code": code,
+                "endpoint": endpoint,
+                "peer": peer,
+                "reason": reason[:256],
+            }
         )
 
     def refusals_by_code(self) -> dict[str, int]:

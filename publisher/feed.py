@@ -50,6 +50,8 @@ class FeedHealth:
     or the Spark job, keeps it near ``max_age``."""
     feed_bytes: int
     """The table's size on disk, indexes and TOAST included."""
+    low_water: Position
+    """The oldest resumable position (whoever deletes entries raises it)."""
 
 
 async def publish(
@@ -229,7 +231,9 @@ class FeedReader:
             " UNION ALL SELECT prepared FROM pg_prepared_xacts) AS writers)::float8 AS writer,"
             " coalesce((SELECT extract(epoch FROM clock_timestamp() - min(published))"
             f" FROM {q}.feed), 0)::float8 AS entry,"
-            f" pg_total_relation_size('{q}.feed'::regclass) AS bytes"
+            f" pg_total_relation_size('{q}.feed'::regclass) AS bytes,"
+            f" (SELECT low_water_txid::text::bigint FROM {q}.feed_state) AS lw_txid,"
+            f" (SELECT low_water_id FROM {q}.feed_state) AS lw_id"
         )
         self._low_water = (
             f"SELECT low_water_txid::text::bigint AS txid, low_water_id AS id FROM {q}.feed_state"
@@ -262,10 +266,16 @@ class FeedReader:
         return Position(row["txid"], row["id"]) if row else ORIGIN
 
     async def health(self, conn: PgConnection) -> FeedHealth:
-        """The oldest writer, the oldest entry and the table's size, in one query."""
+        """The oldest writer, the oldest entry, the table's size and the low-water
+        mark, in one query."""
         row = await conn.fetchrow(self._health)
         assert row is not None
-        return FeedHealth(max(0.0, row["writer"]), max(0.0, row["entry"]), int(row["bytes"]))
+        return FeedHealth(
+            max(0.0, row["writer"]),
+            max(0.0, row["entry"]),
+            int(row["bytes"]),
+            Position(row["lw_txid"] or 0, row["lw_id"] or 0),
+        )
 
     async def low_water(self, conn: PgConnection) -> Position:
         """Return the oldest resumable position: a cursor at or after it can resume."""

@@ -15,11 +15,12 @@ from .counters import Counters
 from .feed import FeedHealth
 from .metrics import MetricsSnapshot
 from .pages import FeedPages
+from .rates import RateHistory
 from .registry import Registry
 from .tailer import Tailer
 from .window import Window
 
-__all__ = ["Observed", "metrics_snapshot", "stats_document"]
+__all__ = ["Observed", "metrics_snapshot", "rate_counters", "stats_document"]
 
 
 class Observed(Protocol):
@@ -45,6 +46,8 @@ class Observed(Protocol):
     def draining(self) -> bool: ...
     @property
     def failed(self) -> dict[str, str]: ...
+    @property
+    def rates(self) -> RateHistory: ...
 
 
 def _sent(observed: Observed) -> tuple[int, int]:
@@ -55,6 +58,15 @@ def _sent(observed: Observed) -> tuple[int, int]:
         sent += delivery.sent
         frames += delivery.frames
     return sent, frames
+
+
+def rate_counters(observed: Observed) -> dict[str, int]:
+    """The counters the dashboard charts as rates."""
+    return {
+        "entries": observed.tailer.entries_total,
+        "deliveries": _sent(observed)[0],
+        "evictions": sum(observed.counters.evictions.values()),
+    }
 
 
 def stats_document(observed: Observed, allowed: frozenset[str] | None = None) -> dict[str, Any]:
@@ -68,6 +80,7 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
     health = observed.feed_health
     sent, frames = _sent(observed)
     catching_up = sum(1 for d in registry.deliveries if not d.live)
+    everything = allowed is None or "*" in allowed
     return {
         "listeners": len(registry),
         "registrations": registry.rows(window.head, time.time(), allowed),
@@ -80,6 +93,7 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
         },
         "feed": {
             "head": list(window.head),
+            "lowWater": list(health.low_water),
             "oldestEntrySeconds": round(health.oldest_entry_seconds, 3),
             "bytes": health.feed_bytes,
         },
@@ -109,8 +123,15 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
             "dropped": counters.gone_dropped + sum(d.dropped for d in registry.connected),
             "refused": counters.refusals_by_code(),
         },
-        "recentEvictions": list(counters.recent_evictions),
-        "recentRefusals": list(counters.recent_refusals),
+        # A token limited to some resources sees those resources' listeners only,
+        # and no refusals (they name peers and other resources).
+        "recentEvictions": [
+            e
+            for e in counters.recent_evictions
+            if everything or any(k["resource"] in (allowed or ()) for k in e["changeKinds"])
+        ],
+        "recentRefusals": list(counters.recent_refusals) if everything else [],
+        "rates": observed.rates.to_json(),
     }
 
 

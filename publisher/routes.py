@@ -2,8 +2,10 @@
 
 Thin adapter: each endpoint renders state the publisher already keeps, seen
 through ``PublisherView``. The /changefeeds websocket is ``ListenerEndpoint``,
-a plain ASGI app (see connection.py). /changefeeds and /changefeeds/stats need the bearer token when
-auth is configured and show only the resources the token may read; /metrics,
+a plain ASGI app (see connection.py), and the dashboard has its own module
+(dashboard.py). /changefeeds and /changefeeds/stats need the bearer token when
+auth is configured and show only the resources the token may read (stats
+also takes it as a Basic password, for the dashboard's browser); /metrics,
 /healthz and /readyz never do (scrapers and probes; they show counts, not
 listeners). Query parameters are validated: an unknown one, or a bad value,
 is a 400 with the protocol's error body, never ignored.
@@ -22,9 +24,10 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from changefeed.schemas import ErrorFrame
 
-from .auth import AuthUnavailable
+from .auth import AuthUnavailable, BearerAuth
 from .config import PublisherConfig
 from .connection import ListenerEndpoint
+from .dashboard import dashboard_routes
 from .host import ListenerHost
 from .metrics import PublisherMetrics
 from .tailer import Tailer
@@ -44,9 +47,10 @@ class PublisherView(Protocol):
     def sessions(self) -> ListenerHost: ...
 
     @property
-    def draining(self) -> bool: ...
+    def auth(self) -> BearerAuth: ...
 
-    async def authenticate(self, headers: Mapping[str, str]) -> frozenset[str] | None: ...
+    @property
+    def draining(self) -> bool: ...
 
     def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None: ...
 
@@ -93,12 +97,14 @@ def _query(request: Request, allowed: Mapping[str, int]) -> dict[str, str]:
 
 def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
     """Routes for ``publisher``: /changefeeds (GET + websocket), /changefeeds/stats,
-    /metrics, /healthz, /readyz."""
+    /metrics, /healthz, /readyz, and the dashboard (dashboard.py)."""
 
-    async def access(request: Request) -> frozenset[str] | Response:
+    async def access(request: Request, *, basic: bool = False) -> frozenset[str] | Response:
         peer = f"{request.client.host}:{request.client.port}" if request.client else ""
         try:
-            allowed = await publisher.authenticate(request.headers)
+            # basic: the dashboard's browser sends the token as a Basic password.
+            header = request.headers.get("authorization", "")
+            allowed = await publisher.auth.resolve(header, basic=basic)
         except AuthUnavailable as exc:
             publisher.refused("unavailable", "http", peer, str(exc))
             return error_response(503, "unavailable", str(exc), {"Retry-After": "1"})
@@ -139,7 +145,7 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         )
 
     async def stats(request: Request) -> Response:
-        allowed = await access(request)
+        allowed = await access(request, basic=True)
         if isinstance(allowed, Response):
             return allowed
         try:
@@ -201,4 +207,5 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        *dashboard_routes(publisher.auth, publisher.refused),
     ]

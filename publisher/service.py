@@ -43,9 +43,10 @@ from .errors import ConfigError
 from .fanout import Fanout
 from .feed import FeedEntry, FeedHealth, FeedReader
 from .metrics import ENTRY_AGE_BUCKETS, FLUSH_BUCKETS, FastHistogram, PublisherMetrics
-from .observe import metrics_snapshot, stats_document
+from .observe import metrics_snapshot, rate_counters, stats_document
 from .pages import FeedPages
 from .periodic import every
+from .rates import RateHistory
 from .registry import Registry
 from .retention import trim_expired
 from .scheduler import FlushScheduler, LoopClock
@@ -140,8 +141,10 @@ class Publisher:
             reader=self.reader,
             pool=lambda: self.pool,
         )
-        self.feed_health = FeedHealth(0.0, 0.0, 0)
+        self.feed_health = FeedHealth(0.0, 0.0, 0, Position(0, 0))
         """The feed as last seen by the watch (oldest writer, oldest entry, size)."""
+        self.rates = RateHistory()
+        """Entries, deliveries and evictions per second over the last minutes."""
         self.failed: dict[str, str] = {}
         """Background work that gave up: name -> its last error (see _task_ended)."""
         self._pool = pool
@@ -188,6 +191,7 @@ class Publisher:
         self._spawn(self.tailer.run(), "tailer")
         stall = every(_STALL_CHECK, self.sessions.evict_stalled, name="stall", log=log)
         self._spawn(stall, "stall")
+        self._spawn(every(_STALL_CHECK, self._sample_rates, name="rates", log=log), "rates")
         self._spawn(
             every(_WATCH_INTERVAL, self._watch, name="watch", log=log, log_db_errors=False),
             "watch",
@@ -339,9 +343,14 @@ class Publisher:
     # -- requests ------------------------------------------------------------
 
     @property
+    def auth(self) -> BearerAuth:
+        """Who may read what (bearer tokens, the authorizer)."""
+        return self.sessions.auth
+
+    @property
     def auth_required(self) -> bool:
         """Whether requests need a bearer token (static tokens or an authorizer)."""
-        return self.sessions.auth.required
+        return self.auth.required
 
     async def authenticate(self, headers: Mapping[str, str]) -> frozenset[str] | None:
         """The resources a request's bearer token may read (``{"*"}``: all); None
@@ -390,6 +399,11 @@ class Publisher:
         async with self.pool.acquire(timeout=_READY_TIMEOUT) as conn:
             async with asyncio.timeout(_READY_TIMEOUT):
                 self.feed_health = await self.reader.health(conn)
+
+    async def _sample_rates(self) -> None:
+        """A reading of the counters the dashboard charts (rates.RateHistory keeps
+        one per slot)."""
+        self.rates.observe(time.monotonic(), time.time(), rate_counters(self))
 
     async def _trim(self) -> None:
         async with self.pool.acquire(timeout=_READY_TIMEOUT) as conn:

@@ -5,6 +5,7 @@ refusal at the websocket handshake (HTTP 401) and on the HTTP routes, counting.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from changefeed.publisher import ConfigError, Publisher, PublisherConfig
+from changefeed.publisher.auth import presented_token
 from changefeed.publisher.config import load_config
 from changefeed.schemas import CloseCode, validate
 
@@ -265,3 +267,27 @@ bootstrap_route = "/networks"
     ):
         with pytest.raises(ConfigError, match=message):
             PublisherConfig(resources=(VM,), **bad)
+
+
+@pytest.mark.parametrize(
+    ("header", "basic", "token"),
+    [
+        ("Bearer abc", False, "abc"),
+        ("bearer  abc ", True, "abc"),
+        ("Basic " + base64.b64encode(b"anyone:abc").decode(), True, "abc"),
+        ("Basic " + base64.b64encode(b":abc:with:colons").decode(), True, "abc:with:colons"),
+        ("Basic " + base64.b64encode(b"anyone:abc").decode(), False, None),  # not asked for
+        ("Basic " + base64.b64encode(b"anyone:").decode(), True, None),  # no password
+        ("Basic " + base64.b64encode(b"no colon").decode(), True, None),
+        ("Basic " + base64.b64encode(b"u:\xff").decode(), True, None),  # not UTF-8
+        ("Basic not*base64", True, None),
+        ("Basic ops-token-all-resources", True, None),
+        ("Bearer", True, None),
+        ("", True, None),
+        ("Digest abc", True, None),
+    ],
+)
+def test_the_token_is_the_bearer_credential_or_when_asked_the_basic_password(
+    header: str, basic: bool, token: str | None
+) -> None:
+    assert presented_token(header, basic=basic) == token
