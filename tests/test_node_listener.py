@@ -26,6 +26,7 @@ from servers import serve_app
 
 from changefeed.example.vmapi import create_app
 from changefeed.http_timeouts import head_timeout_protocol
+from changefeed.publisher import publish_many
 from changefeed.serving import FanoutWebSocketProtocol
 
 pytestmark = pytest.mark.skipif(NODE_MISSING is not None, reason=str(NODE_MISSING))
@@ -179,3 +180,29 @@ async def test_v2_listener_gets_every_vm_and_server_change_once_in_feed_order(
         )
         assert received(node) == expected  # each once, in feed order, both resources
         assert not node.of("error") and not node.of("connection-end"), node.events[-5:]
+
+
+async def test_a_40000_entry_burst_never_cuts_joyents_listener_off(
+    dsn: str, tmp_path: Path
+) -> None:
+    """One transaction of 40,000 entries: Joyent's listener, which cannot resume
+    and would bootstrap again from scratch if it were cut off, reads it at its
+    own pace and gets every item once, in feed order, on its first connection."""
+    ids = [f"burst-{i:05d}" for i in range(40_000)]
+    async with (
+        example_api(dsn) as (url, client),
+        NodeListener(url, {"vm": []}, tmp_path / "node.log") as node,
+    ):
+        await node.wait_for(lambda n: bool(n.of("bootstrap")), WAIT, "the bootstrap event")
+        conn = await asyncpg.connect(dsn)
+        try:
+            async with conn.transaction():
+                await publish_many(conn, [("vm", ["nic"], x) for x in ids])
+        finally:
+            await conn.close()
+        await node.wait_for(lambda n: len(n.changes) >= len(ids), 180, "40,000 changes")
+        assert [c["changedResourceId"] for c in node.changes] == ids
+        assert not node.of("error") and not node.of("connection-end"), node.events[-5:]
+        assert len(node.of("bootstrap")) == 1  # never registered again
+        stats = (await client.get("/changefeeds/stats")).json()
+        assert stats["counters"]["evictions"] == 0
