@@ -341,8 +341,10 @@ class CompactionStore:
                 report(chunk.rows)
         return total
 
-    def _walk_sql(self, run_id: int, columns: str, action: str) -> str:
-        """One batch: pick staging rows of kind ``$1`` (by page range or keyset), apply."""
+    def _walk_sql(self, run_id: int, columns: str, action: str, after: str = "") -> str:
+        """One batch: pick staging rows of kind ``$1`` (by page range or keyset), apply
+        ``action`` (a data-modifying statement named ``done``), then ``after`` (more
+        CTEs that may read ``done``), all in one statement."""
         table = self.staging_table(run_id)
         if self.page_walk:
             pick = (
@@ -352,7 +354,7 @@ class CompactionStore:
         else:
             pick = f"SELECT {columns} FROM {table} WHERE kind = $1 AND id > $2 ORDER BY id LIMIT $3"
         return (
-            f"WITH b AS ({pick}), done AS ({action})"
+            f"WITH b AS ({pick}), done AS ({action}){after}"
             " SELECT (SELECT count(*) FROM b) AS batch, (SELECT max(id) FROM b) AS last,"
             " (SELECT count(*) FROM done) AS done"
         )
@@ -432,7 +434,10 @@ class CompactionStore:
         """Delete the entries merged into their keepers; return entries deleted.
 
         An entry goes only if its keeper -- a later entry of the same resource
-        id -- is in the feed now and covers its sub-resources.
+        id -- is in the feed now and covers its sub-resources. The feed's
+        compaction mark rises to the newest entry dropped, in the same
+        statement: a cursor at or before it may name an entry merged away, which
+        a publisher must not take for a sign of a restored feed.
         """
         action = f"""
             DELETE FROM {self.q}.feed f
@@ -445,9 +450,18 @@ class CompactionStore:
               AND (cardinality(k.sub_resources) = 0
                    OR (cardinality(f.sub_resources) > 0
                        AND k.sub_resources @> f.sub_resources))
-            RETURNING 1
+            RETURNING f.txid, f.id
         """
-        sql = self._walk_sql(run_id, "txid, id, keep_txid, keep_id", action)
+        raise_mark = f""",
+            newest AS (SELECT txid, id FROM done ORDER BY txid DESC, id DESC LIMIT 1),
+            marked AS (
+                UPDATE {self.q}.feed_state s
+                SET compacted_through_txid = n.txid, compacted_through_id = n.id
+                FROM newest n
+                WHERE (n.txid, n.id) > (s.compacted_through_txid, s.compacted_through_id)
+                RETURNING 1
+            )"""
+        sql = self._walk_sql(run_id, "txid, id, keep_txid, keep_id", action, raise_mark)
         return await self._walk(
             KIND_DROP, run_id=run_id, sql=sql, batch_size=batch_size, report=report
         )

@@ -65,8 +65,10 @@ def parse_duration(value: Any, key: str = "duration", source: str | None = None)
     return seconds
 
 
-def _doc(text: str, unit: str = "") -> dict[str, str]:
-    return {"doc": text, "unit": unit}
+def _doc(text: str, unit: str = "", kind: str = "") -> dict[str, str]:
+    """A key's documentation; ``kind`` names its type in the reference when the
+    type hint alone would mislead (a key the model leaves None until checked)."""
+    return {"doc": text, "unit": unit, "kind": kind}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,8 @@ class PublisherConfig:
         default=None,
         metadata=_doc(
             "PostgreSQL DSN of the feed database. Required, even with a pool: the tailer "
-            "opens its own connection (LISTEN); an embedding API's pool serves the other queries."
+            "opens its own connection (LISTEN); an embedding API's pool serves the other queries.",
+            kind="string",
         ),
     )
     schema: str = field(default="changefeed", metadata=_doc("Schema holding the feed table."))
@@ -203,9 +206,14 @@ class PublisherConfig:
             "seconds",
         ),
     )
-    cursor_key: str = field(
-        default="changefeed-cursor-v1",
-        metadata=_doc("Key of the cursors' checksum; the same on every instance of one feed."),
+    cursor_key: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Key of the cursors' digest. By default the key made with the feed and kept in "
+            "its database (every instance reads it there, and nobody else knows it); set "
+            "one only to manage it yourself, at least 16 characters, the same on every "
+            "instance of one feed."
+        ),
     )
     auth_tokens: tuple[str, ...] = field(
         default=(),
@@ -310,6 +318,12 @@ def _check(config: PublisherConfig, source: str | None) -> None:
     for key in _POSITIVE_INTS:
         if getattr(config, key) < 1:
             raise ConfigError(f"publisher.{key}", "must be at least 1", source)
+    if config.cursor_key is not None and len(config.cursor_key) < 16:
+        raise ConfigError(
+            "publisher.cursor_key",
+            "must be at least 16 characters (or left out: the feed's own key is used)",
+            source,
+        )
     if config.queue_size < config.tail_batch:
         raise ConfigError(
             "publisher.queue_size",
@@ -454,6 +468,9 @@ def server_config_from_dict(doc: dict[str, Any], source: str | None = None) -> S
 
 
 def _type_name(cls: type[Any], name: str) -> str:
+    kind: str = {f.name: f.metadata.get("kind", "") for f in dataclasses.fields(cls)}[name]
+    if kind:
+        return kind
     if name in _DURATION_KEYS:
         return "duration"
     hint = typing.get_type_hints(cls)[name]

@@ -9,18 +9,21 @@ listeners.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 import asyncpg
 
-from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema
+from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema, stamp_of
 
 __all__ = [
     "FeedEntry",
     "FeedHealth",
     "FeedReader",
+    "FeedState",
+    "ResumeFacts",
     "install_trigger",
     "publish",
     "publish_many",
@@ -36,6 +39,35 @@ class FeedEntry:
     sub_resources: tuple[str, ...]
     changed_resource_id: str
     published: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class FeedState:
+    """Who the feed is (schema migration 5), and what has been taken out of it."""
+
+    feed_id: uuid.UUID
+    """The feed's identity, made when the feed was created; cursors carry it."""
+    cursor_key: bytes
+    """The key cursors are signed with, made with the feed."""
+    low_water: Position
+    """The oldest resumable position: everything after it is still held."""
+    compacted_through: Position
+    """The newest entry compaction merged away into a later one."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeFacts:
+    """What the feed says about a resume cursor's position, read in one snapshot."""
+
+    feed_id: uuid.UUID
+    low_water: Position
+    compacted_through: Position
+    newest: Position
+    """The newest entry's position, final or not (ORIGIN: the feed is empty)."""
+    next_txid: int
+    """The transaction id the database gives out next: no entry can be at or past it."""
+    stamp: int | None
+    """The stamp of the entry at the position (None: the feed holds no entry there)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +208,15 @@ def _entry(row: asyncpg.Record) -> FeedEntry:
     )
 
 
+def _state(row: asyncpg.Record) -> FeedState:
+    return FeedState(
+        feed_id=row["feed_id"],
+        cursor_key=bytes(row["cursor_key"]),
+        low_water=Position(row["lw_txid"], row["lw_id"]),
+        compacted_through=Position(row["ct_txid"], row["ct_id"]),
+    )
+
+
 class FeedReader:
     """Reads final entries of one feed table in feed order.
 
@@ -238,6 +279,36 @@ class FeedReader:
         self._low_water = (
             f"SELECT low_water_txid::text::bigint AS txid, low_water_id AS id FROM {q}.feed_state"
         )
+        state = (
+            "s.feed_id, s.cursor_key,"
+            " s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id,"
+            " s.compacted_through_txid::text::bigint AS ct_txid,"
+            " s.compacted_through_id AS ct_id"
+        )
+        self._state = f"SELECT {state} FROM {q}.feed_state s"
+        self._head_entry = (
+            f"SELECT f.txid::text::bigint AS txid, f.id, f.published FROM {q}.feed f"
+            " WHERE f.txid < pg_snapshot_xmin(pg_current_snapshot())"
+            " ORDER BY f.txid DESC, f.id DESC LIMIT 1"
+        )
+        # Everything a resume from ($1, $2) needs to know, in one snapshot.
+        self._resume_facts = (
+            f"SELECT {state},"
+            " pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS next_txid,"
+            f" (SELECT published FROM {q}.feed"
+            " WHERE txid = $1::bigint::text::xid8 AND id = $2) AS published,"
+            " n.txid AS n_txid, n.id AS n_id"
+            f" FROM {q}.feed_state s LEFT JOIN LATERAL ("
+            f" SELECT f.txid::text::bigint AS txid, f.id FROM {q}.feed f"
+            " ORDER BY f.txid DESC, f.id DESC LIMIT 1) n ON true"
+        )
+        # A new identity and key, once: a second publisher that noticed the same
+        # restore finds the identity already changed and takes the new one.
+        self._rotate = (
+            f"UPDATE {q}.feed_state SET feed_id = gen_random_uuid(),"
+            " cursor_key = uuid_send(gen_random_uuid()) || uuid_send(gen_random_uuid()),"
+            " updated = now() WHERE feed_id = $1"
+        )
 
     async def read_after(self, conn: PgConnection, after: Position, limit: int) -> list[FeedEntry]:
         """Return up to ``limit`` final entries after ``after``, in feed order."""
@@ -264,6 +335,41 @@ class FeedReader:
         """Return the position of the newest final entry (ORIGIN for an empty feed)."""
         row = await conn.fetchrow(self._head)
         return Position(row["txid"], row["id"]) if row else ORIGIN
+
+    async def state(self, conn: PgConnection) -> FeedState:
+        """The feed's identity, cursor key, low-water mark and compaction mark."""
+        row = await conn.fetchrow(self._state)
+        assert row is not None, "feed_state has its one row"
+        return _state(row)
+
+    async def head_entry(self, conn: PgConnection) -> tuple[Position, int]:
+        """The newest final entry's position and stamp ((ORIGIN, 0) for an empty feed)."""
+        row = await conn.fetchrow(self._head_entry)
+        if row is None:
+            return ORIGIN, 0
+        return Position(row["txid"], row["id"]), stamp_of(row["published"])
+
+    async def resume_facts(self, conn: PgConnection, position: Position) -> ResumeFacts:
+        """What the feed says about a resume from ``position``, in one snapshot."""
+        row = await conn.fetchrow(self._resume_facts, position.txid, position.id)
+        assert row is not None, "feed_state has its one row"
+        state = _state(row)
+        newest = ORIGIN if row["n_txid"] is None else Position(row["n_txid"], row["n_id"])
+        published = row["published"]
+        return ResumeFacts(
+            feed_id=state.feed_id,
+            low_water=state.low_water,
+            compacted_through=state.compacted_through,
+            newest=newest,
+            next_txid=int(row["next_txid"]),
+            stamp=None if published is None else stamp_of(published),
+        )
+
+    async def rotate_identity(self, conn: PgConnection, feed_id: uuid.UUID) -> FeedState:
+        """Give the feed a new identity and cursor key (it was restored from a backup),
+        unless another publisher already did; return the feed's state after."""
+        await conn.execute(self._rotate, feed_id)
+        return await self.state(conn)
 
     async def health(self, conn: PgConnection) -> FeedHealth:
         """The oldest writer, the oldest entry, the table's size and the low-water

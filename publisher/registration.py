@@ -8,8 +8,11 @@ A registration is decided in three steps, and only the middle one awaits:
    code (schemas.closecodes) and says why, in words that quote no more of the
    listener's input than ``quote`` allows.
 2. The publisher looks up what a resume needs to know in the feed
-   (``ResumeFacts``), when ``since`` was given; ``plan_resume`` then decides
-   whether it resumes, or why not (the ack's ``reason``).
+   (``feed.ResumeFacts``), when ``since`` was given; ``plan_resume`` then
+   decides whether it resumes, or why not (the ack's ``reason``): a cursor of
+   another feed, one ahead of everything the feed holds, one naming an entry
+   the feed does not hold (a feed restored from a backup hands out the same
+   positions again), one the feed was trimmed past, or one too far behind.
 3. The publisher admits the connection in one synchronous step (reading the
    fan-out's head and joining it, or starting to catch up from ``since``), so
    no entry can slip between the head it read and the registration.
@@ -17,13 +20,17 @@ A registration is decided in three steps, and only the middle one awaits:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from changefeed.schemas import (
+    ORIGIN,
     ChangeKind,
+    Cursor,
     CursorCodec,
     CursorError,
+    ForeignCursor,
     Position,
     ProtocolError,
     Registration,
@@ -31,16 +38,17 @@ from changefeed.schemas import (
 )
 
 from .config import PublisherConfig
+from .feed import ResumeFacts
 from .matching import Interest
 
 __all__ = [
     "Refusal",
     "Request",
-    "ResumeFacts",
     "check_capacity",
     "check_registration",
     "plan_resume",
     "quote",
+    "read_cursor",
 ]
 
 _QUOTED = 64
@@ -70,8 +78,6 @@ class Request:
     registration: Registration
     interest: Interest
     routes: tuple[ResourceRoute, ...]
-    since: Position | None
-    """The resume cursor's position (None: no ``since``)."""
     undeclared: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """(resource, sub-resources its config does not declare): accepted, worth a warning."""
 
@@ -97,19 +103,15 @@ def check_capacity(config: PublisherConfig, *, draining: bool, connections: int)
 
 
 def check_registration(
-    text: str,
-    *,
-    config: PublisherConfig,
-    access: frozenset[str],
-    codec: CursorCodec,
+    text: str, *, config: PublisherConfig, access: frozenset[str]
 ) -> Request | Refusal:
-    """Decide everything about a registration frame that needs no database.
+    """Decide everything about a registration frame that needs neither the
+    database nor the feed's identity.
 
     Args:
         text: the registration frame (its size already checked).
         config: the publisher's resources and limits.
         access: the resources the connection's token may read (``"*"``: all).
-        codec: the feed's cursors.
     """
     try:
         registration = Registration.decode(text)
@@ -139,38 +141,55 @@ def check_registration(
         routes.append(
             ResourceRoute(resource.name, resource.sub_resources, resource.bootstrap_route)
         )
-    since = None
-    if registration.since is not None:
-        try:
-            since = codec.decode(registration.since)
-        except CursorError as exc:
-            return Refusal("bad_cursor", exc.message)
-    return Request(registration, Interest(kinds), tuple(routes), since, tuple(undeclared))
+    return Request(registration, Interest(kinds), tuple(routes), tuple(undeclared))
 
 
-@dataclass(frozen=True, slots=True)
-class ResumeFacts:
-    """What the feed says about a resume cursor, read in one snapshot."""
-
-    low_water: Position
-    """The oldest resumable position: everything after it is still held."""
+def read_cursor(since: str, codec: CursorCodec) -> Cursor | Refusal | None:
+    """The resume cursor of a registration; None for a cursor of another feed (not
+    resumed, reason ``other_feed``); a ``bad_cursor`` refusal for garbage."""
+    try:
+        return codec.decode(since)
+    except ForeignCursor:
+        return None
+    except CursorError as exc:
+        return Refusal("bad_cursor", exc.message)
 
 
 def plan_resume(
-    since: Position, facts: ResumeFacts, head: Position, replay_limit: int
+    since: Cursor,
+    facts: ResumeFacts,
+    *,
+    feed_id: uuid.UUID,
+    head: Position,
+    replay_limit: int,
 ) -> tuple[bool, str | None]:
     """Whether a registration with ``since`` resumes, and if not, why (the ack's ``reason``).
 
     Args:
-        since: the resume cursor's position.
-        facts: the feed's answer about it.
+        since: the resume cursor (of this feed's codec).
+        facts: the feed's answer about its position, read just now.
+        feed_id: the identity the cursor was checked against.
         head: the fan-out's position now.
         replay_limit: the most entries a resume may be behind (estimated from
             the entries' identities: ids the feed gave out between the two).
     """
-    if since < facts.low_water:
+    position = since.position
+    if facts.feed_id != feed_id:
+        # Another publisher gave the feed a new identity (a restore) since this
+        # one read it: the cursor belongs to what the feed was before.
+        return False, "other_feed"
+    if position < facts.low_water:
         return False, "cursor_expired"
-    if head.id - since.id > replay_limit:
+    if position > max(facts.newest, facts.low_water) or position.txid >= facts.next_txid:
+        return False, "cursor_ahead"
+    if facts.stamp is None:
+        # No entry there: trimmed (at the low-water mark), merged away by
+        # compaction, or the cursor's entry was lost with the feed's history.
+        if position not in (ORIGIN, facts.low_water) and position > facts.compacted_through:
+            return False, "unknown_position"
+    elif facts.stamp != since.stamp:
+        return False, "unknown_position"  # another entry at the same (txid, id)
+    if head.id - position.id > replay_limit:
         return False, "too_far_behind"
     return True, None
 

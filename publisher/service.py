@@ -28,12 +28,7 @@ from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
 
 from changefeed.logs import log_event
-from changefeed.schemas import (
-    CursorCodec,
-    Position,
-    apply_schema,
-    notify_channel,
-)
+from changefeed.schemas import Cursor, Position, apply_schema, notify_channel, stamp_of
 
 from .auth import Authorizer, AuthUnavailable, BearerAuth
 from .catchup import Catchup
@@ -42,11 +37,13 @@ from .counters import Counters
 from .errors import ConfigError
 from .fanout import Fanout
 from .feed import FeedEntry, FeedHealth, FeedReader
+from .identity import FeedIdentity
 from .metrics import ENTRY_AGE_BUCKETS, FLUSH_BUCKETS, FastHistogram, PublisherMetrics
 from .observe import metrics_snapshot, rate_counters, stats_document
 from .pages import FeedPages
 from .periodic import every
 from .rates import RateHistory
+from .registration import plan_resume
 from .registry import Registry
 from .retention import trim_expired
 from .scheduler import FlushScheduler, LoopClock
@@ -90,7 +87,7 @@ class Publisher:
         if not config.dsn:
             raise ConfigError("publisher.dsn", "is required (the tailer needs its own connection)")
         self.config = config
-        self.codec = CursorCodec(config.cursor_key.encode())
+        self.identity = FeedIdentity(config.cursor_key.encode() if config.cursor_key else None)
         self.counters = Counters()
         self.reader = FeedReader(config.schema)
         self.fanout = Fanout()
@@ -127,11 +124,11 @@ class Publisher:
             batch=config.tail_batch,
             retry_budget=config.db_retry_budget,
             fanned_out=self._fanned_out,
-            on_start=self._started_at,
+            join=self._join_feed,
         )
         self.sessions = Sessions(
             config,
-            codec=self.codec,
+            identity=self.identity,
             auth=BearerAuth(config.auth_tokens, config.token_resources, authorize),
             counters=self.counters,
             window=self.window,
@@ -282,13 +279,48 @@ class Publisher:
                     "subResources": list(entry.sub_resources),
                 },
                 "changedResourceId": entry.changed_resource_id,
-                "cursor": self.codec.encode(entry.position),
+                "cursor": self.identity.codec.encode(entry.position, stamp_of(entry.published)),
                 "published": published,
             }
         ).decode()
 
-    def _started_at(self, position: Position) -> None:
-        self.window.reset(position)
+    async def _join_feed(self, conn: asyncpg.Connection, position: Position | None) -> Position:
+        """Each time the tailer connects: take the feed's identity and cursor key, and
+        check that the feed still holds the tailer's position. A feed restored from
+        a backup (its transaction and entry ids went back) or trimmed past the
+        position while the tailer was away cannot be followed from there: the feed
+        gets a new identity (restored), every listener is closed with 4011, and the
+        tailer starts again from the head."""
+        state = await self.reader.state(conn)
+        changed = self.identity.adopt(state)
+        if position is not None:
+            facts = await self.reader.resume_facts(conn, position)
+            resumed, reason = plan_resume(
+                Cursor(position, self.window.head_stamp),
+                facts,
+                feed_id=state.feed_id,
+                head=position,
+                replay_limit=1 << 62,
+            )
+            if changed:
+                reason = "other_feed"
+            elif not resumed and reason in ("cursor_ahead", "unknown_position"):
+                self.identity.adopt(await self.reader.rotate_identity(conn, state.feed_id))
+            if changed or not resumed:
+                log_event(
+                    log,
+                    "feed.rewound",
+                    logging.CRITICAL,
+                    reason=reason,
+                    position=str(position),
+                    feed_id=str(self.identity.feed_id),
+                )
+                self.sessions.feed_changed(f"the feed changed under this publisher ({reason})")
+                position = None
+        if position is None:
+            position, stamp = await self.reader.head_entry(conn)
+            self.window.reset(position, stamp)
+        return position
 
     def _dispatch(self, entries: Sequence[FeedEntry]) -> None:
         now, observe = time.time(), self.entry_age.observe

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 import asyncpg
 
 from changefeed.logs import log_event
-from changefeed.schemas import ERROR_CLOSE_CODES, Ack, CursorCodec
+from changefeed.schemas import ERROR_CLOSE_CODES, Ack, Cursor
 
 from .auth import BearerAuth
 from .catchup import Catchup
@@ -27,14 +27,15 @@ from .delivery import Closing, Delivery
 from .fanout import Fanout
 from .feed import FeedReader
 from .host import Admitted
+from .identity import FeedIdentity
 from .registration import (
     Refusal,
     Request,
-    ResumeFacts,
     check_capacity,
     check_registration,
     plan_resume,
     quote,
+    read_cursor,
 )
 from .registry import Registry, Session
 from .stall import stalled
@@ -53,7 +54,7 @@ class Sessions:
 
     Args:
         config: the publisher's configuration.
-        codec: the feed's cursors.
+        identity: the feed's identity and cursors.
         auth: bearer-token authentication.
         counters: where events are counted.
         window: the recent entries (its head is the fan-out's position).
@@ -68,7 +69,7 @@ class Sessions:
         self,
         config: PublisherConfig,
         *,
-        codec: CursorCodec,
+        identity: FeedIdentity,
         auth: BearerAuth,
         counters: Counters,
         window: Window,
@@ -79,7 +80,7 @@ class Sessions:
         pool: Callable[[], asyncpg.Pool],
     ) -> None:
         self._config = config
-        self._codec = codec
+        self._identity = identity
         self.auth = auth
         self._counters = counters
         self._window = window
@@ -155,9 +156,7 @@ class Sessions:
     async def register(self, text: str, access: frozenset[str], peer: str) -> Admitted | Refusal:
         """Decide on a registration frame and admit the connection if it may register."""
         config = self._config
-        request = self.capacity() or check_registration(
-            text, config=config, access=access, codec=self._codec
-        )
+        request = self.capacity() or check_registration(text, config=config, access=access)
         if isinstance(request, Refusal):
             return request
         for resource, unknown in request.undeclared:
@@ -172,27 +171,55 @@ class Sessions:
             )
         if not await self.wait_ready():
             return Refusal("unavailable", "the feed database is unreachable; retry later", 1.0)
-        resumed, reason = False, None
-        if request.since is not None:
-            try:
-                async with self._pool().acquire(timeout=_READY_TIMEOUT) as conn:
-                    facts = ResumeFacts(low_water=await self._reader.low_water(conn))
-            except DB_ERRORS as exc:
-                log_event(log, "resume.unavailable", logging.WARNING, error=repr(exc), peer=peer)
-                return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
-            resumed, reason = plan_resume(
-                request.since, facts, self._window.head, config.replay_limit
-            )
+        since, reason = None, None
+        if request.registration.since is not None:
+            cursor = read_cursor(request.registration.since, self._identity.codec)
+            if isinstance(cursor, Refusal):
+                return cursor
+            if cursor is None:
+                reason = "other_feed"
+            else:
+                decided = await self._plan_resume(cursor, peer)
+                if isinstance(decided, Refusal):
+                    return decided
+                since, reason = decided
         if self.draining:
             return Refusal("unavailable", "publisher is shutting down; register elsewhere", 1.0)
-        return self._admit(request, resumed, reason, peer)
+        return self._admit(request, since, reason, peer)
 
-    def _admit(self, request: Request, resumed: bool, reason: str | None, peer: str) -> Admitted:
+    async def _plan_resume(
+        self, cursor: Cursor, peer: str
+    ) -> tuple[Cursor | None, str | None] | Refusal:
+        """Ask the feed about a resume cursor: the cursor to start from, or None and
+        why not; a refusal (4010, retry) while the database cannot be asked, never a
+        ``resumed: false`` that would cost the listener a bootstrap."""
+        feed_id = self._identity.feed_id
+        assert feed_id is not None
+        try:
+            async with self._pool().acquire(timeout=_READY_TIMEOUT) as conn:
+                facts = await self._reader.resume_facts(conn, cursor.position)
+        except DB_ERRORS as exc:
+            log_event(log, "resume.unavailable", logging.WARNING, error=repr(exc), peer=peer)
+            return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
+        resumed, reason = plan_resume(
+            cursor,
+            facts,
+            feed_id=feed_id,
+            head=self._window.head,
+            replay_limit=self._config.replay_limit,
+        )
+        return (cursor if resumed else None), reason
+
+    def _admit(
+        self, request: Request, since: Cursor | None, reason: str | None, peer: str
+    ) -> Admitted:
         # One synchronous step, from reading the head to joining the fan-out: no
         # entry can be dispatched between the two (see registration).
         registration = request.registration
+        resumed = since is not None
         head = self._window.head
-        start = request.since if resumed and request.since is not None else head
+        start = since.position if since is not None else head
+        stamp = since.stamp if since is not None else self._window.head_stamp
         delivery = Delivery(
             request.interest,
             start,
@@ -233,7 +260,7 @@ class Sessions:
         )
         ack = Ack(
             request.routes,
-            self._codec.encode(start),
+            self._identity.codec.encode(start, stamp),
             resumed,
             batch=registration.batch,
             multi=registration.multi,
@@ -303,6 +330,13 @@ class Sessions:
         except TimeoutError:
             return False
         return self._tailer.status not in ("unavailable", "failed")
+
+    def feed_changed(self, why: str) -> None:
+        """The feed was restored or trimmed under this publisher: every listener's
+        state may hold changes the feed no longer has, or miss some. Close them all
+        with 4011: they register again without ``since`` and bootstrap."""
+        for session in list(self.registry):
+            self.evict(session, "cursor_expired", f"{why}; register again without since")
 
     async def evict_stalled(self) -> None:
         """Close the listeners that made no progress for ``stall_timeout`` (only those)."""

@@ -55,8 +55,10 @@ class Tailer:
         reader: the feed's queries.
         channel: the NOTIFY channel writers ring.
         sink: called synchronously with each batch, in feed order; must not block.
-        on_start: called once, with the position the tailer starts after (the
-            feed's head when it first connects).
+        join: called on each connection before reading, with the position the
+            tailer is at (None the first time); returns the position to read
+            after (the feed's head the first time, or when the feed was
+            restored or trimmed under it: see Publisher).
         poll_interval: seconds between polls when no doorbell rings.
         batch: entries per read.
         retry_budget: after this many seconds without the database, status is
@@ -76,7 +78,7 @@ class Tailer:
         batch: int = 1000,
         retry_budget: float = 30.0,
         fanned_out: Callable[[], Awaitable[None]] | None = None,
-        on_start: Callable[[Position], None] | None = None,
+        join: Callable[[asyncpg.Connection, Position | None], Awaitable[Position]] | None = None,
     ) -> None:
         self._connect = connect
         self._reader = reader
@@ -86,7 +88,7 @@ class Tailer:
         self._batch = batch
         self._retry_budget = retry_budget
         self._fanned_out = fanned_out
-        self._on_start = on_start
+        self._join = join
         self._unexpected = 0
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -168,10 +170,12 @@ class Tailer:
         conn = await self._connect()
         try:
             await conn.add_listener(self._channel, self.ring)
-            if self.position is None:
+            first = self.position is None
+            if self._join is not None:
+                self.position = await self._join(conn, self.position)
+            elif first:
                 self.position = await self._reader.head(conn)
-                if self._on_start is not None:
-                    self._on_start(self.position)
+            if first:
                 log_event(log, "tailer.started", position=str(self.position))
             elif self.status != "starting":
                 log_event(

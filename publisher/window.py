@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from changefeed.schemas import Position
+from changefeed.schemas import Position, stamp_of
 
 from .entries import Chunk, Encoder
 from .feed import FeedEntry
@@ -47,14 +47,18 @@ class Window:
         """Everything after this position is held (up to ``head``)."""
         self.head = start
         """The last position appended."""
+        self.head_stamp = 0
+        """The stamp of the entry at ``head`` (for the cursors of acks)."""
         self.nbytes = 0
 
-    def reset(self, start: Position) -> None:
-        """Begin afresh after ``start`` (the tailer's position when it starts)."""
+    def reset(self, start: Position, stamp: int = 0) -> None:
+        """Begin afresh after ``start`` (the tailer's position when it starts; the
+        entry there has ``stamp``)."""
         self._chunks.clear()
         self._lasts.clear()
         self._first = 0
         self.base = self.head = start
+        self.head_stamp = stamp
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -87,6 +91,7 @@ class Window:
             self._lasts.append(through)
             self.nbytes += chunk.nbytes
         self.head = through
+        self.head_stamp = stamp_of(entries[-1].published)
         self._trim()
         return chunk, start
 

@@ -7,7 +7,7 @@ versioned feed-table migrations (``sql/``, ``migrations``). Pure code except
 """
 
 from .closecodes import ERROR_CLOSE_CODES, CloseCode
-from .cursor import DEFAULT_CURSOR_KEY, ORIGIN, CursorCodec, Position
+from .cursor import ORIGIN, Cursor, CursorCodec, ForeignCursor, Position, stamp_of
 from .errors import CursorError, ProtocolError
 from .migrations import PgConnection, apply_schema, notify_channel, quote_schema, schema_version
 from .models import (
@@ -25,7 +25,6 @@ from .models import (
 from .validation import load_schema, validate
 
 __all__ = [
-    "DEFAULT_CURSOR_KEY",
     "ERROR_CLOSE_CODES",
     "ORIGIN",
     "RESUME_REASONS",
@@ -33,9 +32,11 @@ __all__ = [
     "ChangeItem",
     "ChangeKind",
     "CloseCode",
+    "Cursor",
     "CursorCodec",
     "CursorError",
     "ErrorFrame",
+    "ForeignCursor",
     "Page",
     "PgConnection",
     "Position",
@@ -49,5 +50,6 @@ __all__ = [
     "notify_channel",
     "quote_schema",
     "schema_version",
+    "stamp_of",
     "validate",
 ]

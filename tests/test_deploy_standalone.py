@@ -39,7 +39,7 @@ async def test_standalone_publisher_with_an_absolute_bootstrap_route(
     route = f"http://127.0.0.1:{api_port}/vms"
     config.write_text(
         toml_document(
-            {"dsn": dsn, "poll_interval": "100ms", "cursor_key": "standalone-test"},
+            {"dsn": dsn, "poll_interval": "100ms", "cursor_key": "standalone-test-cursor-key"},
             [{"name": "vm", "sub_resources": ["nic", "alias"], "bootstrap_route": route}],
             {"port": port},
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import string
+import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -16,14 +18,17 @@ from hypothesis import strategies as st
 from changefeed.schemas import (
     ORIGIN,
     ChangeKind,
+    Cursor,
     CursorCodec,
     CursorError,
+    ForeignCursor,
     Position,
     ProtocolError,
     Registration,
     apply_schema,
     notify_channel,
     schema_version,
+    stamp_of,
 )
 from changefeed.schemas.migrations import load_migrations
 
@@ -58,7 +63,7 @@ def test_registration_v1_decodes() -> None:
 
 
 def test_registration_v1_with_since_and_batch() -> None:
-    doc = {**V1, "since": CursorCodec().encode(Position(7, 8)), "batch": True}
+    doc = {**V1, "since": CODEC.encode(Position(7, 8)), "batch": True}
     reg = Registration.decode(orjson.dumps(doc).decode())
     assert reg.since == doc["since"]
     assert reg.batch
@@ -128,16 +133,26 @@ def test_registration_refuses_malformed_frames(data: bytes, code: str) -> None:
 # --------------------------------------------------------------------------- cursors
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
+FEED = uuid.UUID("6f1c0a52-8f7e-4a83-9c1e-2b9d3a7f5e10").bytes
+CODEC = CursorCodec(b"this feed's key", FEED)
 CURSOR_ALPHABET = set(string.ascii_letters + string.digits + "-_")
 
 
-@given(txid=U64, entry_id=U64)
-def test_cursor_round_trip(txid: int, entry_id: int) -> None:
-    codec = CursorCodec()
-    cursor = codec.encode(Position(txid, entry_id))
-    assert set(cursor) <= CURSOR_ALPHABET
-    assert codec.decode(cursor) == Position(txid, entry_id)
-    assert CursorCodec(b"shared key").decode(CursorCodec(b"shared key").encode(ORIGIN)) == ORIGIN
+U32 = st.integers(min_value=0, max_value=2**32 - 1)
+
+
+@given(txid=U64, entry_id=U64, stamp=U32)
+def test_cursor_round_trip(txid: int, entry_id: int, stamp: int) -> None:
+    cursor = CODEC.encode(Position(txid, entry_id), stamp)
+    assert set(cursor) <= CURSOR_ALPHABET and len(cursor) == 50
+    assert CODEC.decode(cursor) == Cursor(Position(txid, entry_id), stamp)
+    assert CODEC.decode(CODEC.encode(ORIGIN)) == Cursor(ORIGIN, 0)
+
+
+def test_a_stamp_is_the_low_32_bits_of_the_published_microseconds() -> None:
+    published = datetime(2026, 11, 24, 12, 0, 0, 123456, tzinfo=UTC)
+    assert stamp_of(published) == int(published.timestamp() * 1e6) % 2**32
+    assert stamp_of(published) != stamp_of(published + timedelta(microseconds=1))
 
 
 def test_positions_compare_in_feed_order() -> None:
@@ -150,14 +165,14 @@ def test_positions_compare_in_feed_order() -> None:
 )
 def test_cursor_garbage_is_refused(garbage: Any) -> None:
     with pytest.raises(CursorError) as info:
-        CursorCodec().decode(garbage)
+        CODEC.decode(garbage)
     assert info.value.code == "bad_cursor"
     assert "cursor" in info.value.message
 
 
 def test_cursor_any_edited_char_is_refused() -> None:
-    codec = CursorCodec()
-    cursor = codec.encode(Position(123_456, 789))
+    codec = CODEC
+    cursor = codec.encode(Position(123_456, 789), 42)
     for index, original in enumerate(cursor):
         for replacement in sorted(CURSOR_ALPHABET - {original}):
             edited = cursor[:index] + replacement + cursor[index + 1 :]
@@ -166,9 +181,19 @@ def test_cursor_any_edited_char_is_refused() -> None:
 
 
 def test_cursor_from_another_key_is_refused() -> None:
-    cursor = CursorCodec(b"feed A").encode(Position(1, 2))
-    with pytest.raises(CursorError, match="checksum"):
-        CursorCodec(b"feed B").decode(cursor)
+    cursor = CursorCodec(b"key A", FEED).encode(Position(1, 2))
+    with pytest.raises(CursorError, match="checksum") as info:
+        CursorCodec(b"key B", FEED).decode(cursor)
+    assert not isinstance(info.value, ForeignCursor)
+
+
+def test_a_cursor_of_another_feed_is_told_apart_from_garbage() -> None:
+    other = CursorCodec(b"their key", uuid.uuid4().bytes).encode(Position(1, 2), 7)
+    with pytest.raises(ForeignCursor):
+        CODEC.decode(other)
+    # A cursor from before feeds had an identity (version 1, 34 characters).
+    with pytest.raises(ForeignCursor):
+        CODEC.decode("AQAAAAAAAAAHAAAAAAAAAAjqT0l68WJ1ow")
 
 
 # --------------------------------------------------------------------------- feed SQL
