@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -235,34 +236,11 @@ async def _stats(args: argparse.Namespace) -> int:
     if args.json:
         print(response.text)
         return 0
-    print(render_stats(doc))
+    from changefeed.stats_view import render_stats
+
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    print(render_stats(doc, width=width))
     return 0
-
-
-def render_stats(doc: dict[str, Any]) -> str:
-    """Human-readable stats: totals, the tailer, one line per registration."""
-    lines = [f"listeners: {doc.get('listeners')}"]
-    tailer = doc.get("tailer") or {}
-    if tailer:
-        lines.append(
-            f"tailer: {tailer.get('status')} position={tailer.get('position')} "
-            f"entries={tailer.get('entries')} lag={tailer.get('lagSeconds')}s "
-            f"reconnects={tailer.get('reconnects')}"
-        )
-    counters = doc.get("counters") or {}
-    if counters:
-        lines.append("counters: " + " ".join(f"{k}={v}" for k, v in counters.items()))
-    registrations = doc.get("registrations") or []
-    lines.append(f"registrations: {len(registrations)}")
-    for r in registrations:
-        kind = r.get("changeKind", {})
-        subs = ",".join(kind.get("subResources", [])) or "*"
-        lines.append(
-            f"  {r.get('service')}/{r.get('instance')} {kind.get('resource')}[{subs}] "
-            f"since={r.get('connectedSince', '?')} delivered={r.get('delivered', '?')} "
-            f"dropped={r.get('dropped', '?')} queue={r.get('queueDepth', '?')}"
-        )
-    return "\n".join(lines)
 
 
 async def _example_api(args: argparse.Namespace) -> int:

@@ -122,7 +122,7 @@ async def cursor_before(
     return cursor
 
 
-async def connect_not_reading(url: str) -> ClientConnection:
+async def connect_not_reading(url: str, **connect_kwargs: Any) -> ClientConnection:
     """A websocket client that stops reading its socket once one frame waits
     unread (max_queue=1), with a small receive buffer: the kernel absorbs
     little, so the publisher's sends to it soon block."""
@@ -131,4 +131,4 @@ async def connect_not_reading(url: str) -> ClientConnection:
     sock.setblocking(False)
     port = int(url.split(":")[2].split("/", maxsplit=1)[0])
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    return await connect(url, max_queue=1, sock=sock, compression=None)
+    return await connect(url, max_queue=1, sock=sock, compression=None, **connect_kwargs)

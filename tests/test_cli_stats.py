@@ -1,0 +1,84 @@
+"""``changefeed stats``: everything the runbook relies on, readably, from a real publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+import asyncpg
+import orjson
+from helpers import wait_until
+from publisher_fixtures import connect_not_reading, register, registration, running_publisher
+from websockets.exceptions import ConnectionClosed
+
+from changefeed.publisher import publish_many
+
+TOKEN = "stats-reader-token-0123456789"
+
+
+async def changefeed_stats(*args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "changefeed.cli", "stats", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
+async def test_stats_shows_the_runbooks_figures_readably(feed_dsn: str) -> None:
+    async with running_publisher(
+        feed_dsn, auth_tokens=(TOKEN,), stall_timeout=1.0, queue_size=1000
+    ) as pub:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        reader, _ = await register(
+            pub.ws_url, registration(subs=[], service="reader"), additional_headers=headers
+        )
+        stuck = await connect_not_reading(pub.ws_url, additional_headers=headers)
+        await stuck.send(registration(subs=[], service="stuck"))
+        await asyncio.wait_for(stuck.recv(), 10)
+        bad, error = await register(
+            pub.ws_url, orjson.dumps({"instance": "x"}).decode(), additional_headers=headers
+        )
+        assert error["error"]["code"] == "invalid_registration"
+
+        async def read_on() -> None:
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    await reader.recv()
+
+        reading = asyncio.create_task(read_on())
+        # Enough that the stuck one's socket buffers fill: then it makes no progress.
+        conn = await asyncpg.connect(feed_dsn)
+        try:
+            await publish_many(conn, [("vm", [], f"{'x' * 500}-{i}") for i in range(10_000)])
+        finally:
+            await conn.close()
+        await wait_until(lambda: pub.publisher.stats()["counters"]["evictions"] == 1, timeout=30)
+
+        text = await changefeed_stats(pub.server.url, "--token", TOKEN)
+        print(text)
+        sections = {
+            line.split("  ", 1)[0]: line.split("  ", 1)[1].strip()
+            for line in text.splitlines()
+            if line[:1].isalpha() and "  " in line
+        }
+        assert sections["tailer"].startswith("running, at ")
+        assert sections["last error"] == "none" and sections["failed"] == "none"
+        assert "oldest open transaction" in sections["horizon"]
+        assert "low-water 0:0" in sections["feed"] and "oldest entry" in sections["feed"]
+        assert sections["refused"] == "invalid_registration 1"
+        assert "evictions 1 (slow_listener 1)" in text
+        assert sections["RECENT EVICTIONS"].startswith("1, newest first")
+        assert "RECENT REFUSALS" in sections
+        assert "{" not in text  # no Python dicts
+        (row,) = [line for line in text.splitlines() if line.startswith("reader ")]
+        assert " live " in row
+        await pub.publisher.drain(grace=0.1)
+        assert "DRAINING" in await changefeed_stats(pub.server.url, "--token", TOKEN)
+        stuck.transport.abort()
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        await reader.close()
+        await bad.close()
