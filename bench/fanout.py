@@ -185,7 +185,7 @@ def sample_frames(ids: list[str]) -> list[str]:
     publisher = Publisher(PublisherConfig(dsn="postgresql://unused", resources=(VM,)))
     now = datetime.now(UTC)
     return [
-        publisher._encode(FeedEntry(Position(10_000_000 + i, i), "vm", ("nic",), x, now))
+        publisher.broadcast.encode(FeedEntry(Position(10_000_000 + i, i), "vm", ("nic",), x, now))
         for i, x in enumerate(ids)
     ]
 

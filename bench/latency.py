@@ -314,7 +314,7 @@ def _instrument(publisher: Publisher) -> tuple[dict[int, float], list[float]]:
     flush_seconds: list[float] = []
     tailer: Any = publisher.tailer
     sink = tailer._sink
-    histogram: Any = publisher.flush_seconds
+    histogram: Any = publisher.broadcast.flush_seconds
     observe = histogram.observe
 
     def timed_sink(entries: Any) -> None:

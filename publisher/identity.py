@@ -11,13 +11,20 @@ accept each other's. An operator may configure a key instead
 
 from __future__ import annotations
 
+import logging
 import uuid
+from collections.abc import Callable
 
-from changefeed.schemas import CursorCodec
+from changefeed.logs import log_event
+from changefeed.schemas import Cursor, CursorCodec, PgConnection, Position
 
-from .feed import FeedState
+from .feed import FeedReader, FeedState
+from .registration import plan_resume
+from .window import Window
 
-__all__ = ["FeedIdentity"]
+__all__ = ["FeedIdentity", "join_feed"]
+
+log = logging.getLogger(__name__)
 
 
 class FeedIdentity:
@@ -44,3 +51,56 @@ class FeedIdentity:
         self.feed_id = state.feed_id
         self._codec = CursorCodec(self._configured_key or state.cursor_key, state.feed_id.bytes)
         return changed
+
+
+async def join_feed(
+    conn: PgConnection,
+    position: Position | None,
+    *,
+    reader: FeedReader,
+    identity: FeedIdentity,
+    window: Window,
+    feed_changed: Callable[[str], None],
+) -> Position:
+    """The tailer's ``join``, each time it connects: take the feed's identity and
+    cursor key, and check that the feed still holds the tailer's position.
+
+    A feed restored from a backup (its transaction and entry ids went back), or
+    trimmed past the position while the tailer was away, cannot be followed from
+    there: the feed gets a new identity (restored; whichever publisher notices
+    first), every listener is closed (``feed_changed``: 4011, they bootstrap),
+    and the tailer starts again from the head.
+
+    Returns:
+        the position to read after.
+    """
+    state = await reader.state(conn)
+    changed = identity.adopt(state)
+    if position is not None:
+        facts = await reader.resume_facts(conn, position)
+        resumed, reason = plan_resume(
+            Cursor(position, window.head_stamp),
+            facts,
+            feed_id=state.feed_id,
+            head=position,
+            replay_limit=1 << 62,
+        )
+        if changed:
+            reason = "other_feed"  # another publisher found it restored first
+        elif not resumed and reason in ("cursor_ahead", "unknown_position"):
+            identity.adopt(await reader.rotate_identity(conn, state.feed_id))
+        if changed or not resumed:
+            log_event(
+                log,
+                "feed.rewound",
+                logging.CRITICAL,
+                reason=reason,
+                position=str(position),
+                feed_id=str(identity.feed_id),
+            )
+            feed_changed(f"the feed changed under this publisher ({reason})")
+            position = None
+    if position is None:
+        position, stamp = await reader.head_entry(conn)
+        window.reset(position, stamp)
+    return position

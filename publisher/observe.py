@@ -9,16 +9,14 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from .catchup import Catchup
+from .broadcast import Broadcast
 from .config import PublisherConfig
 from .counters import Counters
 from .feed import FeedHealth
 from .metrics import MetricsSnapshot
-from .pages import FeedPages
 from .rates import RateHistory
 from .registry import Registry
 from .tailer import Tailer
-from .window import Window
 
 __all__ = ["Observed", "metrics_snapshot", "rate_counters", "stats_document"]
 
@@ -33,11 +31,7 @@ class Observed(Protocol):
     @property
     def registry(self) -> Registry: ...
     @property
-    def window(self) -> Window: ...
-    @property
-    def catchup(self) -> Catchup: ...
-    @property
-    def pages(self) -> FeedPages: ...
+    def broadcast(self) -> Broadcast: ...
     @property
     def tailer(self) -> Tailer: ...
     @property
@@ -76,8 +70,9 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
         observed: the publisher.
         allowed: show only registrations of these resources (None or ``{"*"}``: all).
     """
-    counters, registry, window = observed.counters, observed.registry, observed.window
+    counters, registry, window = observed.counters, observed.registry, observed.broadcast.window
     health = observed.feed_health
+    catchup, pages = observed.broadcast.catchup, observed.broadcast.pages
     sent, frames = _sent(observed)
     catching_up = sum(1 for d in registry.deliveries if not d.live)
     everything = allowed is None or "*" in allowed
@@ -113,11 +108,11 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
             "evictions": sum(counters.evictions.values()),
             "evictionsByCode": dict(sorted(counters.evictions.items())),
             "fellBehind": counters.fell_behind,
-            "rejoined": observed.catchup.rejoined,
-            "caughtUpFromWindow": observed.catchup.from_window,
-            "caughtUpFromFeed": observed.catchup.from_feed,
-            "pageReads": observed.pages.reads_total,
-            "pagesShared": observed.pages.shared_total,
+            "rejoined": catchup.rejoined,
+            "caughtUpFromWindow": catchup.from_window,
+            "caughtUpFromFeed": catchup.from_feed,
+            "pageReads": pages.reads_total,
+            "pagesShared": pages.shared_total,
             "sent": sent,
             "frames": frames,
             "dropped": counters.gone_dropped + sum(d.dropped for d in registry.connected),
@@ -138,12 +133,8 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
 def metrics_snapshot(observed: Observed) -> MetricsSnapshot:
     """Every figure of /metrics, read now."""
     counters, registry, tailer = observed.counters, observed.registry, observed.tailer
-    catchup, pages, window, health = (
-        observed.catchup,
-        observed.pages,
-        observed.window,
-        observed.feed_health,
-    )
+    broadcast, health = observed.broadcast, observed.feed_health
+    catchup, pages, window = broadcast.catchup, broadcast.pages, broadcast.window
     deliveries = list(registry.deliveries)
     by_resource = registry.registrations_by_resource()
     sent, frames = _sent(observed)

@@ -18,38 +18,32 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from datetime import timedelta
 from typing import Any
 
 import asyncpg
-import orjson
 from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
 
 from changefeed.logs import log_event
-from changefeed.schemas import Cursor, Position, apply_schema, notify_channel, stamp_of
+from changefeed.schemas import Position, apply_schema, notify_channel
 
 from .auth import Authorizer, AuthUnavailable, BearerAuth
-from .catchup import Catchup
+from .broadcast import Broadcast
 from .config import PublisherConfig
 from .counters import Counters
 from .errors import ConfigError
-from .fanout import Fanout
-from .feed import FeedEntry, FeedHealth, FeedReader
-from .identity import FeedIdentity
-from .metrics import ENTRY_AGE_BUCKETS, FLUSH_BUCKETS, FastHistogram, PublisherMetrics
+from .feed import FeedHealth, FeedReader
+from .identity import FeedIdentity, join_feed
+from .metrics import PublisherMetrics
 from .observe import metrics_snapshot, rate_counters, stats_document
-from .pages import FeedPages
 from .periodic import every
 from .rates import RateHistory
-from .registration import plan_resume
 from .registry import Registry
 from .retention import trim_expired
-from .scheduler import FlushScheduler, LoopClock
 from .sessions import Sessions
 from .tailer import Tailer
-from .window import Window
 
 __all__ = ["Publisher"]
 
@@ -90,40 +84,22 @@ class Publisher:
         self.identity = FeedIdentity(config.cursor_key.encode() if config.cursor_key else None)
         self.counters = Counters()
         self.reader = FeedReader(config.schema)
-        self.fanout = Fanout()
-        self.window = Window(Position(0, 0), config.window_bytes, self._encode)
-        self.pages = FeedPages(
-            self._read_page,
-            self._encode,
-            page_size=config.tail_batch,
-            max_bytes=config.window_bytes // 4,
-            concurrency=_PAGE_READS,
-        )
-        self.catchup = Catchup(self.window, self.fanout, self.pages)
-        self.entry_age = FastHistogram(
-            "changefeed_entry_age_seconds",
-            "Age of each feed entry (now minus its published time, the database's clock)"
-            " when the tailer handed it to the fan-out: the delay listeners see, before"
-            " the flush and the network",
-            ENTRY_AGE_BUCKETS,
-        )
-        self.flush_seconds = FastHistogram(
-            "changefeed_flush_seconds",
-            "Time one fan-out flush spent writing to listener connections (all its slices)",
-            FLUSH_BUCKETS,
-        )
-        self.scheduler = FlushScheduler(
-            LoopClock(), send_interval=config.send_interval, report=self._flushed
+        self.broadcast = Broadcast(
+            config,
+            identity=self.identity,
+            counters=self.counters,
+            reader=self.reader,
+            pool=lambda: self.pool,
         )
         self.tailer = Tailer(
             self._connect,
             self.reader,
             notify_channel(config.schema),
-            self._dispatch,
+            self.broadcast.dispatch,
             poll_interval=config.poll_interval,
             batch=config.tail_batch,
             retry_budget=config.db_retry_budget,
-            fanned_out=self._fanned_out,
+            fanned_out=self.broadcast.fanned_out,
             join=self._join_feed,
         )
         self.sessions = Sessions(
@@ -131,9 +107,9 @@ class Publisher:
             identity=self.identity,
             auth=BearerAuth(config.auth_tokens, config.token_resources, authorize),
             counters=self.counters,
-            window=self.window,
-            fanout=self.fanout,
-            catchup=self.catchup,
+            window=self.broadcast.window,
+            fanout=self.broadcast.fanout,
+            catchup=self.broadcast.catchup,
             tailer=self.tailer,
             reader=self.reader,
             pool=lambda: self.pool,
@@ -147,9 +123,8 @@ class Publisher:
         self._pool = pool
         self._own_pool = pool is None
         self._tasks: list[asyncio.Task[None]] = []
-        self.metrics = PublisherMetrics(
-            lambda: metrics_snapshot(self), (self.entry_age, self.flush_seconds)
-        )
+        histograms = (self.broadcast.entry_age, self.broadcast.flush_seconds)
+        self.metrics = PublisherMetrics(lambda: metrics_snapshot(self), histograms)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -238,7 +213,7 @@ class Publisher:
         publisher never writes the feed, it only reads and trims it in
         transactions)."""
         await self.drain(grace)
-        self.scheduler.stop()
+        self.broadcast.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -267,110 +242,15 @@ class Publisher:
 
         return publisher_routes(self)
 
-    # -- the feed, to the listeners ----------------------------------------
-
-    def _encode(self, entry: FeedEntry) -> str:
-        """The change item of ``entry``: encoded once, sent to every listener that wants it."""
-        published = entry.published.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-        return orjson.dumps(
-            {
-                "changeKind": {
-                    "resource": entry.resource,
-                    "subResources": list(entry.sub_resources),
-                },
-                "changedResourceId": entry.changed_resource_id,
-                "cursor": self.identity.codec.encode(entry.position, stamp_of(entry.published)),
-                "published": published,
-            }
-        ).decode()
-
     async def _join_feed(self, conn: asyncpg.Connection, position: Position | None) -> Position:
-        """Each time the tailer connects: take the feed's identity and cursor key, and
-        check that the feed still holds the tailer's position. A feed restored from
-        a backup (its transaction and entry ids went back) or trimmed past the
-        position while the tailer was away cannot be followed from there: the feed
-        gets a new identity (restored), every listener is closed with 4011, and the
-        tailer starts again from the head."""
-        state = await self.reader.state(conn)
-        changed = self.identity.adopt(state)
-        if position is not None:
-            facts = await self.reader.resume_facts(conn, position)
-            resumed, reason = plan_resume(
-                Cursor(position, self.window.head_stamp),
-                facts,
-                feed_id=state.feed_id,
-                head=position,
-                replay_limit=1 << 62,
-            )
-            if changed:
-                reason = "other_feed"
-            elif not resumed and reason in ("cursor_ahead", "unknown_position"):
-                self.identity.adopt(await self.reader.rotate_identity(conn, state.feed_id))
-            if changed or not resumed:
-                log_event(
-                    log,
-                    "feed.rewound",
-                    logging.CRITICAL,
-                    reason=reason,
-                    position=str(position),
-                    feed_id=str(self.identity.feed_id),
-                )
-                self.sessions.feed_changed(f"the feed changed under this publisher ({reason})")
-                position = None
-        if position is None:
-            position, stamp = await self.reader.head_entry(conn)
-            self.window.reset(position, stamp)
-        return position
-
-    def _dispatch(self, entries: Sequence[FeedEntry]) -> None:
-        now, observe = time.time(), self.entry_age.observe
-        for entry in entries:
-            observe(now - entry.published.timestamp())
-        chunk, start = self.window.append(entries)
-        done = self.fanout.dispatch(chunk, start)
-        self.counters.queued_live += done.queued
-        self.counters.fell_behind += len(done.behind)
-        if log.isEnabledFor(logging.DEBUG):
-            log_event(
-                log,
-                "fanout.dispatched",
-                logging.DEBUG,
-                entries=len(entries),
-                last=list(entries[-1].position),
-                queued=done.queued,
-                listeners=len(done.touched),
-                fell_behind=len(done.behind),
-            )
-        if done.touched:
-            self.scheduler.add(done.touched)
-
-    def _flushed(self, cost: float, listeners: int, to_senders: int) -> None:
-        self.flush_seconds.observe(cost)
-        if log.isEnabledFor(logging.DEBUG):
-            log_event(
-                log,
-                "fanout.flushed",
-                logging.DEBUG,
-                through=list(self.window.head),
-                listeners=listeners,
-                written=listeners - to_senders,
-                to_senders=to_senders,
-                cost_ms=round(cost * 1e3, 3),
-            )
-
-    async def _fanned_out(self) -> None:
-        """Return once every item dispatched so far has had its flush (the tailer
-        waits for this between full batches; see Tailer). Bounded: a flush that
-        never ends, which is a bug, must not stop the tailer for good."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_FANNED_OUT_TIMEOUT):
-                await self.scheduler.idle.wait()
-
-    async def _read_page(
-        self, after: Position, upto: Position, resources: Sequence[str], limit: int
-    ) -> tuple[list[FeedEntry], Position]:
-        async with self.pool.acquire(timeout=_READY_TIMEOUT) as conn:
-            return await self.reader.read_page(conn, after, upto, resources, limit)
+        return await join_feed(
+            conn,
+            position,
+            reader=self.reader,
+            identity=self.identity,
+            window=self.broadcast.window,
+            feed_changed=self.sessions.feed_changed,
+        )
 
     # -- requests ------------------------------------------------------------
 
