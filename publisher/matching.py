@@ -9,21 +9,13 @@ is written; live delivery, catch-up and resume all ask ``Interest.wants``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 
 from changefeed.schemas import ChangeKind
 
 from .feed import FeedEntry
 
-__all__ = ["Interest", "matches"]
-
-
-def matches(entry_subs: Collection[str], registered_subs: Collection[str]) -> bool:
-    """True when an entry changing ``entry_subs`` concerns a registration
-    for ``registered_subs``."""
-    if not entry_subs or not registered_subs:
-        return True
-    return not set(entry_subs).isdisjoint(registered_subs)
+__all__ = ["Interest"]
 
 
 class Interest:
