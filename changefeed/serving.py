@@ -32,6 +32,7 @@ from changefeed.logs import log_event
 from changefeed.publisher import Publisher
 from changefeed.publisher.wire import DIRECT_WRITES, DISCONNECT_CAUSE, Disconnect
 from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
+from changefeed.tcp_liveness import acked_while_sending
 
 __all__ = [
     "DrainingServer",
@@ -221,9 +222,23 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             self.handshake_complete = True
 
     def keepalive_timeout(self) -> None:
-        """A peer that stopped answering pings: uvicorn fails the connection, and
-        the app hears of it at once and why, not only once the socket has closed
-        (which, for a peer that stopped reading too, is when ``run_asgi`` aborts it)."""
+        """A peer that has not answered a ping in time.
+
+        If frames are still in flight to it and its TCP stack acknowledged some
+        within the timeout, it is alive and reading, only slowly: its pong is
+        behind the frames it has yet to read (changefeed.tcp_liveness). The
+        deadline is extended; whether it keeps up is for the publisher's stall
+        timeout to judge. Otherwise uvicorn fails the connection, and the app
+        hears of it at once and why, not only once the socket has closed (which,
+        for a peer that stopped reading too, is when ``run_asgi`` aborts it)."""
+        timeout = self.ping_timeout
+        if (
+            timeout is not None
+            and direct_writes_unsupported() is None
+            and acked_while_sending(self.transport.get_extra_info("socket"), timeout)
+        ):
+            self.pong_timer = self.loop.call_later(timeout, self.keepalive_timeout)
+            return
         failing = not (self.close_sent or self.transport.is_closing())
         super().keepalive_timeout()
         if failing and direct_writes_unsupported() is None:

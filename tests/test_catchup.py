@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -206,3 +208,37 @@ async def test_listeners_resuming_from_the_feed_table_share_its_pages(feed_dsn: 
     assert counters["caughtUpFromFeed"] >= 50 * 3000
     assert counters["pageReads"] <= 3 * pages
     assert counters["pagesShared"] >= 40 * pages
+
+
+async def test_a_listener_reading_slowly_behind_its_backlog_is_not_taken_for_dead(
+    feed_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its pong waits behind seconds of frames it has yet to read, far past the
+    ping timeout; but its TCP stack keeps acknowledging what arrives: it is
+    alive, only slow, and is served until it has everything."""
+    caplog.set_level(logging.INFO, logger="changefeed")
+    # A second's timeout: a slow reader's kernel acknowledges every few hundred ms.
+    pings = {"ws_ping_interval": 0.5, "ws_ping_timeout": 1.0}
+    ids = [f"slow-{i:04d}-{'x' * 1000}" for i in range(3000)]
+    async with running_publisher(feed_dsn, server=pings, stall_timeout=30.0) as pub:
+        slow = await connect_not_reading(pub.ws_url, ping_interval=None)
+        await slow.send(registration(subs=[]))
+        await asyncio.wait_for(slow.recv(), 10)
+        writer = await asyncpg.connect(feed_dsn)
+        try:
+            await publish_many(writer, [("vm", [], x) for x in ids])
+        finally:
+            await writer.close()
+        received: list[str] = []
+        started = time.monotonic()
+        async with asyncio.timeout(60):
+            while time.monotonic() - started < 4:  # ~50 frames a second: ~1 MB behind
+                received.append(orjson.loads(await slow.recv())["changedResourceId"])
+                await asyncio.sleep(0.02)
+            assert len(pub.publisher.registry) == 1  # many ping timeouts later
+            while len(received) < len(ids):
+                received.append(orjson.loads(await slow.recv())["changedResourceId"])
+        assert received == ids
+        dropped = [r for r in caplog.records if "keepalive" in str(getattr(r, "cf_fields", {}))]
+        assert dropped == []
+        await slow.close()
