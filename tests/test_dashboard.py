@@ -29,6 +29,7 @@ import pytest
 from playwright.async_api import Browser, Page, Route, async_playwright, expect
 from publisher_fixtures import (
     PublisherUnderTest,
+    connect_not_reading,
     receive_items,
     register,
     registration,
@@ -233,6 +234,20 @@ async def _screenshot(
                 pass
 
     readers = [asyncio.create_task(drain(ws)) for ws in listeners]
+
+    # One that reads slower than the feed is written: it falls behind and catches up.
+    slow = await connect_not_reading(pub.ws_url)
+    await slow.send(registration(subs=[], instance="3e9b7c10-slow-1", service="docker"))
+    listeners.append(slow)
+
+    async def dawdle() -> None:
+        with contextlib.suppress(Exception):
+            while True:
+                for _ in range(40):
+                    await slow.recv()
+                await asyncio.sleep(2)
+
+    readers.append(asyncio.create_task(dawdle()))
     tick = 0.2
     for step in range(int(90 / tick)):
         per_second = 30 + 25 * math.sin(step * tick / 12)
