@@ -27,7 +27,7 @@ from .catchup import Catchup
 from .config import PublisherConfig
 from .counters import Counters
 from .fanout import Fanout
-from .feed import FeedEntry, FeedReader
+from .feed import FeedEntry, FeedReader, PageOfFeed
 from .identity import FeedIdentity
 from .metrics import ENTRY_AGE_BUCKETS, FLUSH_BUCKETS, FastHistogram
 from .pages import FeedPages
@@ -69,7 +69,9 @@ class Broadcast:
         self._reader = reader
         self._pool = pool
         self.fanout = Fanout()
-        self.window = Window(Position(0, 0), config.window_bytes, self.encode)
+        self.window = Window(
+            Position(0, 0), config.window_bytes, self.encode, max_age=config.window_max_age
+        )
         self.pages = FeedPages(
             self._read_page,
             self.encode,
@@ -115,6 +117,7 @@ class Broadcast:
         now, observe = time.time(), self.entry_age.observe
         for entry in entries:
             observe(now - entry.published.timestamp())
+        self.window.expire(now)
         chunk, start = self.window.append(entries)
         done = self.fanout.dispatch(chunk, start)
         self._counters.queued_live += done.queued
@@ -160,6 +163,6 @@ class Broadcast:
 
     async def _read_page(
         self, after: Position, upto: Position, resources: Sequence[str], limit: int
-    ) -> tuple[list[FeedEntry], Position]:
+    ) -> PageOfFeed:
         async with self._pool().acquire(timeout=_ACQUIRE_TIMEOUT) as conn:
             return await self._reader.read_page(conn, after, upto, resources, limit)

@@ -146,6 +146,16 @@ class PublisherConfig:
             "bytes",
         ),
     )
+    window_max_age: float = field(
+        default=300.0,
+        metadata=_doc(
+            "Entries older than this (by their published time) leave the window of recent "
+            "entries; listeners further behind read the feed table. With the Spark job, keep "
+            "it below its `compaction_lag` (10 minutes by default): no copy in memory may be "
+            "older than what the job changes in the table (docs/compaction.md).",
+            "seconds",
+        ),
+    )
     stall_timeout: float = field(
         default=60.0,
         metadata=_doc(
@@ -291,6 +301,7 @@ _DURATION_KEYS = {
     "registration_timeout",
     "close_timeout",
     "stall_timeout",
+    "window_max_age",
     "send_interval",
     "db_retry_budget",
     "ping_interval",

@@ -362,9 +362,14 @@ class _Connection:
                     peer=session.peer,
                 )
             first, longest = _FEED_RETRY
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(longest, first * 2 ** (failures - 1))):
-                    await session.delivery.closed()
+            # Waiting for the database is not the listener's fault (stall.py).
+            session.delivery.waiting_on_feed = True
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(longest, first * 2 ** (failures - 1))):
+                        await session.delivery.closed()
+            finally:
+                session.delivery.waiting_on_feed = False
             return failures
         return 0
 

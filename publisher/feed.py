@@ -23,6 +23,7 @@ __all__ = [
     "FeedHealth",
     "FeedReader",
     "FeedState",
+    "PageOfFeed",
     "ResumeFacts",
     "install_trigger",
     "publish",
@@ -68,6 +69,15 @@ class ResumeFacts:
     """The transaction id the database gives out next: no entry can be at or past it."""
     stamp: int | None
     """The stamp of the entry at the position (None: the feed holds no entry there)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PageOfFeed:
+    """A catch-up page of the feed table and the feed's marks, from one snapshot."""
+
+    entries: list[FeedEntry]
+    low_water: Position
+    compacted_through: Position
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +258,9 @@ class FeedReader:
         # the same transaction). The page's rows come in feed order; the mark
         # comes on every row (and alone, with NULL entries, when there are none).
         self._page = (
-            "SELECT s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id, p.*"
+            "SELECT s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id,"
+            " s.compacted_through_txid::text::bigint AS ct_txid,"
+            " s.compacted_through_id AS ct_id, p.*"
             f" FROM {q}.feed_state s LEFT JOIN LATERAL ("
             f" SELECT {columns} FROM {q}.feed f"
             " WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2)"
@@ -322,14 +334,19 @@ class FeedReader:
         upto: Position,
         resources: Sequence[str],
         limit: int,
-    ) -> tuple[list[FeedEntry], Position]:
+    ) -> PageOfFeed:
         """Up to ``limit`` entries of ``resources`` in ``(after, upto]``, in feed order,
-        and the feed's low-water mark, from one snapshot (a catch-up page)."""
+        and the feed's low-water and compaction marks, from one snapshot (a catch-up
+        page)."""
         rows = await conn.fetch(
             self._page, after.txid, after.id, upto.txid, upto.id, list(resources), limit
         )
-        low_water = Position(rows[0]["lw_txid"], rows[0]["lw_id"]) if rows else ORIGIN
-        return [_entry(r) for r in rows if r["id"] is not None], low_water
+        first = rows[0]  # the marks come on every row, and alone when there are no entries
+        return PageOfFeed(
+            [_entry(r) for r in rows if r["id"] is not None],
+            Position(first["lw_txid"], first["lw_id"]),
+            Position(first["ct_txid"], first["ct_id"]),
+        )
 
     async def head(self, conn: PgConnection) -> Position:
         """Return the position of the newest final entry (ORIGIN for an empty feed)."""

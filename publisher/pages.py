@@ -10,6 +10,11 @@ same pages. A read that is under way is awaited by every listener it may
 cover instead of being made again: a thousand listeners that fell behind
 together make one query per page, not a thousand.
 
+A kept page is the table as it was when read. Once the compaction job has
+merged entries (the feed's compaction mark moved), every kept page is let
+go: a listener must never read an entry's stretch of the table after the
+merge and the entry's keeper from a copy made before it (docs/compaction.md).
+
 ``PageCache`` is pure; ``FeedPages`` adds the reads.
 """
 
@@ -23,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from changefeed.schemas import Position
 
 from .entries import Chunk, Encoder
-from .feed import FeedEntry
+from .feed import PageOfFeed
 
 __all__ = ["CursorExpired", "FeedPages", "PageCache", "PageRead"]
 
@@ -35,11 +40,9 @@ class CursorExpired(Exception):
     """The feed was trimmed past a position (it is below the low-water mark)."""
 
 
-PageRead = Callable[
-    [Position, Position, ResourceKey, int], Awaitable[tuple[list[FeedEntry], Position]]
-]
+PageRead = Callable[[Position, Position, ResourceKey, int], Awaitable["PageOfFeed"]]
 """Reads up to ``limit`` entries of some resources in ``(after, upto]``; returns them
-and the feed's low-water mark, both from one snapshot."""
+and the feed's marks, all from one snapshot (``FeedReader.read_page``)."""
 
 
 class PageCache:
@@ -74,6 +77,12 @@ class PageCache:
         if best is not None:
             self._used.move_to_end(id(best))
         return best
+
+    def clear(self) -> None:
+        """Let every page go."""
+        self._pages.clear()
+        self._used.clear()
+        self.nbytes = 0
 
     def add(self, key: ResourceKey, page: Chunk) -> None:
         """Keep ``page``, letting the least recently used ones go past the bound."""
@@ -119,6 +128,8 @@ class FeedPages:
         """Page queries made."""
         self.shared_total = 0
         """Pages served to a listener from what another one read."""
+        self._mark = Position(0, 0)
+        """The feed's compaction mark as of the newest read: kept pages were read under it."""
 
     async def page(self, resources: Sequence[str], position: Position, upto: Position) -> Chunk:
         """A page covering ``position`` for ``resources``, reading at most ``upto``.
@@ -145,14 +156,18 @@ class FeedPages:
         under_way.append((after, future))
         try:
             async with self._reads:
-                entries, low_water = await self._read(after, upto, key, self.page_size)
+                read = await self._read(after, upto, key, self.page_size)
             self.reads_total += 1
-            if after < low_water:
+            if after < read.low_water:
                 raise CursorExpired(f"the feed was trimmed past {after}")
+            if read.compacted_through > self._mark:
+                self._mark = read.compacted_through
+                self.cache.clear()
+            entries = read.entries
             full = len(entries) == self.page_size
             through = entries[-1].position if full else upto
             page = Chunk(entries, after, through, self._encode)
-            if page.covers(after):
+            if page.covers(after) and read.compacted_through == self._mark:
                 self.cache.add(key, page)
             future.set_result(page)
             return page

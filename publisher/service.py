@@ -164,6 +164,7 @@ class Publisher:
         stall = every(_STALL_CHECK, self.sessions.evict_stalled, name="stall", log=log)
         self._spawn(stall, "stall")
         self._spawn(every(_STALL_CHECK, self._sample_rates, name="rates", log=log), "rates")
+        self._spawn(every(_STALL_CHECK, self._expire, name="window", log=log), "window")
         self._spawn(
             every(_WATCH_INTERVAL, self._watch, name="watch", log=log, log_db_errors=False),
             "watch",
@@ -316,6 +317,11 @@ class Publisher:
         """A reading of the counters the dashboard charts (rates.RateHistory keeps
         one per slot)."""
         self.rates.observe(time.monotonic(), time.time(), rate_counters(self))
+
+    async def _expire(self) -> None:
+        """Let entries older than ``window_max_age`` leave the window, even while
+        nothing new arrives to push them out."""
+        self.broadcast.window.expire(time.time())
 
     async def _trim(self) -> None:
         async with self.pool.acquire(timeout=_READY_TIMEOUT) as conn:

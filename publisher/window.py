@@ -1,7 +1,10 @@
 """The window: the most recently tailed entries, shared by every listener catching up. Pure code.
 
 The tailer appends each batch it reads; the window keeps the newest chunks
-whose entries fit in ``max_bytes`` and lets the oldest go. It covers the feed
+whose entries fit in ``max_bytes``, and lets the oldest go, and those older
+than ``max_age`` too (``expire``): a copy of an entry is never kept long
+enough for the compaction job to have changed the entry in the table
+meanwhile (docs/compaction.md). It covers the feed
 from ``base`` (exclusive) to ``head`` (inclusive) without a hole, so a
 listener whose position lies in that interval catches up from memory, and one
 further back reads the feed table instead (``pages``). Whatever the number of
@@ -33,10 +36,14 @@ class Window:
         start: the tailer's position when it started: the window begins there.
         max_bytes: about how much memory the entries may hold (see entries.entry_bytes).
         encode: the change item of an entry.
+        max_age: seconds after its publication an entry is let go (``expire``).
     """
 
-    def __init__(self, start: Position, max_bytes: int, encode: Encoder) -> None:
+    def __init__(
+        self, start: Position, max_bytes: int, encode: Encoder, max_age: float = float("inf")
+    ) -> None:
         self.max_bytes = max_bytes
+        self.max_age = max_age
         self._encode = encode
         self._chunks: list[Chunk] = []
         self._lasts: list[Position] = []
@@ -77,6 +84,7 @@ class Window:
             newest is not None
             and len(newest) + len(entries) <= _CHUNK_ENTRIES
             and newest.nbytes * 16 <= self.max_bytes
+            and self._young_enough(newest, entries[-1])
         ):
             start = len(newest)
             before = newest.nbytes
@@ -98,15 +106,33 @@ class Window:
     def _trim(self) -> None:
         # The newest chunk always stays: it is what live delivery reads from.
         while self.nbytes > self.max_bytes and len(self._chunks) - self._first > 1:
-            oldest = self._chunks[self._first]
-            self._chunks[self._first] = _GONE
-            self._first += 1
-            self.nbytes -= oldest.nbytes
-            self.base = oldest.through
+            self._let_go_oldest()
         if self._first > 64 and self._first * 2 > len(self._chunks):
             del self._chunks[: self._first]
             del self._lasts[: self._first]
             self._first = 0
+
+    def _young_enough(self, chunk: Chunk, entry: FeedEntry) -> bool:
+        # A chunk spans at most a quarter of max_age: it leaves the window as a whole.
+        span = entry.published - chunk.entries[0].published
+        return span.total_seconds() <= self.max_age / 4
+
+    def expire(self, now: float) -> None:
+        """Let go of the chunks holding an entry published more than ``max_age``
+        seconds before ``now`` (POSIX time), the newest chunk included."""
+        cutoff = now - self.max_age
+        while len(self._chunks) > self._first:
+            oldest = self._chunks[self._first]
+            if oldest.entries and oldest.entries[0].published.timestamp() >= cutoff:
+                break
+            self._let_go_oldest()
+
+    def _let_go_oldest(self) -> None:
+        oldest = self._chunks[self._first]
+        self._chunks[self._first] = _GONE
+        self._first += 1
+        self.nbytes -= oldest.nbytes
+        self.base = oldest.through
 
     def find(self, position: Position) -> tuple[Chunk, int] | None:
         """The chunk to read on from after ``position``, and the index of the next

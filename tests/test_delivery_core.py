@@ -16,7 +16,7 @@ from changefeed.publisher.catchup import Catchup, Filled
 from changefeed.publisher.delivery import Closing, Delivery
 from changefeed.publisher.entries import Chunk
 from changefeed.publisher.fanout import Fanout
-from changefeed.publisher.feed import FeedEntry
+from changefeed.publisher.feed import FeedEntry, PageOfFeed
 from changefeed.publisher.matching import Interest
 from changefeed.publisher.pages import CursorExpired, FeedPages, PageCache
 from changefeed.publisher.scheduler import FlushScheduler
@@ -148,7 +148,7 @@ def _catchup(window: Window, fanout: Fanout, pages: FeedPages | None = None) -> 
     return Catchup(window, fanout, pages or FeedPages(_no_reads, str, page_size=10, max_bytes=1000))
 
 
-async def _no_reads(*args: object) -> tuple[list[FeedEntry], Position]:
+async def _no_reads(*args: object) -> PageOfFeed:
     raise AssertionError("no page read expected")
 
 
@@ -207,7 +207,7 @@ def test_a_listener_behind_the_window_reads_the_feed_table() -> None:
     async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
         reads.append((after, upto))
         table = [e for e in entries(1, 60) if after < e.position <= upto]
-        return table[:limit], ORIGIN
+        return PageOfFeed(table[:limit], ORIGIN, ORIGIN)
 
     pages = FeedPages(read, encode, page_size=20, max_bytes=1 << 20)
     catchup = _catchup(window, fanout, pages)
@@ -251,7 +251,7 @@ def test_pages_are_shared_by_listeners_near_each_other_and_reads_under_way_are_a
         reads.append(after)
         await asyncio.sleep(0.01)
         table = [e for e in entries(1, 1000) if after < e.position <= upto]
-        return table[:limit], ORIGIN
+        return PageOfFeed(table[:limit], ORIGIN, ORIGIN)
 
     pages = FeedPages(read, str, page_size=100, max_bytes=1 << 24)
 
@@ -269,11 +269,60 @@ def test_pages_are_shared_by_listeners_near_each_other_and_reads_under_way_are_a
 
 def test_a_page_below_the_low_water_mark_says_the_cursor_expired() -> None:
     async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
-        return [], Position(100, 50)
+        return PageOfFeed([], Position(100, 50), ORIGIN)
 
     pages = FeedPages(read, str, page_size=100, max_bytes=1 << 20)
     with pytest.raises(CursorExpired):
         asyncio.run(pages.page(["vm"], Position(100, 10), Position(100, 100)))
+
+
+def test_kept_pages_are_let_go_once_the_compaction_job_merged_entries() -> None:
+    """A page is the table as it was read: after a merge (the compaction mark moved)
+    no listener may read an entry's keeper from a copy made before it."""
+    mark = {"now": ORIGIN}
+    reads: list[Position] = []
+
+    async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
+        reads.append(after)
+        table = [e for e in entries(1, 100) if after < e.position <= upto]
+        return PageOfFeed(table[:limit], ORIGIN, mark["now"])
+
+    pages = FeedPages(read, str, page_size=20, max_bytes=1 << 24)
+    head = Position(100, 100)
+
+    async def scenario() -> None:
+        first = await pages.page(["vm"], Position(100, 0), head)
+        assert await pages.page(["vm"], Position(100, 5), head) is first  # kept, shared
+        mark["now"] = Position(100, 3)  # the job merged entries meanwhile
+        await pages.page(["vm"], Position(100, 40), head)
+        assert len(pages.cache) == 1  # only the page read under the new mark
+        again = await pages.page(["vm"], Position(100, 5), head)
+        assert again is not first
+
+    asyncio.run(scenario())
+    assert reads == [Position(100, 0), Position(100, 40), Position(100, 5)]
+
+
+def test_the_window_lets_entries_older_than_its_max_age_go() -> None:
+    window = Window(ORIGIN, 1 << 30, Encoder(), max_age=10.0)
+    for first in range(1, 100, 10):  # entry n is published at T0 + n seconds
+        window.append(entries(first, first + 9))
+    window.expire(T0.timestamp() + 50)  # chunks holding entries from before T0 + 40 s go
+    assert Position(100, 39) <= window.base <= Position(100, 41)
+    assert window.find(Position(100, 20)) is None and window.find(Position(100, 45)) is not None
+    assert all(e.published.timestamp() >= T0.timestamp() + 40 for e in _held(window))
+    window.expire(T0.timestamp() + 1000)  # all of them, the newest chunk too
+    assert len(window) == 0 and window.base == window.head == Position(100, 100)
+
+
+def _held(window: Window) -> list[FeedEntry]:
+    found = window.find(window.base)
+    held: list[FeedEntry] = []
+    while found is not None:
+        chunk, index = found
+        held += chunk.entries[index:]
+        found = window.find(chunk.through)
+    return held
 
 
 def test_the_page_cache_is_bounded_and_finds_the_page_covering_a_position() -> None:
