@@ -77,7 +77,7 @@ def test_example_config_loads_and_is_production_shaped() -> None:
     config, server = load_service_config(DEPLOY / "changefeed.toml")
     assert config.resources and config.resources[0].bootstrap_route.startswith("https://")
     assert config.create_schema is False  # db init runs with the owner's role
-    assert config.cursor_key != "changefeed-cursor-v1"  # chosen, the same on every instance
+    assert config.cursor_key is None  # the feed's own key, which nobody else knows
     assert ":" not in (config.dsn or "").split("@")[0].removeprefix("postgresql://")  # no password
     assert server.ping_interval + server.ping_timeout < nginx_seconds("proxy_read_timeout") + 20
     assert server.ping_interval < nginx_seconds("proxy_read_timeout")
