@@ -31,11 +31,11 @@ read as fast as it delivers; a full buffer means abort and re-register, never
 waiting), retry without back-off, or lose a change silently.
 """
 
-from .backoff import DEFAULT_ITEM_BACKOFF, Backoff, BackoffPolicy, ItemBackoff
-from .buffer import BUFFER_KINDS, Buffer, MemoryBuffer, make_buffer, register_buffer_kind
-from .config import ListenerConfig
-from .controller import Callback, Controller, ControllerStats, EventSource, Fetcher
-from .errors import (
+from ._backoff import DEFAULT_ITEM_BACKOFF, Backoff, BackoffPolicy, ItemBackoff
+from ._buffer import BUFFER_KINDS, Buffer, MemoryBuffer, make_buffer, register_buffer_kind
+from ._config import ListenerConfig
+from ._controller import Callback, Controller, ControllerStats, EventSource, Fetcher
+from ._errors import (
     BadPublisherFrame,
     BootstrapFailed,
     BufferOverflow,
@@ -47,9 +47,9 @@ from .errors import (
     RetriesExhausted,
     SessionError,
 )
-from .events import Event, ListenerStatus, Resynced
-from .frames import decode_frame
-from .lifecycle import (
+from ._events import Event, ListenerStatus, Resynced
+from ._frames import decode_frame
+from ._lifecycle import (
     FATAL_ERROR_CODES,
     TRANSITIONS,
     ConnectionState,
@@ -57,10 +57,10 @@ from .lifecycle import (
     Lifecycle,
     disposition,
 )
-from .listener import Listener
-from .metrics import Sample, register_controller, register_listener
-from .mirror import Change, Mirror
-from .workqueue import WorkQueue
+from ._listener import Listener
+from ._metrics import Sample, register_controller, register_listener
+from ._mirror import Change, Mirror
+from ._workqueue import WorkQueue
 
 __all__ = [
     "BUFFER_KINDS",

@@ -44,12 +44,12 @@ def test_public_names_are_exported_and_documented() -> None:
     for name in listener_pkg.__all__:
         assert hasattr(listener_pkg, name), name
     for module in ("backoff", "buffer", "config", "controller", "errors", "events"):
-        mod = importlib.import_module(f"changefeed.listener.{module}")
+        mod = importlib.import_module(f"changefeed.listener._{module}")
         assert mod.__doc__ and "__all__" in vars(mod), module
     for module in ("frames", "lifecycle", "listener", "metrics", "mirror", "workqueue"):
-        mod = importlib.import_module(f"changefeed.listener.{module}")
+        mod = importlib.import_module(f"changefeed.listener._{module}")
         assert mod.__doc__ and "__all__" in vars(mod), module
-    errors = importlib.import_module("changefeed.listener.errors")
+    errors = importlib.import_module("changefeed.listener._errors")
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), ListenerError)
 

@@ -48,10 +48,10 @@ from prometheus_client import CollectorRegistry
 from changefeed.logs import log_event
 from changefeed.schemas import Ack, ChangeItem, ChangeKind, Registration
 
-from .backoff import Backoff
-from .buffer import Buffer, make_buffer
-from .config import ListenerConfig
-from .errors import (
+from ._backoff import Backoff
+from ._buffer import Buffer, make_buffer
+from ._config import ListenerConfig
+from ._errors import (
     BufferOverflow,
     ListenerConfigError,
     ListenerError,
@@ -60,10 +60,10 @@ from .errors import (
     RetriesExhausted,
     SessionError,
 )
-from .events import Event, ListenerStatus, Resynced
-from .lifecycle import ConnectionState, Disposition, Lifecycle, disposition
-from .metrics import Sample, register_listener
-from .session import Session
+from ._events import Event, ListenerStatus, Resynced
+from ._lifecycle import ConnectionState, Disposition, Lifecycle, disposition
+from ._metrics import Sample, register_listener
+from ._session import Session
 
 __all__ = ["Listener"]
 

@@ -46,13 +46,13 @@ from changefeed.bootstrap import fetch_many, fetch_one
 from changefeed.logs import log_event
 from changefeed.schemas import ChangeItem
 
-from .backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
-from .errors import ListenerConfigError, ListenerError
-from .events import Event, Resynced
-from .listener import Listener
-from .metrics import Sample, register_controller
-from .mirror import Mirror
-from .workqueue import WorkQueue
+from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
+from ._errors import ListenerConfigError, ListenerError
+from ._events import Event, Resynced
+from ._listener import Listener
+from ._metrics import Sample, register_controller
+from ._mirror import Mirror
+from ._workqueue import WorkQueue
 
 __all__ = [
     "Callback",

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from changefeed.schemas import CloseCode
 
-from .errors import LifecycleError
+from ._errors import LifecycleError
 
 __all__ = [
     "FATAL_ERROR_CODES",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tenacity import RetryCallState, Retrying, wait_exponential
 
-from .errors import ListenerConfigError
+from ._errors import ListenerConfigError
 
 __all__ = ["DEFAULT_ITEM_BACKOFF", "Backoff", "BackoffPolicy", "ItemBackoff"]
 

@@ -24,16 +24,16 @@ from changefeed.bootstrap import BootstrapError, Pager, PagerProgress
 from changefeed.logs import log_event
 from changefeed.schemas import Ack, ChangeItem, ErrorFrame, ProtocolError
 
-from .config import ListenerConfig
-from .errors import (
+from ._config import ListenerConfig
+from ._errors import (
     BadPublisherFrame,
     BootstrapFailed,
     PublisherClosed,
     RegistrationRefused,
     SessionError,
 )
-from .events import Resynced
-from .frames import decode_frame, error_frame
+from ._events import Resynced
+from ._frames import decode_frame, error_frame
 
 __all__ = ["Session", "SessionHost"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from changefeed.schemas import ChangeItem
 
-from .lifecycle import ConnectionState
+from ._lifecycle import ConnectionState
 
 __all__ = ["Event", "ListenerStatus", "Resynced"]
 

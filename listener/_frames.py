@@ -23,7 +23,7 @@ from changefeed.schemas import (
     decode_change_frame,
 )
 
-from .errors import BadPublisherFrame
+from ._errors import BadPublisherFrame
 
 __all__ = ["decode_frame", "error_frame"]
 
