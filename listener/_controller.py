@@ -212,7 +212,7 @@ class Controller:
         self.fetch_batch = fetch_batch
         self.fetch_attempts = fetch_attempts
         self.max_pending = max_pending
-        self._mirror = Mirror()
+        self._mirror: Mirror[Any] = Mirror()
         self.queue: WorkQueue[str] = WorkQueue()
         self._retry = ItemBackoff(retry, rng)
         self._stale: set[str] = set()
