@@ -130,6 +130,47 @@ async def test_1000_changes_to_one_id_during_its_fetch_cost_at_most_two_fetches(
     assert controller.stats().coalesced >= 998
 
 
+async def test_a_periodic_resync_hands_a_dropped_update_again_within_one_period(
+    dsn: str,
+) -> None:
+    """The application drops one update (it returns without applying it, as a bug or
+    a lost write would). The next periodic resync calls it again with the mirror's
+    state, ``old == new``, and it catches up, without a bootstrap or a fetch."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        ids = await create_vms(client, 3)
+        target = ids[0]
+        applied: dict[str, str] = {}  # the application's state: vm -> alias
+        dropped_at: list[int] = []  # the resync passes done when it dropped the update
+        redelivered: list[tuple[int, bool]] = []  # (passes done, old == new)
+
+        def on_add(vm: str, new: dict[str, Any]) -> None:
+            applied[vm] = new["alias"]
+
+        def on_update(vm: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+            if vm == target and new["alias"] == "renamed":
+                passes = controller.stats().periodic_resyncs
+                if not dropped_at:
+                    dropped_at.append(passes)
+                    return  # dropped: never applied
+                redelivered.append((passes, old == new))
+            applied[vm] = new["alias"]
+
+        controller = Controller(
+            make_listener(api.ws_url), on_add=on_add, on_update=on_update, resync_period=0.3
+        )
+        async with controller:
+            await controller.wait_synced(20)
+            response = await client.patch(f"/vms/{target}", json={"alias": "renamed"})
+            response.raise_for_status()
+            await wait_until(lambda: bool(dropped_at), 10, message="the update was dropped")
+            assert applied[target] != "renamed"
+            await wait_until(lambda: applied[target] == "renamed", 10, message="handed again")
+            stats = controller.stats()
+    assert redelivered[0] == (dropped_at[0] + 1, True)  # the very next pass, old == new
+    assert stats.resyncs == 1 and stats.fetches == 1  # no list again, no second fetch
+    assert applied == {vm: "renamed" if vm == target else applied[vm] for vm in ids}
+
+
 async def dns_state(dns: DnsController, dsn: str) -> tuple[dict[str, Record], ...]:
     expected = derive_records((await api_state(dsn)).values(), dns.zone)
     return expected, await dns.stored_records(), dns.records()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import pathlib
 import random
+import types
 
 import orjson
 import pytest
@@ -46,6 +47,51 @@ def item(n: int, rid: str = "vm-1") -> ChangeItem:
 
 
 # -- names -----------------------------------------------------------------------
+
+
+PUBLIC = {
+    # the two classes and their settings
+    "Listener",
+    "Controller",
+    "ListenerConfig",
+    "BackoffPolicy",
+    # what the application sees
+    "Event",
+    "Resynced",
+    "ChangeItem",
+    "ChangeKind",
+    "ListenerStatus",
+    "BootstrapProgress",
+    "ConnectionState",
+    "ControllerStats",
+    # what it writes
+    "ReconcileHandler",
+    "AddHandler",
+    "UpdateHandler",
+    "DeleteHandler",
+    "Fetcher",
+    "EventSource",
+    "Buffer",
+    "register_buffer_kind",
+    # what it may catch
+    "ListenerError",
+    "ListenerConfigError",
+    "RegistrationRefused",
+    "RetriesExhausted",
+}
+
+
+def test_the_public_api_is_exactly_what_an_application_uses() -> None:
+    assert set(listener_pkg.__all__) == PUBLIC
+    assert len(listener_pkg.__all__) == len(PUBLIC)  # no name twice
+    for name in listener_pkg.__all__:
+        assert getattr(listener_pkg, name).__doc__, name
+    public_modules = {
+        name
+        for name, value in vars(listener_pkg).items()
+        if isinstance(value, types.ModuleType) and not name.startswith("_")
+    }
+    assert public_modules == set()  # every module is private: _lifecycle, _workqueue, ...
 
 
 def test_every_private_module_is_documented_and_errors_share_one_root() -> None:

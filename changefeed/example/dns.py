@@ -37,13 +37,7 @@ import asyncpg
 import httpx
 from prometheus_client import CollectorRegistry
 
-from changefeed.listener import (
-    DEFAULT_ITEM_BACKOFF,
-    BackoffPolicy,
-    Controller,
-    Listener,
-    ListenerConfig,
-)
+from changefeed.listener import BackoffPolicy, Controller, Listener, ListenerConfig
 from changefeed.logs import log_event
 from changefeed.schemas import ChangeKind
 
@@ -167,7 +161,8 @@ class DnsController:
         concurrency: controller workers (concurrent fetches).
         fetch_batch: ids per fetch request.
         max_pending: ids the controller lets wait before it stops reading the feed.
-        retry: per-VM retry schedule of failed fetches and table writes.
+        retry: per-VM retry schedule of failed fetches and table writes (default:
+            the controller's).
         registry: Prometheus registry for the listener and work-queue metrics.
         name: name in logs and metrics.
     """
@@ -186,7 +181,7 @@ class DnsController:
         concurrency: int = 4,
         fetch_batch: int = 50,
         max_pending: int = 10_000,
-        retry: BackoffPolicy = DEFAULT_ITEM_BACKOFF,
+        retry: BackoffPolicy | None = None,
         registry: CollectorRegistry | None = None,
         name: str | None = None,
     ) -> None:
