@@ -400,7 +400,9 @@ class Controller(Generic[T]):
         ]
         if self.resync_period is not None:
             helpers.append(
-                asyncio.create_task(self._resync_every(self.resync_period), name=self.name)
+                asyncio.create_task(
+                    self._resync_every(self.resync_period), name=f"changefeed-resync-{self.name}"
+                )
             )
         try:
             if self._sink is not None:

@@ -257,14 +257,18 @@ class Session:
         if receiver.done():
             receiver.result()  # raises the receiver's SessionError
             raise PublisherClosed("connection ended during bootstrap")
+        for resource, walk in walks.items():
+            # The failed walk, not one cancelled because of it.
+            failure = None if walk.cancelled() else walk.exception()
+            if isinstance(failure, BootstrapError):
+                raise BootstrapFailed(
+                    f"bootstrap walk of {resource} failed: {failure}", failure.status
+                ) from None
+            if failure is not None:  # e.g. httpx.InvalidURL: still this session's failure
+                raise BootstrapFailed(f"bootstrap walk of {resource} failed: {failure!r}") from None
         resyncs = []
         for resource, walk in walks.items():
-            try:
-                items, pages, elapsed = walk.result()
-            except BootstrapError as exc:
-                raise BootstrapFailed(f"bootstrap walk failed: {exc}", exc.status) from None
-            except Exception as exc:  # e.g. httpx.InvalidURL: still this session's failure
-                raise BootstrapFailed(f"bootstrap walk failed: {exc!r}") from None
+            items, pages, elapsed = walk.result()
             resyncs.append(
                 Resynced(
                     items,

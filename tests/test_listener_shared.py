@@ -257,6 +257,32 @@ async def test_a_cursor_that_cannot_be_resumed_rebootstraps_every_controller(dsn
     assert vms.stats().resyncs == networks.stats().resyncs == 2  # both, from one bootstrap
 
 
+async def test_one_failed_walk_aborts_the_bootstrap_of_every_resource(dsn: str) -> None:
+    """The ``/networks`` route fails (its table is gone) while ``/vms`` walks fine: the
+    connection's bootstrap fails as a whole, nothing is handed out, the listener
+    backs off and registers again; once the route works, both controllers sync."""
+    async with VmAndNetworkApi(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 5)
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("ALTER TABLE nets.networks RENAME TO networks_away")
+            config = ListenerConfig(backoff=FAST.backoff, page_limit=2, page_attempts=1)
+            listener = shared_listener(api.ws_url, config=config)
+            vms = Controller(listener, resource="vm")
+            networks = Controller(listener, resource="network")
+            async with vms, networks:
+                await wait_until(lambda: listener.status().aborts >= 2, 15, message="aborts")
+                status = listener.status()
+                assert status.bootstraps == 0 and vms.stats().resyncs == 0
+                assert "bootstrap walk of network failed" in (status.last_error or "")
+                await conn.execute("ALTER TABLE nets.networks_away RENAME TO networks")
+                await vms.wait_synced(20)
+                await networks.wait_synced(20)
+                assert len(vms.mirror) == 5 and vms.stats().resyncs == 1
+        finally:
+            await conn.close()
+
+
 # -- I4 for a shared listener ---------------------------------------------------------
 
 SCHEDULES = 8
