@@ -9,7 +9,6 @@ import contextlib
 import re
 import signal
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import httpx
 import orjson
 import pytest
 from test_listener import seed_vms
-from test_listener_shared import VmAndNetworkApi, publisher_stats, put_network
+from test_listener_shared import create_servers, publisher_stats
 from test_listener_support import VmApiServer, create_vms
 
 from changefeed.cli import main
@@ -107,27 +106,26 @@ async def test_listen_status_shows_the_bootstrap_rising(dsn: str) -> None:
 
 
 async def test_listen_follows_two_resources_on_one_connection(dsn: str) -> None:
-    async with VmAndNetworkApi(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         vms = await create_vms(client, 3)
-        nets = [str(uuid.uuid4()) for _ in range(2)]
-        for net in nets:
-            await put_network(dsn, net, "net", "10.0.0.0/24")
-        args = ["--resource", "vm:nic,alias", "--resource", "network", "--mirror"]
+        servers = await create_servers(client, 2)
+        args = ["--resource", "vm:nic,alias", "--resource", "server:hostname", "--mirror"]
         async with listen(api.url, *args) as process:
             adds = await read_lines_until(process, lambda lines: len(lines) == 5)
             stats = await publisher_stats(api)
             assert stats["listeners"] == 1 and len(stats["registrations"]) == 2
-            await put_network(dsn, nets[0], "renamed", "10.0.0.0/24")
+            await client.patch(f"/servers/{servers[0]}", json={"status": "running"})  # not followed
+            await client.patch(f"/servers/{servers[0]}", json={"hostname": "renamed"})
             (update,) = await read_lines_until(process, bool)
             process.send_signal(signal.SIGTERM)
             mirrors = await read_lines_until(process, lambda lines: len(lines) == 2)
             assert await asyncio.wait_for(process.wait(), 15) == 0
     assert sorted((a["resource"], a["op"], a["id"]) for a in adds) == sorted(
-        [("vm", "add", vm) for vm in vms] + [("network", "add", net) for net in nets]
+        [("vm", "add", vm) for vm in vms] + [("server", "add", s) for s in servers]
     )
-    assert (update["resource"], update["op"], update["id"]) == ("network", "update", nets[0])
-    assert update["state"]["name"] == "renamed"
+    assert (update["resource"], update["op"], update["id"]) == ("server", "update", servers[0])
+    assert update["state"]["hostname"] == "renamed"
     assert {(m["event"], m["resource"], m["size"]) for m in mirrors} == {
         ("mirror", "vm", 3),
-        ("mirror", "network", 2),
+        ("mirror", "server", 2),
     }

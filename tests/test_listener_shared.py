@@ -1,18 +1,16 @@
 """One Listener, two resources, one websocket, one Controller per resource.
 
-The example VM API (real uvicorn, real PostgreSQL) publishes a second
-resource here, ``network``: rows in ``nets.networks``, served by a keyset
-bootstrap route ``/networks`` (changefeed.bootstrap) on the same app, and
-written with ``changefeed.publish`` in each write's transaction. The listener
-registers ``vm`` and ``network`` in one v2 registration; the publisher's
-``/changefeeds/stats`` must show one connection with two registrations, and
-each controller must see only its own resource.
+The example API (real uvicorn, real PostgreSQL) publishes ``vm`` and
+``server`` on one feed. The listener registers both in one v2 registration;
+the publisher's ``/changefeeds/stats`` must show one connection with two
+registrations, and each controller must see only its own resource.
 
 ``test_shared_listener_convergence`` is invariant I4 for a shared listener:
 seeded schedules of writes to both resources while the TCP connection is
 dropped, the publisher restarts, and a controller falls behind until the
 buffer overflows (which re-bootstraps both resources); after writes stop,
-both mirrors equal the API's tables.
+both mirrors equal the API's tables. (``tests/test_convergence.py`` runs the
+DNS controller, also one listener for both, through the same and more.)
 """
 
 from __future__ import annotations
@@ -30,10 +28,15 @@ import httpx
 import pytest
 from helpers import wait_until
 from test_convergence import SlowTransport, Writer
-from test_listener_support import Proxy, VmApiServer, api_state, burst, create_vms
+from test_listener_support import (
+    Proxy,
+    VmApiServer,
+    api_servers,
+    api_state,
+    burst,
+    create_vms,
+)
 
-from changefeed.bootstrap import BootstrapRoute, KeysetQuery
-from changefeed.example.vmapi import VM_RESOURCE
 from changefeed.listener import (
     BackoffPolicy,
     ChangeKind,
@@ -42,94 +45,22 @@ from changefeed.listener import (
     Listener,
     ListenerConfig,
 )
-from changefeed.publisher import ResourceConfig
 from changefeed.publisher.retention import trim_expired
 
-NETWORK = ResourceConfig("network", "/networks", ("subnet",))
-KINDS = (ChangeKind("vm", ("nic", "alias")), ChangeKind("network", ("subnet",)))
+KINDS = (ChangeKind("vm", ("nic", "alias", "server")), ChangeKind("server"))
 INSTANCE = "5e0c3c9a-8d1f-4a55-9d43-1b6a0e3f2c77"
 FAST = ListenerConfig(backoff=BackoffPolicy(initial=0.02, maximum=0.2), page_limit=7)
-NETWORKS_SQL = """
-CREATE SCHEMA IF NOT EXISTS nets;
-CREATE TABLE IF NOT EXISTS nets.networks (
-    uuid uuid PRIMARY KEY,
-    name text NOT NULL,
-    subnet text NOT NULL
-);
-"""
 
 
-class VmAndNetworkApi(VmApiServer):
-    """The example VM API, also publishing ``network`` (bootstrap route ``/networks``)."""
-
-    def __init__(self, dsn: str, **overrides: Any) -> None:
-        super().__init__(dsn, resources=(VM_RESOURCE, NETWORK), **overrides)
-
-    def make_app(self) -> Any:
-        app = super().make_app()
-        networks = BootstrapRoute(
-            "/networks",
-            KeysetQuery(
-                "networks",
-                table="nets.networks",
-                key="uuid",
-                columns=("uuid", "name", "subnet"),
-                parse_id=uuid.UUID,
-            ),
-            app.state.vmapi.pool,
-        )
-        app.router.routes[:0] = networks.routes()
-        return app
-
-    async def start(self) -> None:
-        conn = await asyncpg.connect(self.dsn)
-        try:
-            await conn.execute(NETWORKS_SQL)
-        finally:
-            await conn.close()
-        await super().start()
-
-
-async def put_network(db: str | asyncpg.Connection, net: str, name: str, subnet: str) -> None:
-    """Create or change a network and publish it, in one transaction."""
-    conn = await asyncpg.connect(db) if isinstance(db, str) else db
-    try:
-        async with conn.transaction():
-            await conn.execute(
-                "INSERT INTO nets.networks VALUES ($1, $2, $3) ON CONFLICT (uuid)"
-                " DO UPDATE SET name = EXCLUDED.name, subnet = EXCLUDED.subnet",
-                uuid.UUID(net),
-                name,
-                subnet,
-            )
-            await conn.execute("SELECT changefeed.publish('network', ARRAY['subnet'], $1)", net)
-    finally:
-        if isinstance(db, str):
-            await conn.close()
-
-
-async def delete_network(db: str | asyncpg.Connection, net: str) -> None:
-    conn = await asyncpg.connect(db) if isinstance(db, str) else db
-    try:
-        async with conn.transaction():
-            await conn.execute("DELETE FROM nets.networks WHERE uuid = $1", uuid.UUID(net))
-            await conn.execute("SELECT changefeed.publish('network', ARRAY[]::text[], $1)", net)
-    finally:
-        if isinstance(db, str):
-            await conn.close()
-
-
-async def network_state(dsn: str) -> dict[str, dict[str, Any]]:
-    """Every network the API holds, as its route serves it."""
-    conn = await asyncpg.connect(dsn, timeout=10)
-    try:
-        rows = await conn.fetch("SELECT uuid, name, subnet FROM nets.networks")
-    finally:
-        await conn.close()
-    return {
-        str(r["uuid"]): {"uuid": str(r["uuid"]), "name": r["name"], "subnet": r["subnet"]}
-        for r in rows
-    }
+async def create_servers(client: httpx.AsyncClient, count: int, prefix: str = "cn") -> list[str]:
+    """Create ``count`` servers through ``POST /servers``; return their uuids."""
+    ids = []
+    for n in range(count):
+        body = {"hostname": f"{prefix}-{n}", "ram": 65536, "datacenter": "dc-1"}
+        response = await client.post("/servers", json=body)
+        response.raise_for_status()
+        ids.append(str(response.json()["uuid"]))
+    return ids
 
 
 async def publisher_stats(api: VmApiServer) -> dict[str, Any]:
@@ -153,13 +84,11 @@ def shared_listener(url: str, **kwargs: Any) -> Listener:
 
 
 async def test_two_controllers_share_one_listener_on_one_connection(dsn: str) -> None:
-    async with VmAndNetworkApi(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         vm_ids = await create_vms(client, 30)
-        net_ids = [str(uuid.uuid4()) for _ in range(12)]
-        for n, net in enumerate(net_ids):
-            await put_network(dsn, net, f"net-{n}", f"10.{n}.0.0/24")
+        server_ids = await create_servers(client, 12)
         listener = shared_listener(api.ws_url)
-        called: dict[str, list[str]] = {"vm": [], "network": [], "vm-too": []}
+        called: dict[str, list[str]] = {"vm": [], "server": [], "vm-too": []}
 
         def recorder(what: str) -> Any:
             async def reconcile(key: str, old: Any, new: Any) -> None:
@@ -168,77 +97,75 @@ async def test_two_controllers_share_one_listener_on_one_connection(dsn: str) ->
             return reconcile
 
         vms = Controller(listener, resource="vm", reconcile=recorder("vm"))
-        networks = Controller(listener, resource="network", reconcile=recorder("network"))
+        servers = Controller(listener, resource="server", reconcile=recorder("server"))
         vms_too = Controller(listener, resource="vm", reconcile=recorder("vm-too"), name="again")
-        async with vms, networks, vms_too:
-            await asyncio.gather(*(c.wait_synced(20) for c in (vms, networks, vms_too)))
+        async with vms, servers, vms_too:
+            await asyncio.gather(*(c.wait_synced(20) for c in (vms, servers, vms_too)))
             assert dict(vms.mirror) == dict(vms_too.mirror) == await api_state(dsn)
-            assert dict(networks.mirror) == await network_state(dsn)
+            assert dict(servers.mirror) == await api_servers(dsn)
             stats = await publisher_stats(api)
             assert stats["listeners"] == 1  # one websocket ...
             registrations = stats["registrations"]  # ... with two registrations
-            assert sorted(r["changeKind"]["resource"] for r in registrations) == ["network", "vm"]
+            assert sorted(r["changeKind"]["resource"] for r in registrations) == ["server", "vm"]
             assert {r["instance"] for r in registrations} == {INSTANCE}
             status = listener.status()
-            assert status.resources == ("vm", "network") and status.bootstraps == 1
+            assert status.resources == ("vm", "server") and status.bootstraps == 1
             assert [(p.resource, p.items, p.done) for p in status.bootstrap] == [
                 ("vm", 30, True),
-                ("network", 12, True),
+                ("server", 12, True),
             ]
-            assert set(listener.routes) == {"vm", "network"}
+            assert set(listener.routes) == {"vm", "server"}
 
             # Changes to both resources: each controller sees only its own.
-            await client.patch(f"/vms/{vm_ids[0]}", json={"alias": "renamed"})
-            await put_network(dsn, net_ids[0], "net-0", "10.99.0.0/24")
-            await delete_network(dsn, net_ids[1])
+            await client.patch(f"/vms/{vm_ids[0]}", json={"server_uuid": server_ids[0]})
+            await client.patch(f"/servers/{server_ids[0]}", json={"hostname": "cn-renamed"})
+            await client.delete(f"/servers/{server_ids[1]}")
             (late,) = await create_vms(client, 1, "late")
             await wait_until(
-                lambda: vms.stats().items >= 2 and networks.stats().items >= 2, 10, message="items"
+                lambda: vms.stats().items >= 2 and servers.stats().items >= 2, 10, message="items"
             )
 
             async def converged() -> bool:
                 return dict(vms.mirror) == dict(vms_too.mirror) == await api_state(dsn) and dict(
-                    networks.mirror
-                ) == await network_state(dsn)
+                    servers.mirror
+                ) == await api_servers(dsn)
 
             await wait_until(converged, 10, message="both mirrors")
             assert vms.stats().items == vms_too.stats().items == 2
-            assert networks.stats().items == 2
+            assert servers.stats().items == 2
 
             # A publisher restart: one connection again, both resumed from one cursor.
             await api.restart()
-            await put_network(dsn, net_ids[2], "net-2", "10.98.0.0/24")
+            await client.patch(f"/servers/{server_ids[2]}", json={"status": "running"})
             await client.patch(f"/vms/{late}", json={"alias": "later"})
             await wait_until(converged, 15, message="after the restart")
             stats = await publisher_stats(api)
             assert stats["listeners"] == 1 and len(stats["registrations"]) == 2
             status = listener.status()
             assert status.registrations >= 2 and status.resumes >= 1 and status.bootstraps == 1
-    assert set(called["vm"]) <= {*vm_ids, late} and set(called["network"]) <= set(net_ids)
-    assert called["vm"] and called["network"] and sorted(called["vm"]) == sorted(called["vm-too"])
+    assert set(called["vm"]) <= {*vm_ids, late} and set(called["server"]) <= set(server_ids)
+    assert called["vm"] and called["server"] and sorted(called["vm"]) == sorted(called["vm-too"])
     assert listener.state is ConnectionState.STOPPED  # the last controller closed it
 
 
 async def test_a_cursor_that_cannot_be_resumed_rebootstraps_every_controller(dsn: str) -> None:
-    async with VmAndNetworkApi(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         vm_ids = await create_vms(client, 6)
-        nets = [str(uuid.uuid4()) for _ in range(4)]
-        for n, net in enumerate(nets):
-            await put_network(dsn, net, f"net-{n}", "10.0.0.0/24")
+        server_ids = await create_servers(client, 4)
         async with Proxy(api.port or 0) as proxy:
             listener = shared_listener(proxy.ws_url)
             vms = Controller(listener, resource="vm")
-            networks = Controller(listener, resource="network")
-            async with vms, networks:
+            servers = Controller(listener, resource="server")
+            async with vms, servers:
                 await vms.wait_synced(20)
-                await networks.wait_synced(20)
+                await servers.wait_synced(20)
                 with proxy.refuse():
                     proxy.cut()
                     await wait_until(lambda: listener.status().aborts >= 1, 10)
                     # Missed while away, then trimmed: the cursor is no longer resumable.
                     await burst(dsn, vm_ids[:3], 2)
-                    await delete_network(dsn, nets[0])
-                    await put_network(dsn, str(uuid.uuid4()), "new", "10.1.0.0/24")
+                    await client.delete(f"/servers/{server_ids[0]}")
+                    await create_servers(client, 1, "new")
                     conn = await asyncpg.connect(dsn)
                     try:
                         await trim_expired(conn, "changefeed", timedelta(0))
@@ -247,37 +174,37 @@ async def test_a_cursor_that_cannot_be_resumed_rebootstraps_every_controller(dsn
 
                 async def converged() -> bool:
                     return dict(vms.mirror) == await api_state(dsn) and dict(
-                        networks.mirror
-                    ) == await network_state(dsn)
+                        servers.mirror
+                    ) == await api_servers(dsn)
 
                 await wait_until(converged, 15, message="re-bootstrapped")
                 status = listener.status()
     assert status.bootstraps == 2 and status.resumes == 0
-    assert sum(status.not_resumed.values()) == 1  # counted (with the ack's reason, if any)
-    assert vms.stats().resyncs == networks.stats().resyncs == 2  # both, from one bootstrap
+    assert sum(status.not_resumed.values()) == 1  # counted, with the ack's reason
+    assert vms.stats().resyncs == servers.stats().resyncs == 2  # both, from one bootstrap
 
 
 async def test_one_failed_walk_aborts_the_bootstrap_of_every_resource(dsn: str) -> None:
-    """The ``/networks`` route fails (its table is gone) while ``/vms`` walks fine: the
+    """The ``/servers`` route fails (its table is away) while ``/vms`` walks fine: the
     connection's bootstrap fails as a whole, nothing is handed out, the listener
     backs off and registers again; once the route works, both controllers sync."""
-    async with VmAndNetworkApi(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         await create_vms(client, 5)
         conn = await asyncpg.connect(dsn)
         try:
-            await conn.execute("ALTER TABLE nets.networks RENAME TO networks_away")
+            await conn.execute("ALTER TABLE vmapi.servers RENAME TO servers_away")
             config = ListenerConfig(backoff=FAST.backoff, page_limit=2, page_attempts=1)
             listener = shared_listener(api.ws_url, config=config)
             vms = Controller(listener, resource="vm")
-            networks = Controller(listener, resource="network")
-            async with vms, networks:
+            servers = Controller(listener, resource="server")
+            async with vms, servers:
                 await wait_until(lambda: listener.status().aborts >= 2, 15, message="aborts")
                 status = listener.status()
                 assert status.bootstraps == 0 and vms.stats().resyncs == 0
-                assert "bootstrap walk of network failed" in (status.last_error or "")
-                await conn.execute("ALTER TABLE nets.networks_away RENAME TO networks")
+                assert "bootstrap walk of server failed" in (status.last_error or "")
+                await conn.execute("ALTER TABLE vmapi.servers_away RENAME TO servers")
                 await vms.wait_synced(20)
-                await networks.wait_synced(20)
+                await servers.wait_synced(20)
                 assert len(vms.mirror) == 5 and vms.stats().resyncs == 1
         finally:
             await conn.close()
@@ -288,44 +215,6 @@ async def test_one_failed_walk_aborts_the_bootstrap_of_every_resource(dsn: str) 
 SCHEDULES = 8
 WRITE_SECONDS = 2.5
 FAULTS = ("cut", "publisher", "slow")
-
-
-class NetworkWriter:
-    """Random network writes (creates, changes, deletes) in SQL, as an API would."""
-
-    def __init__(self, rng: random.Random, dsn: str) -> None:
-        self.rng = rng
-        self.dsn = dsn
-        self.ids: list[str] = []
-        self.ok = 0
-
-    async def step(self, conn: asyncpg.Connection) -> None:
-        rng = self.rng
-        op = rng.choices(("create", "change", "delete"), (3, 4, 1))[0]
-        if op == "create" or not self.ids:
-            net = str(uuid.uuid4())
-            self.ids.append(net)
-            await put_network(conn, net, f"net-{rng.randrange(100)}", "10.0.0.0/16")
-        elif op == "change":
-            await put_network(conn, rng.choice(self.ids), "x", f"10.{rng.randrange(250)}.0.0/16")
-        else:
-            net = rng.choice(self.ids)
-            self.ids.remove(net)
-            await delete_network(conn, net)
-
-    async def run(self, until: float) -> None:
-        conn: asyncpg.Connection | None = None
-        while time.monotonic() < until:
-            try:
-                conn = conn or await asyncpg.connect(self.dsn, timeout=5)
-                await self.step(conn)
-                self.ok += 1
-                await asyncio.sleep(0.005)  # pacing, not a synchronisation
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
-                conn = None
-                await asyncio.sleep(0.05)
-        if conn is not None:
-            await conn.close()
 
 
 def plan(seed: int) -> list[tuple[float, str]]:
@@ -354,20 +243,17 @@ async def test_shared_listener_convergence(seed: int, dsn: str) -> None:
     )
     happened: list[str] = []
     async with contextlib.AsyncExitStack() as stack:
-        api = await stack.enter_async_context(VmAndNetworkApi(dsn))
+        api = await stack.enter_async_context(VmApiServer(dsn))
         proxy = await stack.enter_async_context(Proxy(api.port or 0))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=api.url, timeout=5))
         http = await stack.enter_async_context(
             httpx.AsyncClient(transport=SlowTransport(slow), timeout=5)
         )
-        vm_writer = Writer(random.Random(f"shared-vms-{seed}"), client, dsn)
-        net_writer = NetworkWriter(random.Random(f"shared-nets-{seed}"), dsn)
+        writer = Writer(random.Random(f"shared-writes-{seed}"), client, dsn)
+        for _ in range(rng.randint(1, 4)):
+            await writer.create_server()
         for _ in range(rng.randint(5, 12)):
-            await vm_writer.create()
-        conn = await asyncpg.connect(dsn)
-        for _ in range(rng.randint(3, 8)):
-            await net_writer.step(conn)
-        await conn.close()
+            await writer.create()
         listener = Listener(
             proxy.ws_url,
             instance=str(uuid.uuid4()),
@@ -384,11 +270,11 @@ async def test_shared_listener_convergence(seed: int, dsn: str) -> None:
             "retry": BackoffPolicy(initial=0.02, maximum=0.5),
         }
         vms = Controller(listener, resource="vm", **settings)
-        networks = Controller(listener, resource="network", **settings)
+        servers = Controller(listener, resource="server", **settings)
         await stack.enter_async_context(vms)
-        await stack.enter_async_context(networks)
+        await stack.enter_async_context(servers)
         await vms.wait_synced(20)
-        await networks.wait_synced(20)
+        await servers.wait_synced(20)
         stats = await publisher_stats(api)
         assert stats["listeners"] == 1 and len(stats["registrations"]) == 2
 
@@ -405,8 +291,8 @@ async def test_shared_listener_convergence(seed: int, dsn: str) -> None:
                 before = listener.status().overflows
                 slow.set()
                 try:
-                    ids = vm_writer.ids or [str(uuid.uuid4()) for _ in range(10)]
-                    sample = [vm_writer.rng.choice(ids) for _ in range(40)]
+                    ids = writer.ids or [str(uuid.uuid4()) for _ in range(10)]
+                    sample = [writer.rng.choice(ids) for _ in range(40)]
                     await burst(dsn, sample, 6, per_transaction=80)
                     await wait_until(
                         lambda: listener.status().overflows > before, 15, message="overflow"
@@ -423,16 +309,15 @@ async def test_shared_listener_convergence(seed: int, dsn: str) -> None:
                 await inject(kind)
 
         started = time.monotonic()
-        until = started + WRITE_SECONDS
-        await asyncio.gather(vm_writer.run(until), net_writer.run(until), faults(started))
+        await asyncio.gather(writer.run(started + WRITE_SECONDS), faults(started))
         assert sorted(happened) == sorted(kind for _, kind in plan(seed))
 
         # Writes have stopped: both mirrors must converge, exactly.
         expected_vms = await api_state(dsn)
-        expected_networks = await network_state(dsn)
+        expected_servers = await api_servers(dsn)
 
         def converged() -> bool:
-            return dict(vms.mirror) == expected_vms and dict(networks.mirror) == expected_networks
+            return dict(vms.mirror) == expected_vms and dict(servers.mirror) == expected_servers
 
         try:
             await wait_until(converged, 30, interval=0.05, message=f"schedule {seed}")
@@ -440,19 +325,19 @@ async def test_shared_listener_convergence(seed: int, dsn: str) -> None:
             raise AssertionError(
                 f"schedule {seed} did not converge: faults={happened} "
                 f"vms missing={len(set(expected_vms) - set(vms.mirror))} "
-                f"extra={len(set(vms.mirror) - set(expected_vms))}; networks "
-                f"missing={len(set(expected_networks) - set(networks.mirror))} "
-                f"extra={len(set(networks.mirror) - set(expected_networks))}; "
-                f"listener={listener.status()} vms={vms.stats()} networks={networks.stats()}"
+                f"extra={len(set(vms.mirror) - set(expected_vms))}; servers "
+                f"missing={len(set(expected_servers) - set(servers.mirror))} "
+                f"extra={len(set(servers.mirror) - set(expected_servers))}; "
+                f"listener={listener.status()} vms={vms.stats()} servers={servers.stats()}"
             ) from None
         await wait_until(lambda: listener.state is ConnectionState.LIVE, 15)
         stats = await publisher_stats(api)
         assert stats["listeners"] == 1 and len(stats["registrations"]) == 2
         status = listener.status()
-        assert vm_writer.ok > 0 and net_writer.ok > 0
+        assert writer.ok > 0 and writer.servers
         # Every bootstrap handed out reached both controllers (one whose connection
         # ended before it was handed out reached neither).
-        assert vms.stats().resyncs == networks.stats().resyncs <= status.bootstraps
+        assert vms.stats().resyncs == servers.stats().resyncs <= status.bootstraps
         if "slow" in happened:
             assert status.overflows >= 1 and status.bootstraps >= 2
         if "cut" in happened or "publisher" in happened:

@@ -62,12 +62,8 @@ class VmApiServer:
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/changefeeds"
 
-    def make_app(self) -> Any:
-        """A new app (each start makes one: a restart is a new publisher)."""
-        return create_app(self.dsn, **self.overrides)
-
     async def start(self) -> None:
-        self.app = self.make_app()
+        self.app = create_app(self.dsn, **self.overrides)
         stack = contextlib.AsyncExitStack()
         self.server = await stack.enter_async_context(serve_app(self.app, port=self.port))
         self.port = self.server.port
