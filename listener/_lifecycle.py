@@ -18,7 +18,7 @@
 
     any state --close() or a failure retrying cannot heal--> STOPPED
 
-Pure code: no I/O, no clock, no event loop. The adapter (``listener.py``)
+Pure code: no I/O, no clock, no event loop. The adapter (``_listener.py``)
 asks ``Lifecycle.to`` for each step and ``disposition`` what a failure means,
 so policy lives here only. It must never allow a transition that is not in
 ``TRANSITIONS`` (the adapter's bugs surface as LifecycleError, not as a

@@ -192,7 +192,7 @@ class Session:
 
     async def _receive_ack(self, ws: ClientConnection) -> tuple[Ack, dict[str, str]]:
         try:
-            async with asyncio.timeout(self._config.ack_timeout):  # not wait_for: see workqueue
+            async with asyncio.timeout(self._config.ack_timeout):  # not wait_for: see _workqueue
                 raw = await ws.recv()
         except TimeoutError:
             raise PublisherClosed(f"no ack within {self._config.ack_timeout:g}s") from None
