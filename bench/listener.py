@@ -1,31 +1,45 @@
 """Listener and controller throughput, each beside a baseline measured in the same run.
 
-    python bench/listener.py [--dsn DSN] [--quick] [--items 200000] [--vms 5000]
+    python bench/listener.py [--baseline REF] [--dsn DSN] [--quick] [--items 200000]
+                             [--rounds 5] [--vms 5000] [--no-reconcile]
 
-1. **Socket to queue.** A feed server in another process (a raw ``websockets``
-   server speaking the /changefeeds protocol: ack with ``resumed: true``, then
-   ``--items`` change items in JSON-array frames of 256, as a publisher sends
-   to a ``batch`` listener) streams to:
+1. **Socket to application.** A feed server in another process (a raw
+   ``websockets`` server speaking the /changefeeds protocol: an ack, an empty
+   bootstrap page at ``GET /vms``, then ``--items`` change items in
+   JSON-array frames of 256, as a publisher sends to a ``batch`` listener)
+   streams to, each in a fresh process:
 
    * raw: a bare ``websockets`` client that only ``orjson.loads`` each frame
      (the floor: socket, websocket framing, JSON);
-   * listener: ``async for event in Listener(...)``: decoding into ChangeItems,
-     the buffer, the hand-out;
-   * listener + controller: a Controller taking those events into its work
-     queue (ids from a pool of 10,000, so repeats coalesce) and its workers
-     draining it with a fetch that returns at once.
+   * listener: ``async for event in Listener(...)``: decoding into
+     ChangeItems, the buffer, the hand-out;
+   * listener + controller: ``Controller(listener)`` taking the items into its
+     work queue (ids from a pool of 10,000, so repeats coalesce) while its
+     workers drain it with a fetch that returns at once.
 
-   Figure: items/s from the first item to the last, and the ratio to raw.
+   Figures: items/s from the first item handed out to the last (the
+   controller's ``items`` counter, read every 0.5 ms) and the ratio to raw,
+   and the CPU time of the measuring process per item over the same window
+   (steadier than items/s on a busy machine); medians of ``--rounds``
+   rounds. With ``--baseline REF`` (a commit, branch or tag) the listener of
+   that commit is measured the same way in the same run: ``git worktree
+   add`` of REF in a temporary directory, whose ``changefeed`` package a
+   child process imports first, rounds interleaved with this tree's (raw,
+   this tree, REF, ...), and the worktree removed at the end.
 
-2. **Reconcile throughput.** The example VM API (publisher mounted) on uvicorn
-   with ``--vms`` VMs in PostgreSQL; a Controller synced from its bootstrap;
-   then one change for every VM in one transaction. Figure: VMs fetched and
-   reconciled per second until the controller is idle, for
-   ``fetch_batch=1`` (one ``GET /vms/{id}`` each: the baseline) and batched
-   ``GET /vms?ids=...`` of 20 and 100, with 4 workers.
+2. **Reconcile throughput** (this tree only; ``--no-reconcile`` skips it).
+   The example VM API (publisher mounted) on uvicorn with ``--vms`` VMs in
+   PostgreSQL; a Controller synced from its bootstrap; then one change for
+   every VM in one transaction. Figure: VMs fetched and reconciled per
+   second until the controller is idle, for ``fetch_batch=1`` (one
+   ``GET /vms/{id}`` each: the baseline) and batched ``GET /vms?ids=...`` of
+   20 and 100, with 4 workers. Without ``--dsn`` an embedded PostgreSQL is
+   started (changefeed.embedded); with ``--dsn`` the bench makes and drops
+   its own database ``cf_bench_listener``.
 
-Without ``--dsn`` an embedded PostgreSQL is started (changefeed.embedded);
-with ``--dsn`` the bench makes and drops its own database ``cf_bench_listener``.
+The measuring code imports only names both this tree and older commits
+export (``Listener``, ``Controller``, ``ListenerConfig``, ``BackoffPolicy``,
+and ``ChangeItem`` from ``changefeed.schemas``).
 """
 
 from __future__ import annotations
@@ -33,33 +47,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
+import json
 import multiprocessing
 import os
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from http import HTTPStatus
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import orjson
-import uvicorn
 from common import database, say
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request, Response
 
-from changefeed.example.vmapi import create_app
-from changefeed.listener import BackoffPolicy, Controller, Event, Listener, ListenerConfig
-from changefeed.schemas import Ack, ChangeItem, ChangeKind, Registration, ResourceRoute
-from changefeed.serving import server_config
-
-VM = ChangeKind("vm", ("nic", "alias"))
 FRAME_ITEMS = 256
 ID_POOL = 10_000
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+VM = {"resource": "vm", "subResources": ["nic", "alias"]}
+EMPTY_PAGE = '{"items": [], "next": null}'
 
 
 # --------------------------------------------------------------------------- feed server
@@ -81,17 +98,33 @@ def _frames(items: int) -> list[str]:
 
 async def _feed_server(conn: Connection, items: int) -> None:
     frames = _frames(items)
+    bootstrapped: list[asyncio.Event] = []  # connections waiting for their bootstrap page
+
+    def page(connection: ServerConnection, request: Request) -> Response | None:
+        if not request.path.startswith("/vms"):
+            return None  # the websocket
+        for event in bootstrapped:
+            event.set()
+        return connection.respond(HTTPStatus.OK, EMPTY_PAGE)
 
     async def handler(ws: ServerConnection) -> None:
-        registration = Registration.decode(await ws.recv())
-        route = ResourceRoute("vm", VM.sub_resources, "/vms")
-        ack = Ack((route,), registration.since or "c0", resumed=registration.since is not None)
-        await ws.send(ack.encode())
+        registration = orjson.loads(await ws.recv())
+        since = registration.get("since")
+        ack = {"bootstrapRoute": "/vms", "cursor": since or "c0", "resumed": since is not None}
+        paged = asyncio.Event()
+        if since is None:  # stream once the listener has its (empty) bootstrap page
+            bootstrapped.append(paged)
+        await ws.send(orjson.dumps(ack).decode())
+        if since is None:
+            await paged.wait()
+            bootstrapped.remove(paged)
         for frame in frames:
             await ws.send(frame)
         await ws.wait_closed()
 
-    async with serve(handler, "127.0.0.1", 0, compression=None, max_size=None) as server:
+    async with serve(
+        handler, "127.0.0.1", 0, compression=None, max_size=None, process_request=page
+    ) as server:
         conn.send(server.sockets[0].getsockname()[1])
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
 
@@ -101,7 +134,7 @@ def _feed_main(conn: Connection, items: int) -> None:
 
 
 @contextlib.contextmanager
-def feed_process(items: int) -> Any:
+def feed_process(items: int) -> Iterator[str]:
     parent, child = multiprocessing.Pipe()
     process = multiprocessing.get_context("spawn").Process(
         target=_feed_main, args=(child, items), daemon=True
@@ -119,84 +152,183 @@ def feed_process(items: int) -> Any:
             process.kill()
 
 
-# --------------------------------------------------------------------------- part 1
+# --------------------------------------------------------------------------- part 1: workers
 
 
-async def raw_client(url: str, items: int) -> float:
-    registration = Registration("bench", "bench", (VM,), since="c0", batch=True).encode()
+async def raw_client(url: str, items: int) -> dict[str, float]:
+    registration = {"instance": "bench", "service": "bench", "changeKind": VM, "since": "c0"}
     async with connect(url, compression=None, max_size=None) as ws:
-        await ws.send(registration)
+        await ws.send(orjson.dumps({**registration, "batch": True}).decode())
         await ws.recv()  # ack
         seen = 0
-        started = 0.0
+        started = cpu = 0.0
         while seen < items:
             doc = orjson.loads(await ws.recv())
             if not seen:
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
             seen += len(doc)
-        return items / (time.perf_counter() - started)
+        return _figures(items, started, cpu)
 
 
-def _listener(url: str, items: int) -> Listener:
+def _figures(items: int, started: float, cpu: float) -> dict[str, float]:
+    """Items per second, and CPU microseconds per item of this process, since then."""
+    elapsed, used = time.perf_counter() - started, time.process_time() - cpu
+    return {"rate": items / elapsed, "cpu_us": used / items * 1e6}
+
+
+def _listener(url: str, items: int) -> Any:
+    from changefeed.listener import BackoffPolicy, Listener, ListenerConfig
+    from changefeed.schemas import ChangeKind
+
     config = ListenerConfig(buffer_size=items + 1, backoff=BackoffPolicy(initial=0.05))
-    return Listener(
-        url, instance="bench", service="bench", change_kind=VM, config=config, cursor="c0"
-    )
+    kind = ChangeKind("vm", ("nic", "alias"))
+    return Listener(url, instance="bench", service="bench", change_kind=kind, config=config)
 
 
-async def listener_only(url: str, items: int) -> float:
+async def listener_only(url: str, items: int) -> dict[str, float]:
+    from changefeed.schemas import ChangeItem
+
     async with _listener(url, items) as listener:
         seen = 0
-        started = 0.0
+        started = cpu = 0.0
         async for event in listener:
             if isinstance(event, ChangeItem):
                 if not seen:
-                    started = time.perf_counter()
+                    started, cpu = time.perf_counter(), time.process_time()
                 seen += 1
                 if seen == items:
                     break
-        return items / (time.perf_counter() - started)
+        return _figures(items, started, cpu)
 
 
-class _Timed:
-    """The listener's events, timed from the first change item to the ``items``-th."""
+async def listener_controller(url: str, items: int) -> dict[str, float]:
+    from changefeed.listener import Controller
 
-    def __init__(self, listener: Listener, items: int) -> None:
-        self.listener = listener
-        self.items = items
-        self.seen = 0
-        self.started = 0.0
-        self.elapsed = 0.0
-        self.done = asyncio.Event()
-
-    def __aiter__(self) -> _Timed:
-        return self
-
-    async def __anext__(self) -> Event:
-        event = await anext(self.listener)
-        if isinstance(event, ChangeItem):
-            self.seen += 1
-            if self.seen == 1:
-                self.started = time.perf_counter()
-            if self.seen == self.items:
-                # The controller queues this item before it asks for the next one.
-                self.elapsed = time.perf_counter() - self.started
-                self.done.set()
-        return event
-
-
-async def listener_controller(url: str, items: int) -> tuple[float, int, int]:
     async def fetch(ids: Sequence[str]) -> Mapping[str, Any]:
         return {}
 
-    async with _listener(url, items) as listener:
-        timed = _Timed(listener, items)
-        controller = Controller(timed, fetch=fetch, concurrency=4, fetch_batch=100)
-        async with controller:
-            await asyncio.wait_for(timed.done.wait(), 300)
+    controller = Controller(_listener(url, items), fetch=fetch, concurrency=4, fetch_batch=100)
+    async with controller:
+        async with asyncio.timeout(300):
+            while controller.items == 0:  # noqa: ASYNC110 (the controller offers no event)
+                await asyncio.sleep(0.0005)
+            started, cpu = time.perf_counter(), time.process_time()
+            while controller.items < items:  # noqa: ASYNC110
+                await asyncio.sleep(0.0005)
+            figures = _figures(items, started, cpu)
             await controller.wait_idle(60)
     stats = controller.stats()
-    return items / timed.elapsed, stats.fetches, stats.coalesced
+    return {**figures, "fetches": stats.fetches, "coalesced": stats.coalesced}
+
+
+WORKERS = {"raw": raw_client, "listener": listener_only, "controller": listener_controller}
+
+
+def run_worker(mode: str, url: str, items: int, tree: Path | None) -> dict[str, float]:
+    """One measurement in a fresh process; with ``tree``, that tree's ``changefeed``."""
+    env = dict(os.environ)
+    if tree is not None:
+        # Ahead of the editable install's finder: the child imports REF's package.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__)),
+            "--worker",
+            mode,
+            "--url",
+            url,
+            "--items",
+            str(items),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} worker failed ({tree or 'this tree'}):\n{out.stderr[-3000:]}")
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _worker_main(args: argparse.Namespace) -> None:
+    import changefeed
+
+    result = asyncio.run(WORKERS[args.worker](args.url, args.items))
+    result["tree"] = str(Path(changefeed.__file__).resolve().parent.parent)  # type: ignore[assignment]
+    print(json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------- baseline tree
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+@contextlib.contextmanager
+def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
+    """A detached worktree of ``ref`` in a temporary directory, removed afterwards."""
+    commit = _git("rev-parse", "--short", f"{ref}^{{commit}}")
+    with tempfile.TemporaryDirectory(prefix="cf-bench-baseline-") as tmp:
+        tree = Path(tmp) / "tree"
+        _git("worktree", "add", "--detach", "--quiet", str(tree), commit)
+        try:
+            yield tree, commit
+        finally:
+            _git("worktree", "remove", "--force", str(tree))
+
+
+def _rate(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def part1(items: int, rounds: int, baseline: tuple[Path, str] | None, ref: str | None) -> None:
+    here = _git("rev-parse", "--short", "HEAD") + ("+" if _git("status", "--porcelain") else "")
+    trees: list[tuple[str, Path | None]] = [("new", None)]
+    if baseline is not None:
+        trees.append(("base", baseline[0]))
+    rates: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
+    extra: dict[str, dict[str, float]] = {}
+    with feed_process(items) as url:
+        for n in range(rounds):
+            plan = [("raw", "new", None)] + [
+                (mode, label, tree) for mode in ("listener", "controller") for label, tree in trees
+            ]
+            for mode, label, tree in plan:
+                result = run_worker(mode, url, items, tree)
+                rates.setdefault((mode, label), []).append(result["rate"])
+                cpus.setdefault((mode, label), []).append(result["cpu_us"])
+                extra[f"{mode}/{label}"] = result
+            say(
+                f"  round {n + 1}/{rounds}: "
+                + "  ".join(f"{m}/{lab} {r[-1]:,.0f}" for (m, lab), r in rates.items())
+            )
+    raw = _rate(rates[("raw", "new")])
+    raw_cpu = _rate(cpus[("raw", "new")])
+    base_head = f"baseline {ref} ({baseline[1]})" if baseline else ""
+    say(f"{'':24}{'this tree (' + here + ')':>34}   {base_head}")
+    say(f"{'raw websockets + orjson':24}{raw:12,.0f} items/s 1.00x {raw_cpu:5.2f} us/item")
+    for mode, title in (("listener", "Listener"), ("controller", "Listener + Controller")):
+        new, cpu = _rate(rates[(mode, "new")]), _rate(cpus[(mode, "new")])
+        line = f"{title:24}{new:12,.0f} items/s {new / raw:.2f}x {cpu:5.2f} us/item"
+        if baseline is not None:
+            base, base_cpu = _rate(rates[(mode, "base")]), _rate(cpus[(mode, "base")])
+            line += (
+                f"   {base:10,.0f} items/s {base / raw:.2f}x {base_cpu:5.2f} us/item"
+                f"   (this tree {new / base:.2f}x)"
+            )
+        say(line)
+    say("(us/item: CPU time of the measuring process per item, median; steadier than")
+    say(" items/s on a busy machine)")
+    ctrl = extra["controller/new"]
+    fetched, coalesced = ctrl["fetches"], ctrl["coalesced"]
+    say(f"(controller, last round: {fetched:,.0f} ids fetched, {coalesced:,.0f} coalesced)")
 
 
 # --------------------------------------------------------------------------- part 2
@@ -204,6 +336,11 @@ async def listener_controller(url: str, items: int) -> tuple[float, int, int]:
 
 @contextlib.asynccontextmanager
 async def vm_api(dsn: str) -> AsyncIterator[str]:
+    import uvicorn
+
+    from changefeed.example.vmapi import create_app
+    from changefeed.serving import server_config
+
     app = create_app(dsn, poll_interval=0.05, retention=False, max_limit=1000)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
@@ -222,6 +359,8 @@ async def vm_api(dsn: str) -> AsyncIterator[str]:
 
 
 async def seed_vms(dsn: str, count: int) -> list[str]:
+    import asyncpg
+
     conn = await asyncpg.connect(dsn)
     try:
         ids = [uuid.uuid4() for _ in range(count)]
@@ -237,6 +376,8 @@ async def seed_vms(dsn: str, count: int) -> list[str]:
 
 
 async def touch_all(dsn: str, ids: list[str]) -> None:
+    import asyncpg
+
     conn = await asyncpg.connect(dsn)
     try:
         async with conn.transaction():
@@ -249,6 +390,8 @@ async def touch_all(dsn: str, ids: list[str]) -> None:
 
 
 async def reconcile_rate(host: str, dsn: str, ids: list[str], batch: int) -> dict[str, float]:
+    from changefeed.listener import ChangeKind, Controller, Listener, ListenerConfig
+
     reconciled = 0
     target = 0
     done = asyncio.Event()
@@ -263,7 +406,7 @@ async def reconcile_rate(host: str, dsn: str, ids: list[str], batch: int) -> dic
         f"ws://{host}/changefeeds",
         instance=str(uuid.uuid4()),
         service="bench",
-        change_kind=VM,
+        change_kind=ChangeKind("vm", ("nic", "alias")),
         config=ListenerConfig(buffer_size=len(ids) + 1, page_limit=1000),
     )
     controller = Controller(listener, reconcile=reconcile, concurrency=4, fetch_batch=batch)
@@ -282,35 +425,15 @@ async def reconcile_rate(host: str, dsn: str, ids: list[str], batch: int) -> dic
     }
 
 
-# --------------------------------------------------------------------------- main
-
-
 def _with_database(dsn: str, name: str) -> str:
     parts = urlsplit(dsn)
     return urlunsplit(parts._replace(path="/" + name))
 
 
-async def main(args: argparse.Namespace) -> None:
-    items = args.items // 10 if args.quick else args.items
-    vms = args.vms // 5 if args.quick else args.vms
-    rounds = 1 if args.quick else args.rounds
-    say(f"# listener bench: {items} items, {vms} VMs, {rounds} round(s), pid {os.getpid()}")
+async def part2(dsn_arg: str | None, vms: int) -> None:
+    import asyncpg
 
-    say("## 1. socket -> listener -> controller queue (items/s, median)")
-    with feed_process(items) as url:
-        raw = statistics.median([await raw_client(url, items) for _ in range(rounds)])
-        only = statistics.median([await listener_only(url, items) for _ in range(rounds)])
-        runs = [await listener_controller(url, items) for _ in range(rounds)]
-        ctrl = statistics.median(r for r, _, _ in runs)
-    say(f"raw websockets + orjson   {raw:12,.0f} items/s   1.00x")
-    say(f"Listener                  {only:12,.0f} items/s   {only / raw:.2f}x")
-    say(
-        f"Listener + Controller     {ctrl:12,.0f} items/s   {ctrl / raw:.2f}x   "
-        f"({runs[-1][1]:,} ids fetched, {runs[-1][2]:,} repeats coalesced)"
-    )
-
-    say(f"## 2. reconcile throughput, {vms} VMs changed at once, 4 workers (VMs/s)")
-    with database(args.dsn) as server_dsn:
+    with database(dsn_arg) as server_dsn:
         admin = await asyncpg.connect(server_dsn)
         await admin.execute("DROP DATABASE IF EXISTS cf_bench_listener WITH (FORCE)")
         await admin.execute("CREATE DATABASE cf_bench_listener")
@@ -333,14 +456,40 @@ async def main(args: argparse.Namespace) -> None:
             await admin.close()
 
 
+# --------------------------------------------------------------------------- main
+
+
+def main(args: argparse.Namespace) -> None:
+    items = args.items // 10 if args.quick else args.items
+    vms = args.vms // 5 if args.quick else args.vms
+    rounds = 1 if args.quick else args.rounds
+    today = datetime.date.today().isoformat()
+    say(f"# listener bench, {today}: {items} items, {rounds} round(s), pid {os.getpid()}")
+    say("## 1. socket -> listener -> controller queue (items/s, median of interleaved rounds)")
+    with contextlib.ExitStack() as stack:
+        baseline = stack.enter_context(baseline_tree(args.baseline)) if args.baseline else None
+        part1(items, rounds, baseline, args.baseline)
+    if not args.no_reconcile:
+        say(f"## 2. reconcile throughput, {vms} VMs changed at once, 4 workers (VMs/s)")
+        asyncio.run(part2(args.dsn, vms))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", metavar="REF", help="also measure this commit's listener")
     parser.add_argument("--dsn", help="PostgreSQL server DSN (default: an embedded one)")
     parser.add_argument("--quick", action="store_true", help="a tenth of the work, one round")
     parser.add_argument("--items", type=int, default=200_000)
     parser.add_argument("--vms", type=int, default=5_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-reconcile", action="store_true", help="skip part 2")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parsed = parser.parse_args()
     try:
-        asyncio.run(main(parser.parse_args()))
+        if parsed.worker:
+            _worker_main(parsed)
+        else:
+            main(parsed)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -30,8 +30,9 @@ _EPILOG = {
     " --port 8080",
     "serve": "example:\n  changefeed serve --config deploy/changefeed.toml",
     "listen": "examples:\n"
-    "  changefeed listen http://127.0.0.1:8080 --resource vm --sub-resources nic,alias\n"
-    "  changefeed listen http://127.0.0.1:8080 --resource vm --mirror",
+    "  changefeed listen http://127.0.0.1:8080 --resource vm:nic,alias\n"
+    "  changefeed listen http://127.0.0.1:8080 --resource vm:nic,alias --resource server --mirror\n"
+    "  changefeed listen http://127.0.0.1:8080 --resource vm --sub-resources nic,alias",
     "stats": "example:\n  changefeed stats http://127.0.0.1:8080",
     "db": "example:\n  changefeed db init --dsn postgresql://postgres@127.0.0.1:5432/postgres",
     "compact": "example:\n  changefeed compact --dsn postgresql://postgres@127.0.0.1:5432/postgres"
@@ -137,9 +138,18 @@ def _parser() -> argparse.ArgumentParser:
         "Register with a publisher and print change items as JSON lines (changefeedsnoop).",
     )
     listen.add_argument("url", help="publisher base URL, e.g. http://127.0.0.1:8080")
-    listen.add_argument("--resource", required=True)
     listen.add_argument(
-        "--sub-resources", default="", help="comma-separated; empty: all sub-resources"
+        "--resource",
+        action="append",
+        required=True,
+        metavar="NAME[:SUB,SUB]",
+        help="a resource and, after a colon, its sub-resources (none: all of them); "
+        "repeat it for several resources on one connection",
+    )
+    listen.add_argument(
+        "--sub-resources",
+        default="",
+        help="comma-separated sub-resources of the one --resource (same as NAME:SUB,SUB)",
     )
     listen.add_argument("--since", help="resume from this cursor")
     listen.add_argument(
@@ -155,7 +165,14 @@ def _parser() -> argparse.ArgumentParser:
         "--status",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="live status line on stderr (default: when stderr is a terminal)",
+        help="live status line on stderr, with each route's bootstrap progress "
+        "(default: when stderr is a terminal)",
+    )
+    listen.add_argument(
+        "--status-interval", type=float, default=0.5, help="seconds between status lines"
+    )
+    listen.add_argument(
+        "--page-limit", type=int, default=None, help="items per bootstrap page asked for"
     )
 
     stats = command("stats", "Print a publisher's /changefeeds/stats readably.")
@@ -275,9 +292,12 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _listen(args: argparse.Namespace) -> int:
-    from changefeed.snoop import run_listen
+    from changefeed.snoop import UsageError, run_listen
 
-    return await run_listen(args)
+    try:
+        return await run_listen(args)
+    except UsageError as exc:
+        raise CommandError(str(exc), 2) from None
 
 
 async def _demo(args: argparse.Namespace) -> int:

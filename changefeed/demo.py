@@ -40,10 +40,10 @@ __all__ = ["run_demo"]
 _WORDS = ("web", "db", "cache", "queue", "api", "search", "auth", "media", "mail", "build")
 _TARGET_VMS = 40
 _TARGET_SERVERS = 4
-_FOLLOWED = ("uuid", "alias", "nics")
-"""What the DNS service follows of a VM: it registers for ``nic`` and ``alias`` only, so
-a migration (sub-resource ``server``) is not sent to it, and its mirror keeps the
-``server_uuid`` it last fetched."""
+_FOLLOWED_SERVER = ("uuid", "hostname")
+"""What the DNS service follows of a server: it registers for ``hostname`` only, so a
+status or RAM change is not sent to it, and its mirror keeps the ones it last fetched.
+It follows everything of a VM (``nic``, ``alias`` and ``server``, a migration)."""
 
 
 async def _ensure_database(dsn: str, name: str) -> str:
@@ -177,17 +177,20 @@ def _print_learned(before: dict[str, Record], after: dict[str, Record]) -> None:
             print(f"  dns learned  ~ {name} -> {', '.join(after[name].ips)}", flush=True)
 
 
-def _followed(vm: Mapping[str, Any]) -> dict[str, Any]:
-    return {name: vm[name] for name in _FOLLOWED}
+def _followed(server: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: server[name] for name in _FOLLOWED_SERVER}
 
 
-async def _api_vms(client: httpx.AsyncClient) -> dict[str, Any]:
-    """Every VM the API holds, as far as the DNS service follows it."""
-    return {vm["uuid"]: _followed(vm) async for vm in Pager(client, "/vms")}
+async def _api_state(client: httpx.AsyncClient) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every VM and server the API holds, as far as the DNS service follows them."""
+    vms = {vm["uuid"]: vm async for vm in Pager(client, "/vms")}
+    servers = {s["uuid"]: _followed(s) async for s in Pager(client, "/servers")}
+    return vms, servers
 
 
-def _mirrored(dns: DnsController) -> dict[str, Any]:
-    return {vm: _followed(item) for vm, item in dns.controller.mirror.items()}
+def _mirrored(dns: DnsController) -> tuple[dict[str, Any], dict[str, Any]]:
+    servers = {server: _followed(item) for server, item in dns.servers.mirror.items()}
+    return dict(dns.vms.mirror), servers
 
 
 async def run_demo(args: argparse.Namespace) -> int:
@@ -249,7 +252,8 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
             async with dns:
                 await dns.wait_synced(30)
                 print(
-                    f"DNS service bootstrapped {len(dns.controller.mirror)} VMs; "
+                    f"DNS service bootstrapped {len(dns.vms.mirror)} VMs and "
+                    f"{len(dns.servers.mirror)} servers on one connection; "
                     f"now following the feed",
                     flush=True,
                 )
@@ -270,7 +274,8 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
                     print(
                         f"[{time.monotonic() - started:5.1f}s] writes={load.writes} "
                         f"servers={len(load.servers)} "
-                        f"mirrored={len(dns.controller.mirror)} dns_records={len(now)} "
+                        f"mirrored={len(dns.vms.mirror)}+{len(dns.servers.mirror)} "
+                        f"dns_records={len(now)} "
                         f"listener={st.state.value} buffer={st.buffer_size} "
                         f"publisher: listeners={len(publisher.registry)} "
                         f"entries={tailer.entries_total} lag={tailer.lag_seconds:.3f}s",
@@ -293,7 +298,7 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
 async def _converge(client: httpx.AsyncClient, dns: DnsController) -> int:
     """After writes stop, the mirror must equal the API's data (invariant I4), in the
     fields the DNS service follows."""
-    expected = await _api_vms(client)
+    expected = await _api_state(client)
     try:
         async with asyncio.timeout(15):
             # The API's state is not an event we can await: compare until equal.
@@ -301,15 +306,16 @@ async def _converge(client: httpx.AsyncClient, dns: DnsController) -> int:
                 await asyncio.sleep(0.1)
     except TimeoutError:
         print(
-            f"mirror did NOT converge: {len(dns.controller.mirror)} mirrored, "
-            f"{len(expected)} in the API",
+            f"mirror did NOT converge: {len(dns.vms.mirror)} VMs and "
+            f"{len(dns.servers.mirror)} servers mirrored, {len(expected[0])} and "
+            f"{len(expected[1])} in the API",
             file=sys.stderr,
             flush=True,
         )
         return 1
     print(
-        f"converged: the DNS service's mirror equals the API ({len(expected)} VMs, "
-        f"{len(dns.records())} DNS records)",
+        f"converged: the DNS service's mirrors equal the API ({len(expected[0])} VMs, "
+        f"{len(expected[1])} servers, {len(dns.records())} DNS records)",
         flush=True,
     )
     return 0

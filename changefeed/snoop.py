@@ -1,9 +1,11 @@
 """``changefeed listen``: the debugging listener (node-sdc-changefeed's changefeedsnoop).
 
-Prints every change item as a JSON line on stdout; with ``--mirror`` it keeps a
-controller's mirror instead and prints each add/update/delete with the
-resource's new state. A live status line on stderr shows the listener's state,
-buffer and back-off, so an operator sees what the listener is doing.
+Prints every change item as a JSON line on stdout; with ``--mirror`` it keeps
+one controller's mirror per resource instead and prints each add/update/delete
+with the resource's new state. Several ``--resource`` options share one
+connection (one registration per resource). A live status line on stderr
+shows the listener's state, buffer, back-off and, while it bootstraps, each
+route's progress, so an operator sees what the listener is doing.
 """
 
 from __future__ import annotations
@@ -14,14 +16,26 @@ import contextlib
 import signal
 import sys
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
-from changefeed.listener import Controller, Listener, ListenerStatus, Resynced
-from changefeed.schemas import ChangeItem, ChangeKind
+from changefeed.listener import (
+    ChangeItem,
+    ChangeKind,
+    Controller,
+    Listener,
+    ListenerConfig,
+    ListenerStatus,
+    Resynced,
+)
 
-__all__ = ["run_listen", "status_line", "websocket_url"]
+__all__ = ["UsageError", "change_kinds", "run_listen", "status_line", "websocket_url"]
+
+
+class UsageError(ValueError):
+    """A ``--resource`` / ``--sub-resources`` combination that names nothing clear."""
 
 
 def websocket_url(url: str) -> str:
@@ -35,13 +49,55 @@ def websocket_url(url: str) -> str:
     return url
 
 
+def _subs(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def change_kinds(resources: Sequence[str], sub_resources: str = "") -> tuple[ChangeKind, ...]:
+    """The change kinds of ``--resource NAME[:SUB,SUB]`` (repeatable) and ``--sub-resources``.
+
+    ``--sub-resources`` is the older spelling for one resource:
+    ``--resource vm --sub-resources nic,alias`` is ``--resource vm:nic,alias``.
+
+    Raises:
+        UsageError: no resource, an empty name, a resource twice, or
+            ``--sub-resources`` beside several resources or inline sub-resources.
+    """
+    if not resources:
+        raise UsageError("name at least one --resource")
+    kinds = []
+    for spec in resources:
+        name, _, subs = spec.partition(":")
+        if not name.strip():
+            raise UsageError(f"--resource {spec!r}: the resource name is empty")
+        kinds.append(ChangeKind(name.strip(), _subs(subs)))
+    if sub_resources:
+        if len(kinds) > 1 or kinds[0].sub_resources:
+            raise UsageError(
+                "--sub-resources goes with one --resource; "
+                "give several as --resource vm:nic,alias --resource server"
+            )
+        kinds = [ChangeKind(kinds[0].resource, _subs(sub_resources))]
+    names = [kind.resource for kind in kinds]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"--resource {', '.join(twice)} given twice")
+    return tuple(kinds)
+
+
 def status_line(status: ListenerStatus, shown: int) -> str:
-    """One line: state, buffer, back-off, counts."""
+    """One line: state, buffer, back-off, counts; each route's walk while it bootstraps."""
     line = (
         f"{status.state.value:<13} buffer={status.buffer_size}/{status.buffer_capacity} "
         f"attempts={status.attempts} backoff={status.backoff_delay:.2f}s "
         f"received={status.items_received} shown={shown}"
     )
+    walking = [p for p in status.bootstrap if not p.done]
+    if walking:
+        line += " bootstrap " + "; ".join(
+            f"{p.resource} {p.items} items {p.pages} pages {p.rate:,.0f}/s"
+            for p in status.bootstrap
+        )
     if status.last_error:
         line += f" last_error={status.last_error[:60]}"
     return line
@@ -53,15 +109,21 @@ def _emit(doc: dict[str, Any]) -> None:
 
 
 async def run_listen(args: argparse.Namespace) -> int:
-    """Listen until Ctrl-C, ``--count`` items or ``--duration`` seconds."""
-    subs = tuple(s for s in args.sub_resources.split(",") if s)
+    """Listen until Ctrl-C, ``--count`` items or ``--duration`` seconds.
+
+    Raises:
+        UsageError: the ``--resource`` options name nothing clear.
+    """
+    kinds = change_kinds(args.resource, args.sub_resources)
+    config = ListenerConfig(page_limit=args.page_limit) if args.page_limit else None
     listener = Listener(
         websocket_url(args.url),
         instance=str(uuid.uuid4()),
         service="changefeed-listen",
-        change_kind=ChangeKind(args.resource, subs),
+        change_kinds=kinds,
         token=args.token,
         cursor=args.since,
+        config=config,
     )
     show_status = sys.stderr.isatty() if args.status is None else args.status
     stop = asyncio.Event()
@@ -83,6 +145,7 @@ async def run_listen(args: argparse.Namespace) -> int:
                     _emit(
                         {
                             "event": "bootstrapped",
+                            "resource": event.resource,
                             "items": len(event.items),
                             "route": event.route,
                             "cursor": event.cursor,
@@ -93,36 +156,43 @@ async def run_listen(args: argparse.Namespace) -> int:
                     counted()
 
     async def follow_mirror() -> None:
-        def change(op: str) -> Any:
+        def change(resource: str, op: str) -> Any:
             def callback(key: str, *states: Any) -> None:
-                _emit({"op": op, "id": key, "state": states[-1] if op != "delete" else None})
+                state = states[-1] if op != "delete" else None
+                _emit({"resource": resource, "op": op, "id": key, "state": state})
                 counted()
 
             return callback
 
-        controller = Controller(
-            listener,
-            on_add=change("add"),
-            on_update=change("update"),
-            on_delete=change("delete"),
-            id_field=args.id_field,
-        )
-        try:
-            await controller.run()
-        finally:
-            _emit(
-                {
-                    "event": "mirror",
-                    "size": len(controller.mirror),
-                    "resources": dict(controller.mirror),
-                }
+        controllers = [
+            Controller(
+                listener,
+                resource=kind.resource,
+                on_add=change(kind.resource, "add"),
+                on_update=change(kind.resource, "update"),
+                on_delete=change(kind.resource, "delete"),
+                id_field=args.id_field,
             )
+            for kind in kinds
+        ]
+        try:
+            await asyncio.gather(*(controller.run() for controller in controllers))
+        finally:
+            for controller in controllers:
+                _emit(
+                    {
+                        "event": "mirror",
+                        "resource": controller.resource,
+                        "size": len(controller.mirror),
+                        "resources": dict(controller.mirror),
+                    }
+                )
 
     async def report() -> None:
         while True:
             sys.stderr.write("\r\x1b[K" + status_line(listener.status(), shown))
             sys.stderr.flush()
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(args.status_interval)
 
     work = asyncio.create_task(follow_mirror() if args.mirror else follow_items())
     reporter = asyncio.create_task(report()) if show_status else None

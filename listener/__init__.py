@@ -1,5 +1,5 @@
 """The listener side of changefeed: a listener that registers, buffers, backs off and
-resumes, and a controller that keeps a mirror of the publisher's resources current.
+resumes, and controllers that keep mirrors of the publisher's resources current.
 
 Follow a feed and act on every change::
 
@@ -12,97 +12,82 @@ Follow a feed and act on every change::
     controller = Controller(listener, reconcile=reconcile)
     await controller.run()      # or: async with controller: await controller.wait_synced(60)
 
+Several resources on one connection, one controller each (each with its own
+mirror, work queue and callbacks)::
+
+    listener = Listener(url, instance=INSTANCE_UUID, service="tcns",
+                        change_kinds=[ChangeKind("vm", ("nic", "alias")), ChangeKind("server")])
+    vms = Controller(listener, resource="vm", reconcile=on_vm)
+    servers = Controller(listener, resource="server", reconcile=on_server)
+    async with vms, servers:
+        ...
+
 Or read the raw events (``Resynced`` after each bootstrap, then ``ChangeItem``)::
 
     async with listener:
         async for event in listener:
             ...
 
-Modules: ``lifecycle`` (the connection state machine), ``backoff`` (the
-schedule), ``buffer`` (the buffer interface and the in-memory kind),
-``frames`` (decoding), ``workqueue`` and ``mirror`` (the controller's queue
-and store) are pure code; ``listener`` (one connection in ``session``) and
-``controller`` are the websockets / httpx adapters around them; ``metrics``
-exposes both on a Prometheus registry. Every exception is a ``ListenerError``
-(tree in ``errors``). See docs/listener.md.
+This module's ``__all__`` is the whole public API; the ``_``-modules are
+internal. Pure code: ``_lifecycle`` (the connection state machine and what a
+failure means), ``_backoff``, ``_buffer``, ``_frames``, ``_workqueue`` and
+``_mirror``; ``_listener`` (one connection in ``_session``) and
+``_controller`` are the websockets / httpx adapters around them; ``_metrics``
+exposes both on a Prometheus registry. Every exception is a
+``ListenerError`` (tree in ``_errors``). See docs/listener.md.
 
 What the package must never do: block or slow the publisher (the socket is
 read as fast as it delivers; a full buffer means abort and re-register, never
 waiting), retry without back-off, or lose a change silently.
 """
 
-from .backoff import DEFAULT_ITEM_BACKOFF, Backoff, BackoffPolicy, ItemBackoff
-from .buffer import BUFFER_KINDS, Buffer, MemoryBuffer, make_buffer, register_buffer_kind
-from .config import ListenerConfig
-from .controller import Callback, Controller, ControllerStats, EventSource, Fetcher
-from .errors import (
-    BadPublisherFrame,
-    BootstrapFailed,
-    BufferOverflow,
-    LifecycleError,
+from changefeed.schemas import ChangeItem, ChangeKind
+
+from ._backoff import BackoffPolicy
+from ._buffer import Buffer, register_buffer_kind
+from ._config import ListenerConfig
+from ._controller import Controller, ControllerStats
+from ._errors import (
     ListenerConfigError,
     ListenerError,
-    PublisherClosed,
     RegistrationRefused,
     RetriesExhausted,
-    SessionError,
 )
-from .events import Event, ListenerStatus, Resynced
-from .frames import decode_frame
-from .lifecycle import (
-    FATAL_ERROR_CODES,
-    TRANSITIONS,
-    ConnectionState,
-    Disposition,
-    Lifecycle,
-    disposition,
+from ._events import BootstrapProgress, Event, ListenerStatus, Resynced
+from ._handlers import (
+    AddHandler,
+    DeleteHandler,
+    EventSource,
+    Fetcher,
+    ReconcileHandler,
+    UpdateHandler,
 )
-from .listener import Listener
-from .metrics import Sample, register_controller, register_listener
-from .mirror import Change, Mirror
-from .workqueue import WorkQueue
+from ._lifecycle import ConnectionState
+from ._listener import Listener
 
 __all__ = [
-    "BUFFER_KINDS",
-    "DEFAULT_ITEM_BACKOFF",
-    "FATAL_ERROR_CODES",
-    "TRANSITIONS",
-    "Backoff",
+    "AddHandler",
     "BackoffPolicy",
-    "BadPublisherFrame",
-    "BootstrapFailed",
+    "BootstrapProgress",
     "Buffer",
-    "BufferOverflow",
-    "Callback",
-    "Change",
+    "ChangeItem",
+    "ChangeKind",
     "ConnectionState",
     "Controller",
     "ControllerStats",
-    "Disposition",
+    "DeleteHandler",
     "Event",
     "EventSource",
     "Fetcher",
-    "ItemBackoff",
-    "Lifecycle",
-    "LifecycleError",
     "Listener",
     "ListenerConfig",
     "ListenerConfigError",
     "ListenerError",
     "ListenerStatus",
-    "MemoryBuffer",
-    "Mirror",
-    "PublisherClosed",
+    "ReconcileHandler",
     "RegistrationRefused",
     "Resynced",
     "RetriesExhausted",
-    "Sample",
-    "SessionError",
-    "WorkQueue",
-    "decode_frame",
-    "disposition",
-    "make_buffer",
+    "UpdateHandler",
     "register_buffer_kind",
-    "register_controller",
-    "register_listener",
 ]

@@ -5,14 +5,20 @@ Shapes follow the websocket contract in docs/design.md (RFD 5 plus ``since``,
 node-sdc-changefeed's v2 registration of several resources on one socket. Decoders validate against
 the JSON Schema files and raise ProtocolError with a precise message.
 
+``ChangeKind`` and ``ChangeItem`` are msgspec Structs: a listener decodes a
+frame of items straight into them (``msgspec.json.Decoder``), with the type
+and length checks of the JSON Schema done in C. The Struct annotations carry
+those constraints; every other model is a plain dataclass.
+
 Pure code: no I/O.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import orjson
 
 from .errors import ProtocolError
@@ -48,11 +54,14 @@ def dumps(document: Any) -> str:
     return orjson.dumps(document).decode()
 
 
-@dataclass(frozen=True, slots=True)
-class ChangeKind:
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+"""A string of at least one character (``minLength: 1`` in the JSON Schema)."""
+
+
+class ChangeKind(msgspec.Struct, frozen=True, gc=False, rename={"sub_resources": "subResources"}):
     """A resource and the sub-resources of interest (empty: all of them)."""
 
-    resource: str
+    resource: NonEmptyStr
     sub_resources: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -201,13 +210,17 @@ class Ack:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class ChangeItem:
-    """RFD 5's change item plus the feed ``cursor`` and ``published`` time."""
+class ChangeItem(msgspec.Struct, frozen=True, gc=False, rename="camel"):
+    """RFD 5's change item plus the feed ``cursor`` and ``published`` time.
+
+    Not tracked by the cyclic garbage collector (``gc=False``: it holds only
+    strings and a ChangeKind, so it can be in no cycle): a listener may buffer
+    tens of thousands of them, and the collector need not walk them.
+    """
 
     change_kind: ChangeKind
-    changed_resource_id: str
-    cursor: str
+    changed_resource_id: NonEmptyStr
+    cursor: NonEmptyStr
     published: str
 
     def to_json(self) -> dict[str, Any]:

@@ -6,14 +6,8 @@ import random
 
 import pytest
 
-from changefeed.listener import (
-    DEFAULT_ITEM_BACKOFF,
-    Backoff,
-    BackoffPolicy,
-    ItemBackoff,
-    ListenerConfigError,
-    ListenerError,
-)
+from changefeed.listener import BackoffPolicy, ListenerConfigError, ListenerError
+from changefeed.listener._backoff import DEFAULT_ITEM_BACKOFF, Backoff, ItemBackoff
 
 
 def test_default_is_client_go_reflector_schedule() -> None:

@@ -15,7 +15,8 @@ import httpx
 import pytest
 from helpers import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
-from test_listener_support import VmApiServer, api_state, burst, create_vms
+from test_listener_shared import publisher_stats
+from test_listener_support import VmApiServer, api_servers, api_state, burst, create_vms
 
 from changefeed.bootstrap import fetch_many
 from changefeed.example.dns import (
@@ -23,6 +24,7 @@ from changefeed.example.dns import (
     Record,
     derive_records,
     ensure_schema,
+    host_name,
     render_records,
 )
 from changefeed.listener import BackoffPolicy, Controller, Listener, ListenerConfig
@@ -130,24 +132,75 @@ async def test_1000_changes_to_one_id_during_its_fetch_cost_at_most_two_fetches(
     assert controller.stats().coalesced >= 998
 
 
+async def test_a_periodic_resync_hands_a_dropped_update_again_within_one_period(
+    dsn: str,
+) -> None:
+    """The application drops one update (it returns without applying it, as a bug or
+    a lost write would). The next periodic resync calls it again with the mirror's
+    state, ``old == new``, and it catches up, without a bootstrap or a fetch."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        ids = await create_vms(client, 3)
+        target = ids[0]
+        applied: dict[str, str] = {}  # the application's state: vm -> alias
+        dropped_at: list[int] = []  # the resync passes done when it dropped the update
+        redelivered: list[tuple[int, bool]] = []  # (passes done, old == new)
+
+        def on_add(vm: str, new: dict[str, Any]) -> None:
+            applied[vm] = new["alias"]
+
+        def on_update(vm: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+            if vm == target and new["alias"] == "renamed":
+                passes = controller.stats().periodic_resyncs
+                if not dropped_at:
+                    dropped_at.append(passes)
+                    return  # dropped: never applied
+                redelivered.append((passes, old == new))
+            applied[vm] = new["alias"]
+
+        controller = Controller(
+            make_listener(api.ws_url), on_add=on_add, on_update=on_update, resync_period=0.3
+        )
+        async with controller:
+            await controller.wait_synced(20)
+            response = await client.patch(f"/vms/{target}", json={"alias": "renamed"})
+            response.raise_for_status()
+            await wait_until(lambda: bool(dropped_at), 10, message="the update was dropped")
+            assert applied[target] != "renamed"
+            await wait_until(lambda: applied[target] == "renamed", 10, message="handed again")
+            stats = controller.stats()
+    assert redelivered[0] == (dropped_at[0] + 1, True)  # the very next pass, old == new
+    assert stats.resyncs == 1 and stats.fetches == 1  # no list again, no second fetch
+    assert applied == {vm: "renamed" if vm == target else applied[vm] for vm in ids}
+
+
 async def dns_state(dns: DnsController, dsn: str) -> tuple[dict[str, Record], ...]:
-    expected = derive_records((await api_state(dsn)).values(), dns.zone)
+    vms, servers = await api_state(dsn), await api_servers(dsn)
+    expected = derive_records(vms.values(), dns.zone, servers.values())
     return expected, await dns.stored_records(), dns.records()
 
 
-async def test_dns_records_follow_the_vms(dsn: str) -> None:
+async def test_dns_records_follow_the_vms_and_their_servers(dsn: str) -> None:
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
 
-        async def vm(alias: str, *ips: str) -> str:
-            body = {"alias": alias, "nics": [{"ip": ip} for ip in ips]}
+        async def server(hostname: str) -> str:
+            body = {"hostname": hostname, "ram": 65536, "datacenter": "dc-1"}
+            response = await client.post("/servers", json=body)
+            response.raise_for_status()
+            return str(response.json()["uuid"])
+
+        async def vm(alias: str, *ips: str, on: str | None = None) -> str:
+            body: dict[str, Any] = {"alias": alias, "nics": [{"ip": ip} for ip in ips]}
+            if on is not None:
+                body["server_uuid"] = on
             response = await client.post("/vms", json=body)
             response.raise_for_status()
             return str(response.json()["uuid"])
 
-        web1 = await vm("web", "10.0.0.2", "10.0.0.1")
+        cn1, cn2 = await server("CN-1"), await server("cn-2.rack-4")
+        web1 = await vm("web", "10.0.0.2", "10.0.0.1", on=cn1)
         web2 = await vm("Web", "10.0.0.3")  # same name, any case: one record, all ips
-        db = await vm("db", "10.0.1.1")
-        await vm("no nics")  # not a DNS label, and no nics: no record
+        db = await vm("db", "10.0.1.1", on=cn2)
+        await vm("no nics", on=cn1)  # not a DNS label, and no nics: no record
         await vm("lonely")  # no nics: no record
 
         async def converged(dns: DnsController) -> bool:
@@ -157,10 +210,24 @@ async def test_dns_records_follow_the_vms(dsn: str) -> None:
         async with DnsController(api.ws_url, dsn, zone="vms.example.", listener_config=FAST) as dns:
             await dns.wait_synced(20)
             await wait_until(lambda: converged(dns), 10, message="first sync")
+            stats = await publisher_stats(api)
+            assert stats["listeners"] == 1  # both resources on one websocket
+            assert sorted(r["changeKind"]["resource"] for r in stats["registrations"]) == [
+                "server",
+                "vm",
+            ]
             records = dns.records()
-            assert set(records) == {"web.vms.example", "db.vms.example"}
+            assert set(records) == {
+                "web.vms.example",
+                "db.vms.example",
+                "cn-1.vms.example",  # the VMs cn-1 hosts
+                "cn-2.rack-4.vms.example",
+            }
             assert records["web.vms.example"].ips == ("10.0.0.1", "10.0.0.2", "10.0.0.3")
             assert records["web.vms.example"].vm == min(web1, web2)
+            assert records["cn-1.vms.example"] == Record(
+                "cn-1.vms.example", ("10.0.0.1", "10.0.0.2"), web1
+            )
             assert "10.0.1.1" in render_records(records)
 
             await client.patch(f"/vms/{web1}", json={"alias": "api"})
@@ -170,14 +237,49 @@ async def test_dns_records_follow_the_vms(dsn: str) -> None:
             assert records["web.vms.example"] == Record("web.vms.example", ("10.0.0.3",), web2)
             assert records["api.vms.example"].ips == ("10.0.0.1", "10.0.0.2")
             assert records["db.vms.example"].ips == ("10.0.1.9",)
+            assert records["cn-2.rack-4.vms.example"].ips == ("10.0.1.9",)
 
-        # While the DNS service is down, a VM goes away; the next run drops its record.
+            # A migration moves a VM's addresses to its new server's name; a server's
+            # new host name renames the record of every VM it hosts.
+            await client.patch(f"/vms/{db}", json={"server_uuid": cn1})
+            await client.patch(f"/servers/{cn1}", json={"hostname": "cn-9"})
+            await wait_until(lambda: converged(dns), 10, message="migrate and rename")
+            records = dns.records()
+            assert "cn-1.vms.example" not in records and "cn-2.rack-4.vms.example" not in records
+            assert records["cn-9.vms.example"].ips == ("10.0.0.1", "10.0.0.2", "10.0.1.9")
+            assert dict(dns.servers.mirror) == await api_servers(dsn)
+
+        # While the DNS service is down, a VM goes away; the next run drops its records.
         await client.delete(f"/vms/{db}")
         async with DnsController(api.ws_url, dsn, zone="vms.example", listener_config=FAST) as dns:
             await dns.wait_synced(20)
             await wait_until(lambda: dns.cleaned == 1, 10, message="stale row cleaned")
             await wait_until(lambda: converged(dns), 10, message="after restart")
-            assert "db.vms.example" not in await dns.stored_records()
+            stored = await dns.stored_records()
+            assert "db.vms.example" not in stored
+            assert stored["cn-9.vms.example"].ips == ("10.0.0.1", "10.0.0.2")
+
+
+def test_derive_records_names_vms_by_alias_and_by_their_servers_host_name() -> None:
+    servers = [
+        {"uuid": "s1", "hostname": "CN-1"},
+        {"uuid": "s2", "hostname": "x" * 64},  # not a DNS label: no name
+    ]
+    vms = [
+        {"uuid": "a", "alias": "web", "nics": [{"ip": "10.0.0.2"}], "server_uuid": "s1"},
+        {"uuid": "b", "alias": "cn-1", "nics": [{"ip": "10.0.0.1"}]},  # shares the name
+        {"uuid": "c", "alias": "db", "nics": [], "server_uuid": "s1"},  # no IPs: no names
+        {"uuid": "d", "alias": "cache", "nics": [{"ip": "10.0.0.4"}], "server_uuid": "s2"},
+        {"uuid": "e", "alias": "q", "nics": [{"ip": "10.0.0.5"}], "server_uuid": "gone"},
+    ]
+    assert derive_records(vms, "z", servers) == {
+        "web.z": Record("web.z", ("10.0.0.2",), "a"),
+        "cn-1.z": Record("cn-1.z", ("10.0.0.1", "10.0.0.2"), "a"),
+        "cache.z": Record("cache.z", ("10.0.0.4",), "d"),
+        "q.z": Record("q.z", ("10.0.0.5",), "e"),
+    }
+    assert derive_records(vms[:1], "z") == {"web.z": Record("web.z", ("10.0.0.2",), "a")}
+    assert host_name("a." * 126 + "b", "z") is None  # 253 characters at most
 
 
 class _DiesAfterCommit:
@@ -215,13 +317,13 @@ async def test_a_write_that_committed_but_reported_failure_is_not_left_behind(ds
             await conn.execute("TRUNCATE cns.records")
         flaky = _DiesAfterCommit(pool)
         dns._pool = flaky  # type: ignore[assignment]
-        await dns._reconcile(vm, None, old)
+        await dns._vm_changed(vm, None, old)
         flaky.armed = True
         with pytest.raises(asyncpg.ConnectionDoesNotExistError):
-            await dns._reconcile(vm, old, moved)  # committed: the table says db
+            await dns._vm_changed(vm, old, moved)  # committed: the table says db
         assert set(await dns.stored_records()) == {"db.vms.example"}
         assert set(dns.records()) == {"web.vms.example"}  # memory follows commits it saw
-        await dns._reconcile(vm, moved, old)  # and back: memory already says so
+        await dns._vm_changed(vm, moved, old)  # and back: memory already says so
         expected = derive_records([old], "vms.example")
         assert dns.records() == expected
         assert await dns.stored_records() == expected

@@ -11,15 +11,18 @@ import asyncio
 import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from helpers import wait_until
+from test_listener_support import capture_events
 
 from changefeed.listener import (
     BackoffPolicy,
+    ConnectionState,
     Controller,
     Listener,
+    ListenerConfig,
     ListenerConfigError,
     RegistrationRefused,
     Resynced,
@@ -315,3 +318,122 @@ def test_configuration_errors() -> None:
     )  # fmt: skip
     with pytest.raises(ListenerConfigError, match="must bootstrap"):
         Controller(resuming)
+    with pytest.raises(ListenerConfigError, match="resync_period"):
+        Controller(source, fetch=api.fetch, resync_period=0)
+    two = Listener(
+        "ws://127.0.0.1:9/changefeeds", instance="i", service="s",
+        change_kinds=[ChangeKind("vm"), ChangeKind("server")],
+    )  # fmt: skip
+    with pytest.raises(ListenerConfigError, match="follows vm, server: say which one"):
+        Controller(two)
+    with pytest.raises(ListenerConfigError, match="'nic' is not registered"):
+        Controller(two, resource="nic")
+    with pytest.raises(ListenerConfigError, match="named twice"):
+        Listener(
+            "ws://127.0.0.1:9/changefeeds", instance="i", service="s",
+            change_kinds=[ChangeKind("vm"), ChangeKind("vm", ("nic",))],
+        )  # fmt: skip
+
+
+async def test_a_controller_cannot_join_a_listener_that_started() -> None:
+    listener = Listener(
+        "ws://127.0.0.1:9/changefeeds", instance="i", service="s", change_kind=ChangeKind("vm"),
+    )  # fmt: skip
+    async with listener:
+        with pytest.raises(ListenerConfigError, match="before the listener starts"):
+            Controller(listener)
+
+
+async def test_a_periodic_resync_coalesces_with_a_real_change_of_the_same_id() -> None:
+    """The resync goes through the work queue: an id already queued for a real change
+    gets one callback, with the real old and new, not two."""
+    source, api, rec = Source(), Api({"x": vm("x")}), Recorder()
+    controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile)
+    async with controller:
+        source.send(resync([vm("x")]))
+        await controller.wait_synced(5)
+        api.gate = asyncio.Event()
+        api.data["x"] = vm("x", "b")
+        source.send(change("x"))
+        await asyncio.wait_for(api.in_flight.wait(), 5)  # x's fetch is in flight
+        controller._resync_pass()  # the period elapses now
+        api.gate.set()
+        await controller.wait_idle(5)
+        # A pass with nothing pending for x: one callback, old == new.
+        controller._resync_pass()
+        await controller.wait_idle(5)
+    assert rec.calls == [
+        ("x", None, vm("x")),
+        ("x", vm("x"), vm("x", "b")),  # the real change; the resync coalesced into it
+        ("x", vm("x", "b"), vm("x", "b")),  # the next pass: old == new
+    ]
+    assert controller.stats().periodic_resyncs == 2
+
+
+class Host(NamedTuple):
+    uuid: str
+    alias: str
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Host:
+        if not isinstance(doc.get("alias"), str):
+            raise ValueError("alias must be a string")
+        return cls(doc["uuid"], doc["alias"])
+
+
+async def test_decode_gives_the_application_its_own_type_and_retries_what_it_refuses() -> None:
+    source, api = Source(), Api({"a": vm("a"), "b": {"uuid": "b", "alias": None}})
+    calls: list[tuple[str, Host | None, Host | None]] = []
+
+    def reconcile(key: str, old: Host | None, new: Host | None) -> None:
+        calls.append((key, old, new))
+
+    controller = Controller[Host](
+        source, fetch=api.fetch, decode=Host.from_json, reconcile=reconcile, retry=FAST_RETRY
+    )
+    async with controller:
+        source.send(resync([vm("a"), {"uuid": "b", "alias": None}]))
+        await wait_until(lambda: controller.stats().decode_errors >= 2, 5)  # b, and its refetch
+        assert controller.mirror == {"a": Host("a", "a")}
+        api.data["b"] = vm("b", "fixed")  # the API serves a decodable b again
+        await wait_until(lambda: "b" in controller.mirror, 5)
+        await controller.wait_idle(5)
+    assert calls == [("a", None, Host("a", "a")), ("b", None, Host("b", "fixed"))]
+
+
+async def test_with_a_resource_a_controller_ignores_other_resources_events() -> None:
+    source, api, rec = Source(), Api({"n1": vm("n1")}), Recorder()
+    controller = Controller(source, resource="network", fetch=api.fetch, reconcile=rec.reconcile)
+    other = ChangeItem(ChangeKind("vm", ()), "v1", "c-other", "2026-11-21T23:00:00Z")
+    mine = ChangeItem(ChangeKind("network", ()), "n1", "c-mine", "2026-11-21T23:00:00Z")
+    async with controller:
+        source.send(Resynced([vm("v1")], "http://api/vms", "c0", resource="vm"))
+        source.send(Resynced([], "http://api/networks", "c0", resource="network"))
+        await controller.wait_synced(5)
+        source.send(other, mine)
+        await wait_until(lambda: controller.items == 1, 5)
+        await controller.wait_idle(5)
+    assert rec.calls == [("n1", None, vm("n1"))]
+    assert controller.resource == "network" and api.fetched == {"n1": 1}
+
+
+async def test_a_shared_listener_starts_once_every_attached_controller_runs() -> None:
+    """Started earlier, the listener would hand the bootstrap to one controller only."""
+    listener = Listener(
+        "ws://127.0.0.1:9/changefeeds", instance="i", service="s",
+        change_kinds=[ChangeKind("vm"), ChangeKind("server")],
+        config=ListenerConfig(backoff=FAST_RETRY),
+    )  # fmt: skip
+    vms = Controller(listener, resource="vm")
+    servers = Controller(listener, resource="server")
+    assert (vms.name, servers.name) == ("s:vm+server/vm", "s:vm+server/server")
+    with capture_events() as events:
+        async with vms:
+            await wait_until(lambda: events.named("listener.waiting_for_controllers"), 5)
+            assert listener.state is ConnectionState.IDLE
+            async with servers:
+                await wait_until(lambda: listener.status().attempts >= 1, 5)
+            assert listener.state is not ConnectionState.STOPPED  # vms still runs
+        assert listener.state is ConnectionState.STOPPED  # the last one out closed it
+    (waiting,) = events.named("listener.waiting_for_controllers")
+    assert (waiting["running"], waiting["attached"]) == (1, 2)

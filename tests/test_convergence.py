@@ -2,8 +2,9 @@
 it equal the API's data exactly, whatever happened meanwhile.
 
 Each schedule is seeded: its writes (creates, renames, renumbers, deletes,
-bursts) and its faults (which, and when) come from ``random.Random`` seeded
-with the schedule number, so a failing schedule is rerun by its test id
+bursts, migrations between servers, servers created and renamed) and its
+faults (which, and when) come from ``random.Random`` seeded with the
+schedule number, so a failing schedule is rerun by its test id
 (``test_convergence[seed-7]``). Thread timing still varies from run to run;
 the invariant must hold for every interleaving.
 
@@ -30,12 +31,13 @@ import asyncio
 import contextlib
 import random
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 import pytest
 from helpers import wait_until
-from test_listener_support import Proxy, VmApiServer, api_state, burst
+from test_listener_support import Proxy, VmApiServer, api_servers, api_state, burst
 
 from changefeed.embedded import EmbeddedPostgres
 from changefeed.example.dns import DnsController, derive_records
@@ -45,6 +47,7 @@ SCHEDULES = 24
 WRITE_SECONDS = 2.5
 KINDS = ("cut", "publisher", "postgres", "slow")
 ALIASES = ("web", "db", "Web", "cache", "api", "queue", "not a label", "x" * 70)
+HOSTNAMES = ("cn-1", "CN-2", "cn-3.rack-1", "web", "cn-1")  # "web": also an alias; cn-1 twice
 
 pytestmark = pytest.mark.slow
 
@@ -85,23 +88,48 @@ class Writer:
         self.client = client
         self.dsn = dsn
         self.ids: list[str] = []
+        self.servers: list[str] = []
         self.ok = 0
         self.failed = 0
 
     async def create(self) -> None:
-        response = await self.client.post("/vms", json=vm_body(self.rng))
+        body = vm_body(self.rng)
+        if self.servers and self.rng.random() < 0.8:
+            body["server_uuid"] = self.rng.choice(self.servers)
+        response = await self.client.post("/vms", json=body)
         if response.status_code == 201:
             self.ids.append(response.json()["uuid"])
 
+    async def create_server(self) -> None:
+        body = {"hostname": self.rng.choice(HOSTNAMES), "ram": 65536, "datacenter": "dc-1"}
+        response = await self.client.post("/servers", json=body)
+        if response.status_code == 201:
+            self.servers.append(response.json()["uuid"])
+
     async def step(self) -> None:
         rng = self.rng
-        op = rng.choices(("create", "alias", "nics", "delete", "burst"), (3, 3, 2, 2, 1))[0]
+        op = rng.choices(
+            ("create", "alias", "nics", "delete", "burst", "migrate", "server"),
+            (3, 3, 2, 2, 1, 1, 1),
+        )[0]
         if op == "create" or not self.ids:
             await self.create()
             return
+        if op == "server":  # a new server, or a server's new host name
+            if not self.servers or rng.random() < 0.3:
+                await self.create_server()
+            else:
+                hostname = rng.choice(HOSTNAMES)
+                server = rng.choice(self.servers)
+                await self.client.patch(f"/servers/{server}", json={"hostname": hostname})
+            return
         vm = rng.choice(self.ids)
         body = vm_body(rng)
-        if op == "alias":
+        if op == "migrate":
+            if self.servers:
+                target = rng.choice(self.servers)
+                await self.client.patch(f"/vms/{vm}", json={"server_uuid": target})
+        elif op == "alias":
             await self.client.patch(f"/vms/{vm}", json={"alias": body["alias"]})
         elif op == "nics":
             await self.client.patch(f"/vms/{vm}", json={"nics": body["nics"]})
@@ -156,6 +184,8 @@ async def test_convergence(seed: int, dsn: str, restartable_pg_server: EmbeddedP
             httpx.AsyncClient(transport=SlowTransport(slow), timeout=5)
         )
         writer = Writer(random.Random(f"writes-{seed}"), client, dsn)
+        for _ in range(rng.randint(1, 3)):
+            await writer.create_server()
         for _ in range(rng.randint(8, 20)):
             await writer.create()
         dns = DnsController(
@@ -172,6 +202,8 @@ async def test_convergence(seed: int, dsn: str, restartable_pg_server: EmbeddedP
         await stack.enter_async_context(dns)
         await dns.wait_synced(20)
         listener = dns.listener
+        stats = (await client.get("/changefeeds/stats")).json()
+        assert stats["listeners"] == 1 and len(stats["registrations"]) == 2  # vm and server
 
         async def live() -> None:
             await wait_until(lambda: listener.state is ConnectionState.LIVE, 15, message="live")
@@ -214,11 +246,16 @@ async def test_convergence(seed: int, dsn: str, restartable_pg_server: EmbeddedP
 
         # Writes have stopped: everything must converge, exactly.
         expected = await api_state(dsn)
-        records = derive_records(expected.values(), dns.zone)
+        servers = await api_servers(dsn)
+        records = derive_records(expected.values(), dns.zone, servers.values())
+
+        def hostnames(mirror: Mapping[str, Any]) -> dict[str, Any]:
+            return {server: item["hostname"] for server, item in mirror.items()}
 
         async def converged() -> bool:
             return (
-                dict(dns.controller.mirror) == expected
+                dict(dns.vms.mirror) == expected
+                and hostnames(dns.servers.mirror) == hostnames(servers)  # what it follows
                 and dns.records() == records
                 and await dns.stored_records() == records
             )
@@ -241,7 +278,7 @@ async def test_convergence(seed: int, dsn: str, restartable_pg_server: EmbeddedP
                 f"faults={happened} missing={len(missing)} extra={len(extra)} "
                 f"stale={len(stale)} records (have, want): in memory {differing(dns.records())}, "
                 f"stored {differing(await dns.stored_records())} listener={listener.status()} "
-                f"controller={dns.controller.stats()}"
+                f"vms={dns.vms.stats()} servers={dns.servers.stats()}"
             )
             raise AssertionError(f"schedule {seed} did not converge: {detail}") from None
         status = listener.status()

@@ -35,7 +35,8 @@ def test_the_demo_converges_and_stops_its_postgresql() -> None:
         )
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-3000:]
-        assert "converged: the DNS service's mirror equals the API" in done.stdout, output[-3000:]
+        assert "converged: the DNS service's mirrors equal the API" in done.stdout, output[-3000:]
+        assert "on one connection" in done.stdout, output[-3000:]  # VMs and servers, one listener
         assert (data_dir / "PG_VERSION").exists()
         # Stopped on the way out: no server left running on that directory.
         assert not (data_dir / "postmaster.pid").exists(), output[-3000:]

@@ -7,10 +7,12 @@ import asyncio
 import random
 import time
 from datetime import timedelta
+from http import HTTPStatus
 from typing import Any
 
 import asyncpg
 import httpx
+import orjson
 import pytest
 from helpers import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
@@ -33,7 +35,15 @@ from changefeed.listener import (
     Resynced,
 )
 from changefeed.publisher.retention import trim_expired
-from changefeed.schemas import Ack, ChangeItem, ChangeKind, Registration, ResourceRoute
+from changefeed.schemas import (
+    Ack,
+    ChangeItem,
+    ChangeKind,
+    CloseCode,
+    ErrorFrame,
+    Registration,
+    ResourceRoute,
+)
 
 VM = ChangeKind("vm", ("nic", "alias"))
 INSTANCE = "de1aac97-6f85-4ba9-b51e-514f48a6a46c"
@@ -305,3 +315,118 @@ async def test_a_publisher_that_stops_answering_pings_is_detected_in_bounded_tim
     (aborted, *_) = events.named("listener.aborted")
     assert aborted["state"] == "live" and aborted["disposition"] == "retry"
     assert aborted["close_code"] in (None, 1006, 1011)
+
+
+async def seed_vms(dsn: str, count: int) -> None:
+    """``count`` VMs written straight into the API's table (a bootstrap needs no feed)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO vmapi.vms (uuid, alias, nics) SELECT gen_random_uuid(), 'vm-' || n,"
+            " '[]'::jsonb FROM generate_series(1, $1) AS n",
+            count,
+        )
+    finally:
+        await conn.close()
+
+
+async def test_status_shows_bootstrap_progress_while_it_walks(dsn: str) -> None:
+    """3,000 VMs in pages of 20: polled during the walk, ``status().bootstrap`` shows
+    the pages, items and rate of the route rising; at the end, all of them."""
+    config = ListenerConfig(backoff=FAST, page_limit=20)
+    async with VmApiServer(dsn) as api:
+        await seed_vms(dsn, 3000)
+        seen: list[tuple[int, int, float]] = []
+        async with make_listener(api.ws_url, config=config) as listener:
+            first = asyncio.ensure_future(next_event(listener, 60))
+            while not first.done():  # bounded by next_event's timeout
+                status = listener.status()
+                if status.state is ConnectionState.BOOTSTRAPPING and status.bootstrap:
+                    (progress,) = status.bootstrap
+                    seen.append((progress.items, progress.pages, progress.rate))
+                await asyncio.sleep(0.005)
+            event = first.result()
+            final = listener.status().bootstrap
+    assert isinstance(event, Resynced) and len(event.items) == 3000
+    counts = [items for items, _, _ in seen]
+    assert counts == sorted(counts)  # never goes back
+    rising = sorted(set(counts))
+    assert len(rising) >= 3 and 0 < rising[1] < 3000, rising  # seen part-way, more than once
+    assert all(rate > 0 for items, _, rate in seen if items)
+    (done,) = final
+    assert (done.resource, done.items, done.done) == ("vm", 3000, True)
+    assert done.pages >= 150 and done.route == f"{api.url}/vms" and done.rate > 0
+    assert listener.status().to_json()["bootstrap"][0]["items"] == 3000
+
+
+async def test_unavailable_resumes_after_retry_after_and_cursor_expired_bootstraps() -> None:
+    """A scripted publisher: ``unavailable`` (4010, retryAfter 0.4 s) keeps the cursor
+    and waits at least 0.4 s; an ack that does not resume is counted with its
+    reason; ``cursor_expired`` (4011) drops the cursor."""
+    registrations: list[tuple[dict[str, Any], float]] = []
+    closed_at: list[float] = []
+
+    def page(connection: ServerConnection, request: Any) -> Any:
+        if request.path.startswith("/vms"):
+            return connection.respond(HTTPStatus.OK, '{"items": [], "next": null}')
+        return None
+
+    async def handler(ws: ServerConnection) -> None:
+        registration = orjson.loads(await ws.recv())
+        registrations.append((registration, time.monotonic()))
+        n = len(registrations)
+        since = registration.get("since")
+        ack: dict[str, Any] = {"bootstrapRoute": "/vms", "cursor": f"c{n}0", "resumed": False}
+        if since is not None:  # the second registration: not resumed, with the reason
+            ack["reason"] = "too_far_behind"
+        await ws.send(orjson.dumps(ack).decode())
+        item = ChangeItem(VM, f"vm-{n}", f"c{n}1", "2026-11-21T23:00:00.000Z")
+        await ws.send(item.encode())
+        if n == 1:
+            error = ErrorFrame("unavailable", "feed database unreachable", retry_after=0.4)
+            close = CloseCode.UNAVAILABLE
+        elif n == 2:
+            error = ErrorFrame("cursor_expired", "the feed was trimmed past your cursor")
+            close = CloseCode.CURSOR_EXPIRED
+        else:
+            await ws.wait_closed()
+            return
+        await asyncio.sleep(0.1)  # the listener hands the item out first
+        await ws.send(error.encode())
+        closed_at.append(time.monotonic())
+        await ws.close(close, error.code)
+
+    async with serve(handler, "127.0.0.1", 0, process_request=page) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/changefeeds"
+        with capture_events() as events:
+            async with make_listener(url) as listener:
+                got: list[Any] = []
+
+                async def consume() -> None:
+                    async for event in listener:
+                        got.append(event)
+
+                consumer = asyncio.create_task(consume())
+                await wait_until(lambda: len(registrations) >= 3, 15, message="third")
+                await wait_until(lambda: listener.state is ConnectionState.LIVE, 10)
+                status = listener.status()
+                consumer.cancel()
+                await asyncio.gather(consumer, return_exceptions=True)
+    (first, _), (second, second_at), (third, _) = registrations[:3]
+    assert "since" not in first
+    assert second["since"] == "c11"  # 4010: the cursor of the last item handed out, kept
+    assert second_at - closed_at[0] >= 0.4  # retryAfter is a floor of the back-off
+    assert "since" not in third  # 4011: the cursor dropped, a full bootstrap
+    assert status.not_resumed == {"too_far_behind": 1}
+    assert status.bootstraps == 3
+    aborted = events.named("listener.aborted")
+    assert [(a["error_code"], a["disposition"]) for a in aborted[:2]] == [
+        ("unavailable", "retry"),
+        ("cursor_expired", "retry_fresh"),
+    ]
+    assert aborted[0]["retry_after"] == 0.4
+    (not_resumed,) = events.named("listener.not_resumed")
+    assert (
+        not_resumed["reason"] == "too_far_behind" and "replay_limit" in not_resumed["explanation"]
+    )
+    assert events.named("listener.backoff")[0]["delay"] >= 0.4

@@ -4,30 +4,39 @@ settings and the exported names. No sockets."""
 from __future__ import annotations
 
 import importlib
+import pathlib
+import random
+import types
 
 import orjson
 import pytest
 
 import changefeed.listener as listener_pkg
 from changefeed.listener import (
-    BUFFER_KINDS,
-    TRANSITIONS,
-    BadPublisherFrame,
-    Buffer,
     ConnectionState,
-    Disposition,
-    Lifecycle,
-    LifecycleError,
     ListenerConfig,
     ListenerConfigError,
     ListenerError,
+)
+from changefeed.listener._backoff import Backoff, BackoffPolicy
+from changefeed.listener._buffer import (
+    BUFFER_KINDS,
+    Buffer,
     MemoryBuffer,
-    Mirror,
-    decode_frame,
-    disposition,
     make_buffer,
     register_buffer_kind,
 )
+from changefeed.listener._errors import BadPublisherFrame, LifecycleError
+from changefeed.listener._frames import decode_frame
+from changefeed.listener._lifecycle import (
+    MAX_RETRY_AFTER,
+    TRANSITIONS,
+    Disposition,
+    Lifecycle,
+    disposition,
+    retry_floor,
+)
+from changefeed.listener._mirror import Change, Mirror
 from changefeed.schemas import ChangeItem, ChangeKind, CloseCode, ErrorFrame
 
 S = ConnectionState
@@ -40,16 +49,59 @@ def item(n: int, rid: str = "vm-1") -> ChangeItem:
 # -- names -----------------------------------------------------------------------
 
 
-def test_public_names_are_exported_and_documented() -> None:
+PUBLIC = {
+    # the two classes and their settings
+    "Listener",
+    "Controller",
+    "ListenerConfig",
+    "BackoffPolicy",
+    # what the application sees
+    "Event",
+    "Resynced",
+    "ChangeItem",
+    "ChangeKind",
+    "ListenerStatus",
+    "BootstrapProgress",
+    "ConnectionState",
+    "ControllerStats",
+    # what it writes
+    "ReconcileHandler",
+    "AddHandler",
+    "UpdateHandler",
+    "DeleteHandler",
+    "Fetcher",
+    "EventSource",
+    "Buffer",
+    "register_buffer_kind",
+    # what it may catch
+    "ListenerError",
+    "ListenerConfigError",
+    "RegistrationRefused",
+    "RetriesExhausted",
+}
+
+
+def test_the_public_api_is_exactly_what_an_application_uses() -> None:
+    assert set(listener_pkg.__all__) == PUBLIC
+    assert len(listener_pkg.__all__) == len(PUBLIC)  # no name twice
     for name in listener_pkg.__all__:
-        assert hasattr(listener_pkg, name), name
-    for module in ("backoff", "buffer", "config", "controller", "errors", "events"):
+        assert getattr(listener_pkg, name).__doc__, name
+    public_modules = {
+        name
+        for name, value in vars(listener_pkg).items()
+        if isinstance(value, types.ModuleType) and not name.startswith("_")
+    }
+    assert public_modules == set()  # every module is private: _lifecycle, _workqueue, ...
+
+
+def test_every_private_module_is_documented_and_errors_share_one_root() -> None:
+    folder = pathlib.Path(listener_pkg.__file__).parent
+    modules = sorted(p.stem for p in folder.glob("_*.py") if p.stem != "__init__")
+    assert "_lifecycle" in modules and "_workqueue" in modules
+    for module in modules:
         mod = importlib.import_module(f"changefeed.listener.{module}")
         assert mod.__doc__ and "__all__" in vars(mod), module
-    for module in ("frames", "lifecycle", "listener", "metrics", "mirror", "workqueue"):
-        mod = importlib.import_module(f"changefeed.listener.{module}")
-        assert mod.__doc__ and "__all__" in vars(mod), module
-    errors = importlib.import_module("changefeed.listener.errors")
+    errors = importlib.import_module("changefeed.listener._errors")
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), ListenerError)
 
@@ -145,6 +197,28 @@ def test_bad_cursor_retries_without_the_cursor() -> None:
     assert disposition(close_code=CloseCode.BAD_CURSOR) is Disposition.RETRY_FRESH
 
 
+def test_an_expired_cursor_is_dropped_and_the_listener_bootstraps() -> None:
+    """4011: the feed was trimmed past the cursor while the listener caught up."""
+    assert disposition(close_code=CloseCode.CURSOR_EXPIRED) is Disposition.RETRY_FRESH
+    assert disposition(4011, "cursor_expired") is Disposition.RETRY_FRESH
+    assert disposition(error_code="cursor_expired") is Disposition.RETRY_FRESH
+
+
+def test_unavailable_keeps_the_cursor_and_honours_retry_after_as_a_floor() -> None:
+    """4010: back off, at least ``retryAfter``, and resume from the same cursor."""
+    assert disposition(4010, "unavailable") is Disposition.RETRY
+    assert disposition(close_code=CloseCode.UNAVAILABLE) is Disposition.RETRY
+    assert retry_floor(None) == 0.0
+    assert retry_floor(2.5) == 2.5
+    assert retry_floor(0) == retry_floor(-1) == retry_floor(float("nan")) == 0.0
+    assert retry_floor(10**9) == MAX_RETRY_AFTER  # a hint, not a sentence
+    backoff = Backoff(BackoffPolicy(initial=0.1, maximum=0.4), random.Random(1))
+    assert backoff.failure(0.0, retry_floor(5.0)) == 5.0  # longer than anything drawn
+    assert backoff.delay == 5.0  # what status() and the metrics show
+    drawn = backoff.failure(0.0, retry_floor(0.001))
+    assert 0.001 <= drawn <= 0.2  # the drawn delay wins when it is longer
+
+
 def test_error_code_wins_over_close_code_and_http_status() -> None:
     assert disposition(1000, "slow_listener") is Disposition.RETRY
     assert disposition(None, None, 401) is Disposition.STOP
@@ -234,8 +308,8 @@ def test_mirror_replace_reports_adds_updates_deletes_and_stays_read_only() -> No
     mirror = Mirror()
     view = mirror.view()
     assert mirror.replace({"a": 1, "b": 2}) == [
-        listener_pkg.Change("a", None, 1),
-        listener_pkg.Change("b", None, 2),
+        Change("a", None, 1),
+        Change("b", None, 2),
     ]
     changes = mirror.replace({"b": 3, "c": 4})
     assert {(c.id, c.old, c.new) for c in changes} == {("b", 2, 3), ("c", None, 4), ("a", 1, None)}

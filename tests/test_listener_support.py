@@ -32,6 +32,7 @@ __all__ = [
     "Events",
     "Proxy",
     "VmApiServer",
+    "api_servers",
     "api_state",
     "burst",
     "capture_events",
@@ -183,6 +184,17 @@ async def api_state(dsn: str) -> dict[str, dict[str, Any]]:
         }
         for r in rows
     }
+
+
+async def api_servers(dsn: str) -> dict[str, dict[str, Any]]:
+    """Every server the API holds, as its routes serve it:
+    uuid -> {"uuid", "hostname", "status", "ram", "datacenter"}."""
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        rows = await conn.fetch("SELECT uuid, hostname, status, ram, datacenter FROM vmapi.servers")
+    finally:
+        await conn.close()
+    return {str(r["uuid"]): {**dict(r), "uuid": str(r["uuid"])} for r in rows}
 
 
 async def create_vms(

@@ -7,7 +7,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from changefeed.listener import WorkQueue
+from changefeed.listener._workqueue import WorkQueue
 
 
 class FakeClock:
@@ -26,6 +26,18 @@ def test_repeated_adds_coalesce_into_one() -> None:
     assert queue.adds == 1000 and queue.coalesced == 999
     assert queue.pop(10) == ["vm-1"]
     assert queue.pop(10) == []
+
+
+def test_add_many_is_adds_in_order_each_once() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("c")
+    queue.add_many(["a", "b", "a", "c", "d"])
+    assert queue.adds == 6 and queue.coalesced == 2  # the second "a", and "c"
+    assert queue.pop(10) == ["c", "a", "b", "d"]
+    queue.add_many(["a", "e"])  # "a" is being processed: it waits for done
+    assert queue.pop(10) == ["e"]
+    queue.done_many(["a", "b", "c", "d", "e"])
+    assert queue.pop(10) == ["a"]
 
 
 def test_fifo_order() -> None:
@@ -129,7 +141,10 @@ async def test_wait_idle() -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["add", "pop", "done"]), st.sampled_from("abcd")),
+        st.tuples(
+            st.sampled_from(["add", "add_many", "pop", "done", "done_many"]),
+            st.sampled_from("abcd"),
+        ),
         max_size=60,
     )
 )
@@ -143,11 +158,18 @@ def test_model_never_concurrent_never_lost(ops: list[tuple[str, str]]) -> None:
         if op == "add":
             queue.add(key)
             owed.add(key)
+        elif op == "add_many":  # a batch with repeats, ending in ``key``
+            batch = ["a", key, "b", key]
+            queue.add_many(batch)
+            owed.update(batch)
         elif op == "pop":
             for taken in queue.pop(2):
                 assert taken not in processing
                 processing.add(taken)
                 owed.discard(taken)
+        elif op == "done_many":
+            queue.done_many(sorted(processing))
+            processing.clear()
         elif key in processing:
             processing.discard(key)
             queue.done(key)

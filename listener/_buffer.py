@@ -25,7 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from changefeed.schemas import ChangeItem
 
-from .errors import ListenerConfigError
+from ._errors import ListenerConfigError
 
 __all__ = [
     "BUFFER_KINDS",

@@ -125,6 +125,8 @@ class PublisherClosed(SessionError):
         close_code: the websocket close code, when one was received.
         error_code: the code of the error frame sent before the close, if any.
         status: the HTTP status of a refused websocket handshake, if that is how it ended.
+        retry_after: the error frame's ``retryAfter``: seconds before trying again
+            may succeed (with ``unavailable``).
     """
 
     def __init__(
@@ -134,11 +136,13 @@ class PublisherClosed(SessionError):
         error_code: str | None = None,
         *,
         status: int | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.close_code = close_code
         self.error_code = error_code
         self.status = status
+        self.retry_after = retry_after
 
 
 class BootstrapFailed(SessionError):

@@ -41,10 +41,16 @@ class MetricSource(Protocol):
     def metric_samples(self) -> list[Sample]: ...
 
 
-_Spec = tuple[str, str, str]  # name, kind ("gauge"/"counter"), help
+_Spec = tuple[str, str, str] | tuple[str, str, str, tuple[str, ...]]
+# name, kind ("gauge"/"counter"), help[, labels besides the listener's / controller's name]
 
 _LISTENER: tuple[_Spec, ...] = (
-    ("changefeed_listener_state", "gauge", "1 for the listener's current lifecycle state"),
+    (
+        "changefeed_listener_state",
+        "gauge",
+        "1 for the listener's current lifecycle state",
+        ("state",),
+    ),
     ("changefeed_listener_connection_attempts", "counter", "Connection attempts"),
     ("changefeed_listener_registrations", "counter", "Acks received"),
     ("changefeed_listener_resumes", "counter", "Registrations answered resumed=true"),
@@ -57,6 +63,30 @@ _LISTENER: tuple[_Spec, ...] = (
     ("changefeed_listener_backoff_failures", "gauge", "Consecutive failed attempts"),
     ("changefeed_listener_items_received", "counter", "Change items read from the socket"),
     ("changefeed_listener_items_delivered", "counter", "Change items handed to the application"),
+    (
+        "changefeed_listener_not_resumed",
+        "counter",
+        "Acks that did not resume the since given, by the ack's reason",
+        ("reason",),
+    ),
+    (
+        "changefeed_listener_bootstrap_items",
+        "gauge",
+        "Items of the bootstrap walk under way, or of the last one",
+        ("resource",),
+    ),
+    (
+        "changefeed_listener_bootstrap_pages",
+        "gauge",
+        "Pages of the bootstrap walk under way, or of the last one",
+        ("resource",),
+    ),
+    (
+        "changefeed_listener_bootstrap_items_per_second",
+        "gauge",
+        "Items per second of the bootstrap walk under way, or of the last one",
+        ("resource",),
+    ),
 )
 
 _CONTROLLER: tuple[_Spec, ...] = (
@@ -69,9 +99,15 @@ _CONTROLLER: tuple[_Spec, ...] = (
     ("changefeed_controller_fetches", "counter", "Resources fetched"),
     ("changefeed_controller_fetch_requests", "counter", "HTTP fetch requests (batched)"),
     ("changefeed_controller_fetch_errors", "counter", "Failed fetch requests"),
+    ("changefeed_controller_decode_errors", "counter", "Resources the decoder refused"),
     ("changefeed_controller_reconciles", "counter", "Callbacks completed"),
     ("changefeed_controller_reconcile_errors", "counter", "Callbacks that raised"),
     ("changefeed_controller_resyncs", "counter", "Bootstraps applied to the mirror"),
+    (
+        "changefeed_controller_periodic_resyncs",
+        "counter",
+        "Passes handing every mirrored resource to the callbacks again",
+    ),
     ("changefeed_controller_mirror_items", "gauge", "Resources in the mirror"),
 )
 
@@ -86,8 +122,8 @@ class _Collector(Collector):
     def _families(self) -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for specs, label in ((_LISTENER, "listener"), (_CONTROLLER, "controller")):
-            for name, kind, doc in specs:
-                extra = ["state"] if name == "changefeed_listener_state" else []
+            for name, kind, doc, *rest in specs:
+                extra = list(rest[0]) if rest else []
                 if kind == "counter":
                     families[name] = CounterMetricFamily(name, doc, labels=[label, *extra])
                 else:

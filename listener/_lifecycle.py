@@ -18,7 +18,7 @@
 
     any state --close() or a failure retrying cannot heal--> STOPPED
 
-Pure code: no I/O, no clock, no event loop. The adapter (``listener.py``)
+Pure code: no I/O, no clock, no event loop. The adapter (``_listener.py``)
 asks ``Lifecycle.to`` for each step and ``disposition`` what a failure means,
 so policy lives here only. It must never allow a transition that is not in
 ``TRANSITIONS`` (the adapter's bugs surface as LifecycleError, not as a
@@ -32,15 +32,18 @@ from collections.abc import Callable
 
 from changefeed.schemas import CloseCode
 
-from .errors import LifecycleError
+from ._errors import LifecycleError
 
 __all__ = [
     "FATAL_ERROR_CODES",
+    "FRESH_ERROR_CODES",
+    "MAX_RETRY_AFTER",
     "TRANSITIONS",
     "ConnectionState",
     "Disposition",
     "Lifecycle",
     "disposition",
+    "retry_floor",
 ]
 
 
@@ -129,7 +132,8 @@ class Disposition(enum.Enum):
     RETRY = "retry"
     """Back off and register again, resuming from the cursor when there is one."""
     RETRY_FRESH = "retry_fresh"
-    """Back off and register again without the cursor (it was refused): full bootstrap."""
+    """Back off and register again without the cursor (refused, or expired while the
+    listener caught up): full bootstrap."""
     STOP = "stop"
     """Give up with RegistrationRefused: the same registration will be refused again."""
 
@@ -139,9 +143,16 @@ FATAL_ERROR_CODES = frozenset(
 )
 """Error codes that retrying the same registration cannot heal (schemas/closecodes.py)."""
 
+FRESH_ERROR_CODES = frozenset({"bad_cursor", "cursor_expired"})
+"""Error codes after which the cursor is useless: register again without ``since``."""
+
+MAX_RETRY_AFTER = 300.0
+"""The longest ``retryAfter`` honoured, seconds: a publisher's hint, not a sentence."""
+
 _FATAL_CLOSE_CODES = frozenset(
     {CloseCode.BAD_FRAME, CloseCode.UNKNOWN_RESOURCE, CloseCode.UNAUTHORIZED, CloseCode.FORBIDDEN}
 )
+_FRESH_CLOSE_CODES = frozenset({CloseCode.BAD_CURSOR, CloseCode.CURSOR_EXPIRED})
 _FATAL_HTTP_STATUSES = frozenset({401, 403})
 
 
@@ -149,6 +160,18 @@ def disposition(
     close_code: int | None = None, error_code: str | None = None, http_status: int | None = None
 ) -> Disposition:
     """Decide what a connection's end means.
+
+    ===================================================  ============
+    how it ended                                         disposition
+    ===================================================  ============
+    bad_frame, invalid_registration, unknown_resource,   STOP
+    unauthorized, forbidden (error or close code);
+    HTTP 401/403 at the handshake
+    bad_cursor (4005), cursor_expired (4011)             RETRY_FRESH
+    anything else: unavailable (4010, keeps the cursor;  RETRY
+    see ``retry_floor``), slow_listener, going away,
+    a drop, a timeout, HTTP 5xx
+    ===================================================  ============
 
     Args:
         close_code: the websocket close code received, if any.
@@ -158,13 +181,26 @@ def disposition(
     if error_code is not None:
         if error_code in FATAL_ERROR_CODES:
             return Disposition.STOP
-        if error_code == "bad_cursor":
+        if error_code in FRESH_ERROR_CODES:
             return Disposition.RETRY_FRESH
         return Disposition.RETRY
     if close_code in _FATAL_CLOSE_CODES:
         return Disposition.STOP
-    if close_code == CloseCode.BAD_CURSOR:
+    if close_code in _FRESH_CLOSE_CODES:
         return Disposition.RETRY_FRESH
     if http_status in _FATAL_HTTP_STATUSES:
         return Disposition.STOP
     return Disposition.RETRY
+
+
+def retry_floor(retry_after: float | None) -> float:
+    """The least delay before the next attempt: the error frame's ``retryAfter``
+    (sent with ``unavailable``), capped at ``MAX_RETRY_AFTER``; 0 without one.
+
+    The back-off's own jittered delay still applies when it is longer: the
+    publisher's hint is a lower bound, so that every listener it turned away
+    does not come back at the same moment.
+    """
+    if retry_after is None or not retry_after > 0:  # also refuses NaN
+        return 0.0
+    return min(float(retry_after), MAX_RETRY_AFTER)

@@ -26,7 +26,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
 __all__ = ["WorkQueue"]
@@ -121,6 +121,24 @@ class WorkQueue(Generic[K]):
             self._wake.set()
         self._changed()
 
+    def add_many(self, keys: Iterable[K]) -> None:
+        """``add`` each of ``keys``, in order (one call for a batch of change items)."""
+        if self._shut_down:
+            return
+        keys = list(keys)
+        dirty, processing = self._dirty, self._processing
+        # In order, each key once, and only keys not queued already: set work in C.
+        fresh = [key for key in dict.fromkeys(keys) if key not in dirty]
+        dirty.update(fresh)
+        self._queue.extend(
+            fresh if not processing else [key for key in fresh if key not in processing]
+        )
+        self.adds += len(keys)
+        self.coalesced += len(keys) - len(fresh)
+        if self._queue:
+            self._wake.set()
+        self._changed()
+
     def add_after(self, key: K, delay: float, now: float | None = None) -> None:
         """Queue ``key`` once ``delay`` seconds have passed (an earlier pending delay wins)."""
         if self._shut_down:
@@ -163,12 +181,10 @@ class WorkQueue(Generic[K]):
         until ``done``."""
         self._promote(self._clock() if now is None else now)
         queue = self._queue
-        taken: list[K] = []
-        while queue and len(taken) < most:
-            key = queue.popleft()
-            self._dirty.discard(key)
-            self._processing.add(key)
-            taken.append(key)
+        popleft = queue.popleft
+        taken = [popleft() for _ in range(min(most, len(queue)))]
+        self._dirty.difference_update(taken)
+        self._processing.update(taken)
         if not queue:
             self._wake.clear()
         self.processed += len(taken)
@@ -201,6 +217,19 @@ class WorkQueue(Generic[K]):
         self._processing.discard(key)
         if key in self._dirty:
             self._queue.append(key)
+            self._wake.set()
+        self._changed()
+
+    def done_many(self, keys: Iterable[K]) -> None:
+        """``done`` for each of ``keys`` (a worker's whole batch)."""
+        processing, dirty, queue = self._processing, self._dirty, self._queue
+        requeued = False
+        for key in keys:
+            processing.discard(key)
+            if key in dirty:
+                queue.append(key)
+                requeued = True
+        if requeued:
             self._wake.set()
         self._changed()
 

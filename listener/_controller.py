@@ -1,4 +1,4 @@
-"""The controller: a mirror of the publisher's resources kept current from a listener.
+"""The controller: a mirror of one resource kept current from a listener.
 
 client-go's informer + controller in one object, for RFD 5 feeds that say
 *that* a resource changed, never *what*:
@@ -8,11 +8,11 @@ client-go's informer + controller in one object, for RFD 5 feeds that say
   fresh list are deletes. Ids being fetched right then are queued again with a
   fresh fetch, because a fetch that started before the list may finish after
   it with older state.
-* A change item marks its id stale and queues it. A worker fetches the
-  current state (``GET route/id``, or ``GET route?ids=a,b,c`` for several at
-  once; absent means deleted), writes it to the mirror and calls
-  ``on_add`` / ``on_update`` / ``on_delete`` (or one ``reconcile``) with the
-  state the application last saw and the new one.
+* Change items mark their ids stale and queue them (a batch at a time). A
+  worker fetches the current state (``GET route/id``, or ``GET route?ids=a,b,c``
+  for several at once; absent means deleted), writes it to the mirror and
+  calls ``on_add`` / ``on_update`` / ``on_delete`` (or one ``reconcile``) with
+  the state the application last saw and the new one.
 * The work queue coalesces repeated changes to one id into one fetch and
   never processes one id concurrently; fetch concurrency is bounded by the
   number of workers. A failed fetch or callback is retried per id with
@@ -20,8 +20,18 @@ client-go's informer + controller in one object, for RFD 5 feeds that say
   callback returns, so a failed callback is called again with the same ``old``.
 * Duplicate and out-of-order items are harmless: every fetch reads current state.
 * When the application falls ``max_pending`` ids behind, the controller
-  stops taking events from the listener, whose buffer then fills and, if it
+  takes no more events, and the listener's buffer then fills and, if it
   must, overflows (abort, back off, re-bootstrap).
+* With ``resync_period``, every resource of the mirror goes through the work
+  queue again once a period, and the application is called with ``old ==
+  new`` (client-go's resync): a change the application dropped is handed to
+  it again, without listing anything again.
+* ``decode`` turns each resource's JSON into the application's own type
+  ``T``; the mirror and the callbacks hold ``T``.
+
+Several controllers may share one Listener, one per resource it registers
+(``resource=``): each has its own mirror, work queue and callbacks, and sees
+only its resource's bootstrap and items.
 
 What it must never do: call back for an id concurrently, lose a change that
 arrived while its id was being fetched, or let a stale fetch be the last word.
@@ -35,49 +45,49 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Generic, Self
 
 from prometheus_client import CollectorRegistry
+from typing_extensions import TypeVar
 
 from changefeed.bootstrap import fetch_many, fetch_one
 from changefeed.logs import log_event
 from changefeed.schemas import ChangeItem
 
-from .backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
-from .errors import ListenerConfigError, ListenerError
-from .events import Event, Resynced
-from .listener import Listener
-from .metrics import Sample, register_controller
-from .mirror import Mirror
-from .workqueue import WorkQueue
+from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
+from ._errors import ListenerConfigError, ListenerError
+from ._events import Resynced
+from ._handlers import (
+    AddHandler,
+    DeleteHandler,
+    EventSource,
+    Fetcher,
+    ReconcileHandler,
+    UpdateHandler,
+)
+from ._listener import Listener
+from ._metrics import Sample, register_controller
+from ._mirror import Mirror
+from ._workqueue import WorkQueue
 
-__all__ = [
-    "Callback",
-    "Controller",
-    "ControllerStats",
-    "EventSource",
-    "Fetcher",
-]
+__all__ = ["Controller", "ControllerStats"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("changefeed.listener.controller")
+
+T = TypeVar("T", default=Any)
 
 _NOTHING = object()
 """No failed callback is on record for an id."""
 
-Fetcher = Callable[[Sequence[str]], Awaitable[Mapping[str, Any]]]
-"""Fetches resources by id: returns the ones that exist (absent ids are deleted)."""
 
-Callback = Callable[..., Awaitable[None] | None]
-"""A user callback; it may be a coroutine function or a plain function."""
+class _Undecodable:
+    """What ``decode`` refused."""
 
 
-class EventSource(Protocol):
-    """What the controller reads events from: a Listener, or anything iterable like one."""
-
-    def __aiter__(self) -> AsyncIterator[Event]: ...
+_UNDECODABLE = _Undecodable()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +105,11 @@ class ControllerStats:
         fetches: resources fetched.
         fetch_requests: fetch calls (one per batch).
         fetch_errors: fetch calls that failed.
+        decode_errors: resources ``decode`` refused (retried like a failed fetch).
         reconciles: callbacks completed.
         reconcile_errors: callbacks that raised.
         resyncs: bootstraps applied to the mirror.
+        periodic_resyncs: passes of ``resync_period`` over the mirror.
         mirror_items: resources in the mirror.
         synced: the first bootstrap has been applied and its work finished.
     """
@@ -112,9 +124,11 @@ class ControllerStats:
     fetches: int
     fetch_requests: int
     fetch_errors: int
+    decode_errors: int
     reconciles: int
     reconcile_errors: int
     resyncs: int
+    periodic_resyncs: int
     mirror_items: int
     synced: bool
 
@@ -122,62 +136,91 @@ class ControllerStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-async def _call(callback: Callback, *args: Any) -> None:
+async def _call(callback: Callable[..., Awaitable[None] | None], *args: Any) -> None:
     result = callback(*args)
     if inspect.isawaitable(result):
         await result
 
 
-class Controller:
+def _listener_resource(listener: Listener, resource: str | None) -> str:
+    if resource is not None:
+        return resource
+    if len(listener.resources) == 1:
+        return listener.resources[0]
+    raise ListenerConfigError(
+        "resource",
+        f"listener {listener.name} follows {', '.join(listener.resources)}: say which one",
+    )
+
+
+class Controller(Generic[T]):
     """Keeps a mirror of one resource current and calls the application back on changes.
 
     Either ``reconcile(id, old, new)`` or any of ``on_add(id, new)``,
-    ``on_update(id, old, new)``, ``on_delete(id, old)``; ``old``/``new`` are
-    None for a resource that did not / does not exist. Callbacks may be
-    coroutine functions or plain functions; one that raises is retried with
-    back-off (with the same ``old``).
+    ``on_update(id, old, new)``, ``on_delete(id, old)`` (see ``_handlers``);
+    ``old``/``new`` are None for a resource that did not / does not exist.
+    Callbacks may be coroutine functions or plain functions; one that raises
+    is retried with back-off (with the same ``old``).
 
     Args:
-        listener: where events come from; a Listener is started and closed by ``run``.
+        listener: where events come from. A Listener is shared: the controller
+            attaches to it for one ``resource``, the listener starts once every
+            controller attached to it runs, and closes when the last one stops.
+            Any other async-iterable of events is read as it is.
+        resource: which of the listener's resources this controller mirrors
+            (default: its only one). With another source, events of other
+            resources are ignored.
         reconcile: the one callback for every change.
         on_add: a resource appeared.
-        on_update: a resource changed.
+        on_update: a resource changed (or, on a periodic resync, did not).
         on_delete: a resource disappeared.
+        decode: turns a resource's JSON into the application's ``T``; what it
+            refuses is logged and retried with back-off, like a failed fetch.
+            ``T`` must compare by value (dataclasses, msgspec Structs do).
         fetch: how to fetch resources by id (default: the bootstrap client's
-            ``fetch_one`` / ``fetch_many`` on the listener's route and HTTP client).
-        key: the id of a listed resource (default: its ``id_field``).
+            ``fetch_one`` / ``fetch_many`` on the resource's route and the
+            listener's HTTP client).
+        key: the id of a listed resource, from its JSON (default: its ``id_field``).
         id_field: the field holding a resource's id.
         concurrency: workers, hence concurrent fetches.
         fetch_batch: ids per fetch request (1: one ``GET route/id`` each).
         fetch_attempts: attempts per fetch request before the ids are retried later.
-        retry: the per-id retry schedule of failed fetches and callbacks.
-        max_pending: stop taking events from the listener while this many ids wait.
-        name: the controller's name in logs and metrics.
+        retry: the per-id retry schedule of failed fetches and callbacks
+            (default: 50 ms doubling to 30 s, full jitter).
+        max_pending: take no more events while this many ids wait.
+        resync_period: seconds between passes that hand every mirrored resource
+            to the callbacks again (``old == new``); None: never.
+        name: the controller's name in logs and metrics (default: the
+            listener's name, plus ``/resource`` on a shared listener).
         registry: a Prometheus registry to expose the work-queue metrics on.
         rng: random source of the retry jitter.
 
     Raises:
         ListenerConfigError: both ``reconcile`` and an ``on_*`` callback, a bad number,
-            or a listener holding a saved cursor (the mirror starts empty, so the
-            listener must bootstrap).
+            a resource the listener does not register (or none named on a listener
+            of several), a listener that has started, or one holding a saved cursor
+            (the mirror starts empty, so the listener must bootstrap).
     """
 
     def __init__(
         self,
         listener: Listener | EventSource,
         *,
-        reconcile: Callback | None = None,
-        on_add: Callback | None = None,
-        on_update: Callback | None = None,
-        on_delete: Callback | None = None,
+        resource: str | None = None,
+        reconcile: ReconcileHandler[T] | None = None,
+        on_add: AddHandler[T] | None = None,
+        on_update: UpdateHandler[T] | None = None,
+        on_delete: DeleteHandler[T] | None = None,
+        decode: Callable[[Any], T] | None = None,
         fetch: Fetcher | None = None,
         key: Callable[[Any], str] | None = None,
         id_field: str = "uuid",
         concurrency: int = 4,
         fetch_batch: int = 50,
         fetch_attempts: int = 3,
-        retry: BackoffPolicy = DEFAULT_ITEM_BACKOFF,
+        retry: BackoffPolicy | None = None,
         max_pending: int = 10_000,
+        resync_period: float | None = None,
         name: str | None = None,
         registry: CollectorRegistry | None = None,
         rng: random.Random | None = None,
@@ -192,19 +235,32 @@ class Controller:
         ):
             if value < 1:
                 raise ListenerConfigError(setting, f"must be at least 1, got {value!r}")
-        if fetch is None and not isinstance(listener, Listener):
+        if resync_period is not None and not resync_period > 0:
+            raise ListenerConfigError("resync_period", f"must be > 0, got {resync_period!r}")
+        shared = isinstance(listener, Listener)
+        if fetch is None and not shared:
             raise ListenerConfigError("fetch", "is required when the source is not a Listener")
-        if isinstance(listener, Listener) and listener.cursor is not None:
-            # The mirror starts empty: resuming would skip the bootstrap that fills it.
-            raise ListenerConfigError(
-                "listener.cursor", "a controller's listener must bootstrap: pass no saved cursor"
-            )
+        if isinstance(listener, Listener):
+            if listener.cursor is not None:
+                # The mirror starts empty: resuming would skip the bootstrap that fills it.
+                raise ListenerConfigError(
+                    "listener.cursor",
+                    "a controller's listener must bootstrap: pass no saved cursor",
+                )
+            resource = _listener_resource(listener, resource)
+            default_name = listener.name
+            if len(listener.resources) > 1:
+                default_name += f"/{resource}"
+        else:
+            default_name = "controller"
         self.listener = listener
-        self.name = name or (listener.name if isinstance(listener, Listener) else "controller")
+        self.resource = resource
+        self.name = name or default_name
         self._reconcile = reconcile
         self._on_add = on_add
         self._on_update = on_update
         self._on_delete = on_delete
+        self._decode = decode
         self._fetch = fetch or self._default_fetch
         self._key = key or (lambda obj: str(obj[id_field]))
         self._id_field = id_field
@@ -212,14 +268,16 @@ class Controller:
         self.fetch_batch = fetch_batch
         self.fetch_attempts = fetch_attempts
         self.max_pending = max_pending
-        self._mirror = Mirror()
+        self.resync_period = resync_period
+        self._mirror: Mirror[T] = Mirror()
         self.queue: WorkQueue[str] = WorkQueue()
-        self._retry = ItemBackoff(retry, rng)
+        self._retry = ItemBackoff(retry or DEFAULT_ITEM_BACKOFF, rng)
         self._stale: set[str] = set()
-        self._seen: dict[str, Any] = {}  # id -> state the application last saw, while pending
+        self._seen: dict[str, T | None] = {}  # id -> state the application last saw
         # id -> the new state of a callback that raised: the application may hold
         # part of it, even if the mirror goes back to what it last saw.
         self._attempted: dict[str, Any] = {}
+        self._resyncing: set[str] = set()  # ids a periodic resync hands out again
         self._route: str | None = None
         self._synced = asyncio.Event()
         self._resynced_once = False
@@ -232,16 +290,23 @@ class Controller:
         self.fetches = 0
         self.fetch_requests = 0
         self.fetch_errors = 0
+        self.decode_errors = 0
         self.reconciles = 0
         self.reconcile_errors = 0
         self.resyncs = 0
+        self.periodic_resyncs = 0
+        self._sink: _Sink | None = None
+        if isinstance(listener, Listener):
+            assert resource is not None
+            self._sink = _Sink(self)
+            listener._attach(resource, self._sink)
         if registry is not None:
             register_controller(registry, self)
 
     # -- public face -----------------------------------------------------------
 
     @property
-    def mirror(self) -> Mapping[str, Any]:
+    def mirror(self) -> Mapping[str, T]:
         """A read-only live view of the mirror: id -> resource."""
         return self._mirror.view()
 
@@ -264,9 +329,11 @@ class Controller:
             fetches=self.fetches,
             fetch_requests=self.fetch_requests,
             fetch_errors=self.fetch_errors,
+            decode_errors=self.decode_errors,
             reconciles=self.reconciles,
             reconcile_errors=self.reconcile_errors,
             resyncs=self.resyncs,
+            periodic_resyncs=self.periodic_resyncs,
             mirror_items=len(self._mirror),
             synced=self.synced,
         )
@@ -285,9 +352,11 @@ class Controller:
             Sample(c + "fetches", st.fetches),
             Sample(c + "fetch_requests", st.fetch_requests),
             Sample(c + "fetch_errors", st.fetch_errors),
+            Sample(c + "decode_errors", st.decode_errors),
             Sample(c + "reconciles", st.reconciles),
             Sample(c + "reconcile_errors", st.reconcile_errors),
             Sample(c + "resyncs", st.resyncs),
+            Sample(c + "periodic_resyncs", st.periodic_resyncs),
             Sample(c + "mirror_items", st.mirror_items),
         ]
 
@@ -325,29 +394,36 @@ class Controller:
         Raises:
             RegistrationRefused, RetriesExhausted: from the listener.
         """
-        listener = self.listener
-        owns = isinstance(listener, Listener)
-        if isinstance(listener, Listener):
-            listener.start()
-        workers = [
+        helpers = [
             asyncio.create_task(self._work(), name=f"changefeed-worker-{self.name}-{n}")
             for n in range(self.concurrency)
         ]
+        if self.resync_period is not None:
+            helpers.append(
+                asyncio.create_task(
+                    self._resync_every(self.resync_period), name=f"changefeed-resync-{self.name}"
+                )
+            )
         try:
-            await self._consume()
+            if self._sink is not None:
+                await self._follow_listener(self._sink)
+            else:
+                await self._consume()
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 self._failure = exc
             raise
         finally:
             self._ended.set()
+            self._room.set()  # a dispatch task waiting for this controller's room goes on
             self.queue.shut_down()
-            helpers = [*workers, *([self._sync_task] if self._sync_task else [])]
+            if self._sync_task is not None:
+                helpers.append(self._sync_task)
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
-            if owns and isinstance(listener, Listener):
-                await listener.close()
+            if self._sink is not None and isinstance(self.listener, Listener):
+                await self.listener._controller_done(self._sink)
 
     async def __aenter__(self) -> Self:
         """Run in a background task until the block exits."""
@@ -371,28 +447,67 @@ class Controller:
 
     # -- events -----------------------------------------------------------------
 
+    async def _follow_listener(self, sink: _Sink) -> None:
+        """Wait while the listener's dispatch task feeds ``sink``; raise how it stopped."""
+        assert isinstance(self.listener, Listener)
+        stopped = sink.running()
+        self.listener._controller_running(sink)
+        await stopped
+
     async def _consume(self) -> None:
-        async for event in self.listener:
-            while self.queue.pending >= self.max_pending:
-                self._room.clear()
-                await self._room.wait()
+        """Read another event source one event at a time."""
+        source = self.listener
+        assert not isinstance(source, Listener)
+        resource = self.resource
+        async for event in source:
             if isinstance(event, Resynced):
-                self._apply_resync(event)
+                if resource is None or event.resource in ("", resource):
+                    self._apply_resync(event)
             elif isinstance(event, ChangeItem):
-                self.items += 1
-                self._stale.add(event.changed_resource_id)
-                self.queue.add(event.changed_resource_id)
+                if resource is not None and event.change_kind.resource != resource:
+                    continue
+                while self._room_left() <= 0:
+                    await self._wait_room()
+                self._take_items((event,))
+
+    def _room_left(self) -> int:
+        return self.max_pending - self.queue.pending
+
+    async def _wait_room(self, gone: Callable[[], bool] | None = None) -> None:
+        """Return once there is room, the controller ended, or ``gone()`` says so."""
+        while self._room_left() <= 0 and not self._ended.is_set():
+            if gone is not None and gone():
+                return
+            self._room.clear()
+            await self._room.wait()
+
+    def _take_items(self, items: Sequence[ChangeItem]) -> None:
+        self.items += len(items)
+        ids = [item.changed_resource_id for item in items]
+        self._stale.update(ids)
+        self.queue.add_many(ids)
 
     def _apply_resync(self, event: Resynced) -> None:
         self._route = event.route
-        fresh: dict[str, Any] = {}
+        fresh: dict[str, T] = {}
+        refetch: list[str] = []
         for obj in event.items:
             try:
-                fresh[self._key(obj)] = obj
+                key = self._key(obj)
             except (KeyError, TypeError, IndexError):
                 log_event(
                     log, "controller.unkeyed", logging.WARNING, controller=self.name, item=obj
                 )
+                continue
+            value = self._decoded(key, obj)
+            if isinstance(value, _Undecodable):
+                # Not the application's type: keep what the mirror held, and fetch
+                # it again (with back-off) until it decodes.
+                refetch.append(key)
+                if key in self._mirror:
+                    fresh[key] = self._mirror[key]
+                continue
+            fresh[key] = value
         changes = self._mirror.replace(fresh)
         for change in changes:
             self._seen.setdefault(change.id, change.old)
@@ -400,6 +515,9 @@ class Controller:
         for busy in self.queue.processing:
             self._stale.add(busy)
             self.queue.add(busy)
+        for key in refetch:
+            self._stale.add(key)
+            self.queue.add_rate_limited(key, self._retry.failure(key))
         self.resyncs += 1
         log_event(
             log,
@@ -407,6 +525,7 @@ class Controller:
             controller=self.name,
             items=len(fresh),
             changed=len(changes),
+            undecodable=len(refetch),
             initial=event.initial,
             pending=self.queue.pending,
         )
@@ -414,10 +533,51 @@ class Controller:
             self._resynced_once = True
             self._sync_task = asyncio.create_task(self._mark_synced())
 
+    def _decoded(self, key: str, obj: Any) -> T | _Undecodable:
+        """``obj`` as the application's type, or ``_UNDECODABLE`` when ``decode`` refuses it."""
+        if self._decode is None:
+            decoded: T = obj  # no decoder: T is the JSON itself
+            return decoded
+        try:
+            return self._decode(obj)
+        except Exception as exc:
+            self.decode_errors += 1
+            log_event(
+                log,
+                "controller.decode_failed",
+                logging.WARNING,
+                exc=exc,
+                controller=self.name,
+                id=key,
+            )
+            return _UNDECODABLE
+
     async def _mark_synced(self) -> None:
         await self.queue.wait_idle()
         self._synced.set()
         log_event(log, "controller.synced", controller=self.name, items=len(self._mirror))
+
+    async def _resync_every(self, period: float) -> None:
+        await self._synced.wait()
+        while True:
+            await asyncio.sleep(period)
+            self._resync_pass()
+
+    def _resync_pass(self) -> None:
+        """Queue every mirrored id for a callback with ``old == new`` (coalescing with
+        real changes already queued)."""
+        ids = list(self._mirror)
+        self._resyncing.update(ids)
+        self.queue.add_many(ids)
+        self.periodic_resyncs += 1
+        log_event(
+            log,
+            "controller.periodic_resync",
+            logging.DEBUG,
+            controller=self.name,
+            ids=len(ids),
+            pending=self.queue.pending,
+        )
 
     # -- workers ----------------------------------------------------------------
 
@@ -433,23 +593,28 @@ class Controller:
             try:
                 await self._process(ids)
             except Exception as exc:  # a bug in this module: keep the ids, keep going
-                log_event(
-                    log, "controller.crashed", logging.ERROR, controller=self.name, error=repr(exc)
-                )
+                log_event(log, "controller.crashed", logging.ERROR, exc=exc, controller=self.name)
                 for key in ids:
                     self._stale.add(key)
                     queue.add_rate_limited(key, self._retry.failure(key))
             finally:
-                for key in ids:
-                    queue.done(key)
+                queue.done_many(ids)
                 if queue.pending < self.max_pending:
                     self._room.set()
 
     async def _process(self, ids: list[str]) -> None:
-        failed = await self._refresh([key for key in ids if key in self._stale])
+        stale = self._stale
+        failed = await self._refresh([key for key in ids if key in stale])
+        seen, resyncing = self._seen, self._resyncing
+        retrying = len(self._retry) > 0  # any id with failures on record
         for key in ids:
-            if key not in failed:
-                await self._notify(key)
+            if key in failed:
+                continue
+            if key not in seen and key not in resyncing:  # nothing for the application
+                if retrying:
+                    self._retry.forget(key)
+                continue
+            await self._notify(key)
 
     async def _refresh(self, stale: list[str]) -> set[str]:
         """Fetch ``stale`` ids into the mirror; return the ids whose fetch failed."""
@@ -485,9 +650,20 @@ class Controller:
             found=len(found),
             elapsed=round(time.monotonic() - started, 4),
         )
+        failed: set[str] = set()
+        current = self._mirror.view().get
+        decode = self._decode
         for key in stale:
-            new = found.get(key)
-            old = self._mirror.get(key)
+            raw = found.get(key)
+            new: T | _Undecodable | None = raw
+            if raw is not None and decode is not None:
+                new = self._decoded(key, raw)
+            if isinstance(new, _Undecodable):
+                failed.add(key)
+                self._stale.add(key)
+                self.queue.add_rate_limited(key, self._retry.failure(key))
+                continue
+            old = current(key)
             if new == old:
                 continue
             self._seen.setdefault(key, old)
@@ -495,28 +671,36 @@ class Controller:
                 self._mirror.delete(key)
             else:
                 self._mirror.put(key, new)
-        return set()
+        return failed
 
     async def _notify(self, key: str) -> None:
-        if key not in self._seen:
+        new = self._mirror.get(key)
+        resync = key in self._resyncing
+        if key in self._seen:
+            seen = old = self._seen[key]
+            if old == new:
+                attempted = self._attempted.get(key, _NOTHING)
+                if attempted is _NOTHING or attempted == new:
+                    del self._seen[key]
+                    self._attempted.pop(key, None)
+                    if not resync or new is None:
+                        self._resyncing.discard(key)
+                        self._retry.forget(key)
+                        return
+                else:
+                    # A failed callback for this id may have applied part of its
+                    # change, and the mirror is back where it was: undo from there.
+                    old = attempted
+        elif new is None:  # a resync of an id deleted meanwhile: its delete went out
+            self._resyncing.discard(key)
             self._retry.forget(key)
             return
-        seen = old = self._seen[key]
-        new = self._mirror.get(key)
-        if old == new:
-            attempted = self._attempted.get(key, _NOTHING)
-            if attempted is _NOTHING or attempted == new:
-                del self._seen[key]
-                self._attempted.pop(key, None)
-                self._retry.forget(key)
-                return
-            # A failed callback for this id may have applied part of its change,
-            # and the mirror is back where it was: undo from there.
-            old = attempted
+        else:
+            seen = old = new  # a periodic resync: old == new
         try:
             await self._dispatch(key, old, new)
         except Exception as exc:
-            if old == seen:
+            if old == seen and key in self._seen:
                 self._attempted[key] = new
             self.reconcile_errors += 1
             delay = self._retry.failure(key)
@@ -525,24 +709,25 @@ class Controller:
                 log,
                 "controller.reconcile_failed",
                 logging.WARNING,
+                exc=exc,
                 controller=self.name,
                 id=key,
                 failures=self._retry.failures(key),
                 retry_in=round(delay, 4),
-                error=f"{type(exc).__name__}: {exc}",
             )
             return
         self.reconciles += 1
+        self._resyncing.discard(key)
         self._attempted.pop(key, None)
         self._retry.forget(key)
         # The mirror may have moved on during the callback (a resync): the
         # application now holds ``new``; the id is already queued again.
         if self._mirror.get(key) == new:
-            del self._seen[key]
+            self._seen.pop(key, None)
         else:
             self._seen[key] = new
 
-    async def _dispatch(self, key: str, old: Any, new: Any) -> None:
+    async def _dispatch(self, key: str, old: T | None, new: T | None) -> None:
         if self._reconcile is not None:
             await _call(self._reconcile, key, old, new)
         elif old is None:
@@ -556,8 +741,8 @@ class Controller:
 
     async def _default_fetch(self, ids: Sequence[str]) -> Mapping[str, Any]:
         listener = self.listener
-        assert isinstance(listener, Listener)
-        route = self._route or listener.route
+        assert isinstance(listener, Listener) and self.resource is not None
+        route = self._route or listener.routes.get(self.resource)
         if route is None:
             raise ListenerError("no resource route yet: the listener has not registered")
         if len(ids) == 1:
@@ -574,3 +759,49 @@ class Controller:
             max_attempts=self.fetch_attempts,
             max_wait=30.0,
         )
+
+
+class _Sink:
+    """The controller's side of ``_listener.Sink``: what the listener's dispatch task
+    hands it. A separate object, so that these calls are not part of the
+    controller's public face."""
+
+    __slots__ = ("_controller", "_stopped")
+
+    def __init__(self, controller: Controller[Any]) -> None:
+        self._controller = controller
+        self._stopped: asyncio.Future[None] | None = None
+
+    def running(self) -> asyncio.Future[None]:
+        """A future that ends the way the listener stops (``Controller.run`` awaits it)."""
+        self._stopped = asyncio.get_running_loop().create_future()
+        return self._stopped
+
+    def _gone(self) -> bool:
+        return self._stopped is None or self._stopped.done() or self._controller._ended.is_set()
+
+    def room(self) -> int:
+        if self._gone():
+            return 1 << 30  # a stopped controller never holds the others up
+        return self._controller._room_left()
+
+    async def wait_room(self) -> None:
+        await self._controller._wait_room(self._gone)
+
+    def resynced(self, event: Resynced) -> None:
+        if not self._gone():
+            self._controller._apply_resync(event)
+
+    def changed(self, items: Sequence[ChangeItem]) -> None:
+        if not self._gone():
+            self._controller._take_items(items)
+
+    def stopped(self, error: BaseException | None) -> None:
+        stopped = self._stopped
+        if stopped is None or stopped.done():
+            return
+        if error is None:
+            stopped.set_result(None)
+        else:
+            stopped.set_exception(error)
+        self._controller._room.set()

@@ -14,25 +14,27 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = ["Change", "Mirror"]
 
+V = TypeVar("V")
+
 
 @dataclass(frozen=True, slots=True)
-class Change:
+class Change(Generic[V]):
     """One id whose mirrored state changed: ``old``/``new`` are None when absent."""
 
     id: str
-    old: Any
-    new: Any
+    old: V | None
+    new: V | None
 
 
-class Mirror(Mapping[str, Any]):
+class Mirror(Mapping[str, V]):
     """id -> resource; a read-only Mapping to everyone, written by its controller."""
 
     def __init__(self) -> None:
-        self._items: dict[str, Any] = {}
+        self._items: dict[str, V] = {}
         self._view = MappingProxyType(self._items)
         self.replaces = 0
         """How many times a bootstrap replaced the whole store."""
@@ -41,7 +43,7 @@ class Mirror(Mapping[str, Any]):
 
     # -- Mapping ------------------------------------------------------------
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> V:
         return self._items[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -53,13 +55,18 @@ class Mirror(Mapping[str, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self._items
 
-    def view(self) -> Mapping[str, Any]:
+    def get(self, key: str, default: Any = None) -> Any:
+        """The resource under ``key``, or ``default`` (the dict's own ``get``: no
+        KeyError raised and caught for a missing id, as ``Mapping.get`` would)."""
+        return self._items.get(key, default)
+
+    def view(self) -> Mapping[str, V]:
         """A read-only live view of the store."""
         return self._view
 
     # -- writes -------------------------------------------------------------
 
-    def replace(self, items: Mapping[str, Any]) -> list[Change]:
+    def replace(self, items: Mapping[str, V]) -> list[Change[V]]:
         """Swap in ``items`` as the whole store; return every id that was added, changed or
         removed (in that order: fresh ids first, in ``items`` order, then removed ids)."""
         old = self._items
@@ -76,7 +83,7 @@ class Mirror(Mapping[str, Any]):
         self.replaces += 1
         return changes
 
-    def put(self, key: str, value: Any) -> Any:
+    def put(self, key: str, value: V) -> V | None:
         """Store ``value`` under ``key``; return the previous value (None if absent)."""
         previous = self._items.get(key)
         if previous is None or previous != value:
@@ -84,7 +91,7 @@ class Mirror(Mapping[str, Any]):
         self._items[key] = value
         return previous
 
-    def delete(self, key: str) -> Any:
+    def delete(self, key: str) -> V | None:
         """Remove ``key``; return the removed value (None if absent)."""
         previous = self._items.pop(key, None)
         if previous is not None:

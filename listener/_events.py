@@ -3,8 +3,11 @@
 ``async for event in listener`` yields two kinds of event, in feed order:
 
 * ``Resynced`` when a bootstrap (the first, or a re-bootstrap after a cursor
-  could not be resumed) has been walked: every resource, as of some moment
-  after the registration. Apply it first; every change item after it is newer.
+  could not be resumed) has been walked: every resource of one change kind,
+  as of some moment after the registration. A listener of several change
+  kinds hands out one per kind, in registration order, all with the same
+  cursor, before any change item. Apply it first; every change item after it
+  is newer.
 * ``ChangeItem`` (from ``changefeed.schemas``): resource ``changed_resource_id``
   changed. It says *that* it changed, never *what*: fetch it.
 
@@ -13,19 +16,19 @@ Pure data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from changefeed.schemas import ChangeItem
 
-from .lifecycle import ConnectionState
+from ._lifecycle import ConnectionState
 
-__all__ = ["Event", "ListenerStatus", "Resynced"]
+__all__ = ["BootstrapProgress", "Event", "ListenerStatus", "Resynced"]
 
 
 @dataclass(frozen=True, slots=True)
 class Resynced:
-    """A completed bootstrap: the whole resource list.
+    """A completed bootstrap of one change kind: the whole resource list.
 
     Attributes:
         items: every resource the bootstrap route listed.
@@ -36,6 +39,8 @@ class Resynced:
         pages: pages walked.
         elapsed: seconds the walk took.
         initial: True for the listener's first bootstrap, False for a re-bootstrap.
+        resource: the change kind's resource (``""``: not said, from a source
+            other than a Listener).
     """
 
     items: list[Any]
@@ -44,16 +49,43 @@ class Resynced:
     pages: int = 0
     elapsed: float = 0.0
     initial: bool = True
+    resource: str = ""
 
     def __repr__(self) -> str:
         return (
-            f"Resynced(items=<{len(self.items)}>, route={self.route!r}, "
-            f"pages={self.pages}, initial={self.initial})"
+            f"Resynced(resource={self.resource!r}, items=<{len(self.items)}>, "
+            f"route={self.route!r}, pages={self.pages}, initial={self.initial})"
         )
 
 
 Event = Resynced | ChangeItem
 """What ``async for event in listener`` yields."""
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapProgress:
+    """One route's bootstrap walk: the one under way, or the last one.
+
+    Attributes:
+        resource: the change kind's resource.
+        route: the absolute URL being paged.
+        pages: pages received so far.
+        items: resources received so far.
+        elapsed: seconds since the walk started (until it ended, once done).
+        rate: items per second over the walk.
+        done: the walk ended (its items went, or will go, out as ``Resynced``).
+    """
+
+    resource: str
+    route: str
+    pages: int = 0
+    items: int = 0
+    elapsed: float = 0.0
+    rate: float = 0.0
+    done: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +114,12 @@ class ListenerStatus:
         items_delivered: change items handed to the application.
         frames_received: websocket frames received.
         live_for: seconds the current connection has been live.
-        route: the bootstrap route's absolute URL, once known.
+        route: the (first) bootstrap route's absolute URL, once known.
+        resources: the resources of the change kinds this listener registers.
+        bootstrap: per route, the walk under way or the last one (empty before
+            the first bootstrap).
+        not_resumed: acks that did not resume a ``since``, by the ack's
+            ``reason`` (``"unknown"`` when the publisher gave none).
     """
 
     name: str
@@ -107,9 +144,15 @@ class ListenerStatus:
     frames_received: int
     live_for: float
     route: str | None
+    resources: tuple[str, ...] = ()
+    bootstrap: tuple[BootstrapProgress, ...] = ()
+    not_resumed: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot as a JSON-ready dict (``state`` as its string value)."""
         doc = {name: getattr(self, name) for name in self.__slots__}
         doc["state"] = self.state.value
+        doc["resources"] = list(self.resources)
+        doc["bootstrap"] = [progress.to_json() for progress in self.bootstrap]
+        doc["not_resumed"] = dict(self.not_resumed)
         return doc

@@ -11,7 +11,8 @@ so that a seeded test is reproducible.
 reconciles (client-go's ItemExponentialFailureRateLimiter).
 
 Pure code: the caller passes the time in and does the sleeping. It must never
-read a clock, sleep, or hand out a delay above the policy's cap.
+read a clock, sleep, or hand out a delay above the policy's cap unless the
+caller passes a longer floor (a publisher's ``retryAfter``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from tenacity import RetryCallState, Retrying, wait_exponential
 
-from .errors import ListenerConfigError
+from ._errors import ListenerConfigError
 
 __all__ = ["DEFAULT_ITEM_BACKOFF", "Backoff", "BackoffPolicy", "ItemBackoff"]
 
@@ -123,13 +124,15 @@ class Backoff:
         """Seconds the current connection has been live (0 when not live)."""
         return 0.0 if self._healthy_since is None else max(0.0, now - self._healthy_since)
 
-    def failure(self, now: float) -> float:
-        """A connection (attempt) ended at ``now``; return the delay before the next one."""
+    def failure(self, now: float, at_least: float = 0.0) -> float:
+        """A connection (attempt) ended at ``now``; return the delay before the next one,
+        ``at_least`` seconds (the publisher's ``retryAfter``) or the drawn delay if longer."""
         if self._healthy_since is not None and now - self._healthy_since >= self.policy.reset_after:
             self.reset()
         self._healthy_since = None
         self.failures += 1
-        self.delay, self.ceiling = self.policy.delay(self.failures, self._rng)
+        drawn, self.ceiling = self.policy.delay(self.failures, self._rng)
+        self.delay = max(drawn, at_least)
         return self.delay
 
     def reset(self) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .backoff import BackoffPolicy
-from .buffer import BUFFER_KINDS
-from .errors import ListenerConfigError
+from ._backoff import BackoffPolicy
+from ._buffer import BUFFER_KINDS
+from ._errors import ListenerConfigError
 
 __all__ = ["ListenerConfig"]
 

@@ -1,0 +1,822 @@
+"""The listener: registers on a publisher's /changefeeds websocket and yields its changes.
+
+The websockets / httpx adapter around the pure core (``_lifecycle``,
+``_backoff``, ``_buffer``). One background task runs the connection
+lifecycle (steps 1-4, one connection, are a ``_session.Session``, which
+reports back through ``_Reports`` at the end of this module; the back-off is
+here):
+
+1. CONNECTING: open the websocket (optional bearer token on the handshake)
+   and send the registration: RFD 5's v1 form for one change kind, the v2
+   form (``resources``) for several; with ``since`` when there is a cursor to
+   resume from, and ``batch: true``.
+2. REGISTERED: the ack says whether the publisher resumed from ``since``
+   (and, when it did not, why: the ack's ``reason``, logged and counted).
+3. BOOTSTRAPPING (``resumed: false``): page every change kind's bootstrap
+   route at once while every change item that arrives is buffered.
+4. LIVE: items flow from the socket into the buffer and from the buffer to
+   the application: ``async for event in listener``, or, when controllers
+   are attached, a dispatch task that hands each controller its resource's
+   events in batches.
+5. BACKING_OFF: any failure (a drop, a retryable close code, a missed pong,
+   an ack that never came, a failed page walk, a full buffer) clears the
+   buffer and waits a jittered, growing, capped delay (at least the
+   publisher's ``retryAfter``) before step 1. A failure retrying cannot heal
+   (bad_frame, unknown_resource, unauthorized, forbidden) stops the listener
+   with ``RegistrationRefused`` instead.
+
+The socket is always read as fast as it delivers, whatever the application
+does: the buffer absorbs the difference, and when it cannot, the listener
+aborts rather than block the publisher or grow without bound (RFD 5 "Back
+pressure"). Items taken from the buffer but not handed out yet count against
+the same capacity. The cursor it resumes from is that of the last event
+handed to the application, and items are handed out in feed order, so
+nothing that was buffered and then cleared is lost.
+
+Several controllers share one listener (one connection per publisher per
+process, as client-go's shared informers): each attaches to one resource
+before the listener starts, and the listener starts once every attached
+controller runs. The dispatch task hands a controller only as many items as
+its work queue has room for (``max_pending``) and waits for room otherwise,
+so a controller that falls behind fills the buffer, which overflows (abort,
+clear, re-bootstrap of every change kind) rather than grow.
+
+It must never hand the application an item of a connection before that
+connection's ``Resynced`` events, never retry without back-off, and never
+swallow a failure without logging and counting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Protocol, Self
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from changefeed.bootstrap import PagerProgress
+from changefeed.logs import log_event
+from changefeed.schemas import RESUME_REASONS, Ack, ChangeItem, ChangeKind, Registration
+
+from ._backoff import Backoff
+from ._buffer import Buffer, make_buffer
+from ._config import ListenerConfig
+from ._errors import (
+    BufferOverflow,
+    ListenerConfigError,
+    ListenerError,
+    PublisherClosed,
+    RegistrationRefused,
+    RetriesExhausted,
+    SessionError,
+)
+from ._events import BootstrapProgress, Event, ListenerStatus, Resynced
+from ._lifecycle import ConnectionState, Disposition, Lifecycle, disposition, retry_floor
+from ._metrics import Sample, register_listener
+from ._session import Session
+
+__all__ = ["Listener", "Sink"]
+
+log = logging.getLogger("changefeed.listener")
+
+S = ConnectionState
+_LOW_WATER = 0.5  # the high-water event re-arms once the buffer drains below this
+
+
+class Sink(Protocol):
+    """What a controller attached to a listener receives (``Listener._attach``)."""
+
+    def room(self) -> int:
+        """How many more change items it takes now (0 or less: none until ``wait_room``)."""
+
+    async def wait_room(self) -> None:
+        """Return once it takes items again (or has stopped)."""
+
+    def resynced(self, event: Resynced) -> None:
+        """A bootstrap of its resource."""
+
+    def changed(self, items: Sequence[ChangeItem]) -> None:
+        """Change items of its resource, in feed order (never more than ``room()``)."""
+
+    def stopped(self, error: BaseException | None) -> None:
+        """The listener stopped: closed (None), or for good with ``error``."""
+
+
+def _http_origin(ws_url: str) -> str:
+    parts = urlsplit(ws_url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ListenerConfigError("url", f"expected a ws:// or wss:// URL, got {ws_url!r}")
+    return urlunsplit((scheme, parts.netloc, "/", "", ""))
+
+
+def _change_kinds(
+    change_kind: ChangeKind | None, change_kinds: Sequence[ChangeKind]
+) -> tuple[ChangeKind, ...]:
+    if change_kind is not None and change_kinds:
+        raise ListenerConfigError("change_kinds", "give change_kind or change_kinds, not both")
+    kinds = (change_kind,) if change_kind is not None else tuple(change_kinds)
+    if not kinds:
+        raise ListenerConfigError("change_kinds", "name at least one change kind")
+    resources = [kind.resource for kind in kinds]
+    twice = sorted({r for r in resources if resources.count(r) > 1})
+    if twice:
+        raise ListenerConfigError(
+            "change_kinds",
+            f"{', '.join(twice)} named twice: give each resource once, with all its sub-resources",
+        )
+    return kinds
+
+
+def _runs(items: list[ChangeItem]) -> list[tuple[str, list[ChangeItem]]]:
+    """``items`` cut into runs of one resource each, in feed order."""
+    runs: list[tuple[str, list[ChangeItem]]] = []
+    current = ""
+    run: list[ChangeItem] = []
+    for item in items:
+        resource = item.change_kind.resource
+        if resource != current:
+            run = []
+            runs.append((resource, run))
+            current = resource
+        run.append(item)
+    return runs
+
+
+class Listener:
+    """A change-feed listener for one or several change kinds (RFD 5's listener module).
+
+    Use it as an async context manager and iterate it::
+
+        async with Listener("ws://vmapi/changefeeds", instance=uuid, service="tcns",
+                            change_kind=ChangeKind("vm", ("nic", "alias"))) as listener:
+            async for event in listener:
+                ...  # Resynced(items) after each bootstrap, else ChangeItem
+
+    or attach controllers to it, one per resource, and run them (the
+    listener starts when every attached controller runs, and closes when
+    the last one stops)::
+
+        listener = Listener(url, instance=uuid, service="tcns",
+                            change_kinds=[ChangeKind("vm"), ChangeKind("server")])
+        vms = Controller(listener, resource="vm", reconcile=on_vm)
+        servers = Controller(listener, resource="server", reconcile=on_server)
+        async with vms, servers:
+            ...
+
+    Args:
+        url: the publisher's websocket endpoint, ``ws://host:port/changefeeds``.
+        instance: this listener's instance UUID (RFD 5 registration).
+        service: this listener's service name, e.g. ``tcns``.
+        change_kind: the resource and sub-resources to register for ...
+        change_kinds: ... or several, each resource once, on one connection
+            (the v2 registration; one bootstrap route each).
+        config: buffer, back-off, resume, timeouts (see ListenerConfig).
+        http: the HTTP client for bootstrap walks (and the controllers'
+            fetches); by default one is created and closed with the listener.
+        api_url: base URL the ack's bootstrap routes are resolved against
+            (default: the websocket URL's origin, ``http://host:port/``).
+        token: bearer token for the websocket handshake and, when the
+            listener creates the HTTP client, for its requests.
+        cursor: a cursor saved from an earlier run (``status().cursor``) to
+            resume from; only useful when the application kept its state.
+        buffer: a buffer instance to use instead of ``config.buffer_kind``.
+        registry: a Prometheus registry to expose this listener's metrics on.
+        name: this listener's name in logs and metrics (default
+            ``service:resource``, ``service:vm+server`` for several).
+        rng: random source of the back-off jitter (seed it in tests).
+
+    Raises:
+        ListenerConfigError: the URL is not ws:// or wss://, no change kind or a
+            resource twice, or a setting is out of range.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        instance: str,
+        service: str,
+        change_kind: ChangeKind | None = None,
+        change_kinds: Sequence[ChangeKind] = (),
+        config: ListenerConfig | None = None,
+        http: httpx.AsyncClient | None = None,
+        api_url: str | None = None,
+        token: str | None = None,
+        cursor: str | None = None,
+        buffer: Buffer | None = None,
+        registry: CollectorRegistry | None = None,
+        name: str | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config or ListenerConfig()
+        self.url = url
+        self.api_url = api_url or _http_origin(url)
+        self.instance = instance
+        self.service = service
+        self.change_kinds = _change_kinds(change_kind, change_kinds)
+        self.resources = tuple(kind.resource for kind in self.change_kinds)
+        self._multi = len(self.change_kinds) > 1
+        self.name = name or f"{service}:{'+'.join(self.resources)}"
+        self._token = token
+        self._http = http
+        self._own_http = http is None
+        self._buffer = buffer or make_buffer(self.config.buffer_kind, self.config.buffer_size)
+        self._backoff = Backoff(self.config.backoff, rng)
+        self._lifecycle = Lifecycle(self._on_transition)
+        self._clock = time.monotonic
+        self._cursor = cursor
+        self._routes: dict[str, str] = {}
+        self._progress: dict[str, BootstrapProgress] = {}
+        self._not_resumed: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._resyncs: deque[Resynced] = deque()
+        self._staged: deque[ChangeItem] = deque()
+        self._staged_total = 0  # items ever staged for ``async for``
+        self._in_hand = 0  # items the dispatch task took and has not handed over yet
+        self._dispatched = 0  # items the dispatch task handed to controllers
+        self._sinks: dict[str, list[Sink]] = {}
+        self._attached = 0
+        self._running: set[Sink] = set()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._generation = 0
+        self._fatal: BaseException | None = None
+        self._high = False
+        self._bootstrapped_once = False
+        self._live_since: float | None = None
+        self.attempts = 0
+        self.registrations = 0
+        self.resumes = 0
+        self.bootstraps = 0
+        self.overflows = 0
+        self.aborts = 0
+        self.items_received = 0
+        self.frames_received = 0
+        self.last_error: str | None = None
+        self._peak = 0
+        if registry is not None:
+            register_listener(registry, self)
+
+    # -- public face -----------------------------------------------------------
+
+    @property
+    def change_kind(self) -> ChangeKind:
+        """The (first) change kind registered."""
+        return self.change_kinds[0]
+
+    @property
+    def state(self) -> ConnectionState:
+        """Where the connection lifecycle is now."""
+        return self._lifecycle.state
+
+    @property
+    def cursor(self) -> str | None:
+        """The cursor a reconnect resumes from: that of the last event handed out."""
+        return self._cursor
+
+    @property
+    def route(self) -> str | None:
+        """The (first) bootstrap route's absolute URL, known after the first ack."""
+        return self._routes.get(self.resources[0])
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Each resource's bootstrap route (absolute URL), known after the first ack."""
+        return dict(self._routes)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The HTTP client of bootstrap walks (started listeners only)."""
+        if self._http is None:
+            raise ListenerError("the listener has not been started")
+        return self._http
+
+    @property
+    def buffer(self) -> Buffer:
+        return self._buffer
+
+    @property
+    def items_delivered(self) -> int:
+        """Change items handed to the application (iteration or controllers)."""
+        return self._staged_total - len(self._staged) + self._dispatched
+
+    def _held(self) -> int:
+        """Items received and not handed out: buffered, staged or in the dispatcher's hand."""
+        return len(self._buffer) + len(self._staged) + self._in_hand
+
+    def status(self) -> ListenerStatus:
+        """A snapshot of the listener's state and counters."""
+        now = self._clock()
+        held = self._held()
+        self._peak = max(self._peak, held)
+        return ListenerStatus(
+            name=self.name,
+            state=self.state,
+            attempts=self.attempts,
+            failures=self._backoff.failures,
+            registrations=self.registrations,
+            resumes=self.resumes,
+            bootstraps=self.bootstraps,
+            buffer_size=held,
+            buffer_capacity=self._buffer.capacity,
+            buffer_peak=self._peak,
+            overflows=self.overflows,
+            aborts=self.aborts,
+            backoff_delay=self._backoff.delay,
+            backoff_ceiling=self._backoff.ceiling,
+            backoff_resets=self._backoff.resets,
+            last_error=self.last_error,
+            cursor=self._cursor,
+            items_received=self.items_received,
+            items_delivered=self.items_delivered,
+            frames_received=self.frames_received,
+            live_for=0.0 if self._live_since is None else now - self._live_since,
+            route=self.route,
+            resources=self.resources,
+            bootstrap=tuple(self._progress[r] for r in self.resources if r in self._progress),
+            not_resumed=dict(self._not_resumed),
+        )
+
+    def metric_samples(self) -> list[Sample]:
+        """This listener's values for the ``changefeed_listener_*`` metrics."""
+        st = self.status()
+        p = "changefeed_listener_"
+        samples = [
+            Sample(p + "state", 1.0 if st.state is state else 0.0, (("state", state.value),))
+            for state in ConnectionState
+        ]
+        samples += [
+            Sample(p + "connection_attempts", st.attempts),
+            Sample(p + "registrations", st.registrations),
+            Sample(p + "resumes", st.resumes),
+            Sample(p + "bootstraps", st.bootstraps),
+            Sample(p + "aborts", st.aborts),
+            Sample(p + "overflows", st.overflows),
+            Sample(p + "buffer_items", st.buffer_size),
+            Sample(p + "buffer_capacity", st.buffer_capacity),
+            Sample(p + "backoff_seconds", st.backoff_delay),
+            Sample(p + "backoff_failures", st.failures),
+            Sample(p + "items_received", st.items_received),
+            Sample(p + "items_delivered", st.items_delivered),
+        ]
+        samples += [
+            Sample(p + "not_resumed", count, (("reason", reason),))
+            for reason, count in sorted(st.not_resumed.items())
+        ]
+        for progress in st.bootstrap:
+            labels = (("resource", progress.resource),)
+            samples += [
+                Sample(p + "bootstrap_items", progress.items, labels),
+                Sample(p + "bootstrap_pages", progress.pages, labels),
+                Sample(p + "bootstrap_items_per_second", progress.rate, labels),
+            ]
+        return samples
+
+    def start(self) -> None:
+        """Start the connection lifecycle in a background task (idempotent)."""
+        if self._task is not None:
+            return
+        if self._http is None:
+            headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+            self._http = httpx.AsyncClient(
+                base_url=self.api_url, headers=headers, timeout=self.config.http_timeout
+            )
+        self._task = asyncio.create_task(self._run(), name=f"changefeed-listener-{self.name}")
+        if self._sinks:
+            self._dispatcher = asyncio.create_task(
+                self._dispatch(), name=f"changefeed-dispatch-{self.name}"
+            )
+
+    async def close(self) -> None:
+        """Stop: close the connection, drop the buffer, end iteration. Idempotent."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._lifecycle.can(S.STOPPED):
+            self._lifecycle.to(S.STOPPED)
+        await self._clear()
+        self._ready.set()
+        dispatcher, self._dispatcher = self._dispatcher, None
+        if dispatcher is not None:
+            dispatcher.cancel()
+            await asyncio.gather(dispatcher, return_exceptions=True)
+        self._stop_sinks(self._fatal)
+        if self._own_http and self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def __aenter__(self) -> Self:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Event:
+        """The next event: ``Resynced`` or ``ChangeItem``.
+
+        Raises:
+            RegistrationRefused: the publisher refused the registration for good.
+            RetriesExhausted: ``max_attempts`` attempts failed in a row.
+            ListenerError: controllers are attached: they are its consumers.
+            StopAsyncIteration: the listener was closed.
+        """
+        staged = self._staged
+        if staged:  # the hot path: one item of a batch already taken from the buffer
+            item = staged.popleft()
+            self._cursor = item.cursor
+            return item
+        if self._sinks:
+            raise ListenerError(f"controllers are attached to listener {self.name}: not iterable")
+        unit = await self._next_unit()
+        if isinstance(unit, Resynced):
+            self._cursor = unit.cursor
+            return unit
+        self._staged_total += len(unit)
+        staged.extend(unit)
+        item = staged.popleft()
+        self._cursor = item.cursor
+        return item
+
+    # -- handing out --------------------------------------------------------------
+
+    async def _next_unit(self) -> Resynced | list[ChangeItem]:
+        """Wait for what goes out next: a ``Resynced``, or every item the buffer holds.
+
+        Raises:
+            StopAsyncIteration: the listener was closed.
+            RegistrationRefused, RetriesExhausted: it stopped for good.
+        """
+        while True:
+            if self._resyncs:
+                return self._resyncs.popleft()
+            if self._fatal is not None:
+                raise self._fatal
+            state = self._lifecycle.state
+            if state is S.STOPPED:
+                raise StopAsyncIteration
+            if state is S.LIVE and len(self._buffer):
+                generation = self._generation
+                taken = await self._buffer.take(self._buffer.capacity)
+                if generation == self._generation and taken:  # not cleared meanwhile
+                    return taken
+                continue
+            self._ready.clear()
+            await self._ready.wait()
+
+    async def _dispatch(self) -> None:
+        """Hand every attached controller its resource's events until the listener stops."""
+        ending: BaseException | None = None
+        try:
+            while True:
+                unit = await self._next_unit()
+                if isinstance(unit, Resynced):
+                    self._cursor = unit.cursor
+                    for sink in self._sinks.get(unit.resource, ()):
+                        sink.resynced(unit)
+                else:
+                    self._in_hand = len(unit)
+                    try:
+                        await self._hand_over(unit)
+                    finally:
+                        self._in_hand = 0
+        except StopAsyncIteration:
+            pass
+        except Exception as exc:
+            if exc is not self._fatal:  # a bug here: stop loudly rather than hang the controllers
+                log_event(
+                    log, "listener.dispatch_crashed", logging.ERROR, exc=exc, **self._fields()
+                )
+                self._stop_with(exc)
+                if self._task is not None:
+                    self._task.cancel()
+            ending = exc
+        self._stop_sinks(ending)
+
+    async def _hand_over(self, items: list[ChangeItem]) -> None:
+        """Hand ``items`` to their controllers in feed order, each chunk no larger than
+        its controller has room for; the cursor follows each chunk handed over."""
+        generation = self._generation
+        runs = _runs(items) if self._multi else [(self.resources[0], items)]
+        for resource, run in runs:
+            start, end = 0, len(run)
+            while start < end:
+                sinks = self._sinks.get(resource, ())
+                room = min((sink.room() for sink in sinks), default=end)
+                if room <= 0:
+                    full = next(sink for sink in sinks if sink.room() <= 0)
+                    await full.wait_room()
+                    if generation != self._generation:
+                        return  # the connection ended meanwhile: its items were dropped
+                    continue
+                chunk = run if start == 0 and room >= end else run[start : start + room]
+                for sink in sinks:
+                    sink.changed(chunk)
+                start += len(chunk)
+                self._in_hand -= len(chunk)
+                self._dispatched += len(chunk)
+                self._cursor = chunk[-1].cursor
+
+    def _stop_sinks(self, error: BaseException | None) -> None:
+        for sinks in list(self._sinks.values()):
+            for sink in sinks:
+                sink.stopped(error)
+
+    # -- controllers ---------------------------------------------------------------
+
+    def _attach(self, resource: str, sink: Sink) -> None:
+        """Make ``sink`` (a controller) the consumer of ``resource``'s events.
+
+        Raises:
+            ListenerConfigError: the listener does not register ``resource``, or it has
+                started (the controller would have missed its bootstrap).
+        """
+        if resource not in self.resources:
+            raise ListenerConfigError(
+                "resource", f"{resource!r} is not registered by listener {self.name}"
+            )
+        if self._task is not None or self.state is not S.IDLE:
+            raise ListenerConfigError(
+                "listener", "attach every controller before the listener starts"
+            )
+        self._sinks[resource] = [*self._sinks.get(resource, ()), sink]
+        self._attached += 1
+
+    def _controller_running(self, sink: Sink) -> None:
+        """An attached controller runs; the listener starts once all of them do."""
+        self._running.add(sink)
+        if len(self._running) >= self._attached:
+            self.start()
+        else:
+            log_event(
+                log,
+                "listener.waiting_for_controllers",
+                **self._fields(),
+                running=len(self._running),
+                attached=self._attached,
+            )
+
+    async def _controller_done(self, sink: Sink) -> None:
+        """An attached controller stopped: it gets nothing more; the last one running
+        closes the listener."""
+        for resource, sinks in list(self._sinks.items()):
+            if sink in sinks:
+                self._sinks[resource] = [s for s in sinks if s is not sink]
+        if sink in self._running:
+            self._running.discard(sink)
+            if not self._running:
+                await self.close()
+
+    # -- the lifecycle task ----------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._lifecycle.to(S.CONNECTING)
+                try:
+                    await self._connect().run()
+                except SessionError as exc:
+                    ending = exc
+                else:  # pragma: no cover - a session only ends by raising
+                    ending = PublisherClosed("session ended")
+                await self._after_session(ending)
+        except asyncio.CancelledError:
+            raise
+        except ListenerError as exc:
+            self._stop_with(exc)
+        except Exception as exc:  # a bug: stop loudly rather than spin
+            log_event(log, "listener.crashed", logging.ERROR, exc=exc, **self._fields())
+            self._stop_with(exc)
+
+    def _connect(self) -> Session:
+        """The next attempt's session (counted and logged here)."""
+        assert self._http is not None
+        since = self._cursor if self.config.resume else None
+        self.attempts += 1
+        log_event(log, "listener.connecting", **self._fields(), url=self.url, since=since)
+        registration = Registration(
+            self.instance,
+            self.service,
+            self.change_kinds,
+            since=since,
+            batch=self.config.batch,
+            multi=self._multi,
+        )
+        return Session(
+            _Reports(self),
+            url=self.url,
+            api_url=self.api_url,
+            registration=registration.encode(),
+            kinds=self.change_kinds,
+            multi=self._multi,
+            resuming=since is not None,
+            config=self.config,
+            http=self._http,
+            token=self._token,
+            name=self.name,
+            first_bootstrap=not self._bootstrapped_once,
+        )
+
+    def _check_water(self) -> None:
+        held = self._held()
+        self._peak = max(self._peak, held)
+        capacity = self._buffer.capacity
+        if not self._high and held >= capacity * self.config.high_water:
+            self._high = True
+            log_event(log, "listener.buffer.high", logging.WARNING, **self._fields())
+        elif self._high and held < capacity * _LOW_WATER:
+            self._high = False
+            log_event(log, "listener.buffer.normal", **self._fields())
+
+    # -- ending ------------------------------------------------------------------
+
+    def _stop_with(self, exc: BaseException) -> None:
+        self._fatal = exc
+        self.last_error = str(exc)
+        if self._lifecycle.can(S.STOPPED):
+            self._lifecycle.to(S.STOPPED)
+        self._ready.set()
+
+    async def _after_session(self, ending: SessionError) -> None:
+        """Classify how a connection ended, then clear, count, log and back off."""
+        self.aborts += 1
+        self.last_error = f"{type(ending).__name__}: {ending}"
+        self._live_since = None
+        close_code = getattr(ending, "close_code", None)
+        error_code = getattr(ending, "error_code", None)
+        http_status = getattr(ending, "status", None)
+        retry_after = getattr(ending, "retry_after", None)
+        verdict = disposition(close_code, error_code, http_status)
+        dropped = self._held()
+        await self._clear()
+        log_event(
+            log,
+            "listener.aborted",
+            logging.WARNING,
+            **self._fields(),
+            reason=self.last_error,
+            close_code=close_code,
+            error_code=error_code,
+            retry_after=retry_after,
+            cleared=dropped,
+            disposition=verdict.value,
+        )
+        if verdict is Disposition.STOP:
+            code = error_code or (f"http_{http_status}" if http_status else f"close_{close_code}")
+            raise RegistrationRefused(code, str(ending), close_code)
+        if verdict is Disposition.RETRY_FRESH or (
+            isinstance(ending, BufferOverflow) and self.config.resync_on_overflow
+        ):
+            self._cursor = None
+        was_reset = self._backoff.resets
+        delay = self._backoff.failure(self._clock(), retry_floor(retry_after))
+        limit = self.config.max_attempts
+        if limit is not None and self._backoff.failures >= limit:
+            raise RetriesExhausted(self._backoff.failures, self.last_error)
+        self._lifecycle.to(S.BACKING_OFF)
+        log_event(
+            log,
+            "listener.backoff",
+            logging.WARNING,
+            **self._fields(),
+            delay=round(delay, 4),
+            ceiling=round(self._backoff.ceiling, 4),
+            failures=self._backoff.failures,
+            reset=self._backoff.resets > was_reset,
+            resume=self._cursor is not None and self.config.resume,
+        )
+        await asyncio.sleep(delay)
+
+    async def _clear(self) -> None:
+        self._generation += 1
+        self._staged_total -= len(self._staged)
+        self._staged.clear()
+        self._resyncs.clear()
+        self._high = False
+        await self._buffer.clear()
+
+    # -- logging --------------------------------------------------------------
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "listener": self.name,
+            "state": self.state.value,
+            "attempt": self.attempts,
+            "buffer": self._held(),
+            "capacity": self._buffer.capacity,
+        }
+
+    def _on_transition(self, old: ConnectionState, new: ConnectionState) -> None:
+        log_event(
+            log,
+            "listener.state",
+            logging.DEBUG,
+            listener=self.name,
+            old=old.value,
+            new=new.value,
+            attempt=self.attempts,
+        )
+        if new is S.LIVE:
+            log_event(log, "listener.live", **self._fields(), cursor=self._cursor)
+
+
+class _Reports:
+    """The listener's side of ``_session.SessionHost``: what a session reports
+    lands in the listener's state. A separate object, so that these calls are
+    not part of ``Listener``'s public face."""
+
+    __slots__ = ("_listener",)
+
+    def __init__(self, listener: Listener) -> None:
+        self._listener = listener
+
+    def log_fields(self) -> dict[str, Any]:
+        return self._listener._fields()
+
+    def registered(self, ack: Ack, routes: dict[str, str], resuming: bool) -> None:
+        listener = self._listener
+        listener.registrations += 1
+        listener._routes = routes
+        listener._lifecycle.to(S.REGISTERED)
+        if ack.resumed:
+            listener.resumes += 1
+        elif resuming:
+            reason = ack.reason or "unknown"
+            listener._not_resumed[reason] = listener._not_resumed.get(reason, 0) + 1
+            log_event(
+                log,
+                "listener.not_resumed",
+                logging.WARNING,
+                **listener._fields(),
+                reason=reason,
+                explanation=RESUME_REASONS.get(reason, "the publisher gave no reason"),
+                count=listener._not_resumed[reason],
+            )
+
+    def bootstrapping(self) -> None:
+        listener = self._listener
+        listener._lifecycle.to(S.BOOTSTRAPPING)
+        listener._progress = {
+            resource: BootstrapProgress(resource, route)
+            for resource, route in listener._routes.items()
+        }
+
+    def bootstrap_progress(
+        self, resource: str, route: str, progress: PagerProgress, done: bool
+    ) -> None:
+        self._listener._progress[resource] = BootstrapProgress(
+            resource, route, progress.pages, progress.items, progress.elapsed, progress.rate, done
+        )
+
+    def bootstrapped(self, resyncs: list[Resynced]) -> None:
+        listener = self._listener
+        listener.bootstraps += 1
+        listener._bootstrapped_once = True
+        listener._resyncs.extend(resyncs)
+
+    def live(self) -> None:
+        listener = self._listener
+        listener._lifecycle.to(S.LIVE)
+        now = listener._clock()
+        listener._live_since = now
+        listener._backoff.healthy(now)
+        listener._ready.set()
+
+    def frame_received(self) -> None:
+        self._listener.frames_received += 1
+
+    async def received(self, items: Sequence[ChangeItem]) -> None:
+        listener = self._listener
+        listener.items_received += len(items)
+        buffer = listener._buffer
+        held = listener._held()
+        if held + len(items) > buffer.capacity or not await buffer.put(items):
+            listener.overflows += 1
+            log_event(
+                log,
+                "listener.overflow",
+                logging.WARNING,
+                **listener._fields(),
+                incoming=len(items),
+                overflows=listener.overflows,
+            )
+            raise BufferOverflow(buffer.capacity, held, len(items))
+        listener._check_water()
+        listener._ready.set()

@@ -1,0 +1,351 @@
+"""One connection of a listener: connect, register, bootstrap while buffering, read frames.
+
+The websockets / httpx half of ``Listener`` (module ``_listener``). The
+lifecycle task makes one ``Session`` per attempt and runs it; a session only
+ends by raising ``SessionError``, and classifying that, clearing and backing
+off stay with the lifecycle task. A session owns nothing that outlives its
+connection: what it learns goes to its ``SessionHost`` (the listener), which
+keeps the counters, the buffer and the connection state.
+
+A registration of several change kinds (v2) is answered with one bootstrap
+route per kind; when the publisher does not resume, every route is walked at
+once while the socket keeps being read into the buffer, and the walks end in
+one ``Resynced`` per kind, all consistent with the ack's cursor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+from urllib.parse import urljoin
+
+import httpx
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from changefeed.bootstrap import BootstrapError, Pager, PagerProgress
+from changefeed.logs import log_event
+from changefeed.schemas import Ack, ChangeItem, ChangeKind, ErrorFrame, ProtocolError
+
+from ._config import ListenerConfig
+from ._errors import (
+    BadPublisherFrame,
+    BootstrapFailed,
+    PublisherClosed,
+    RegistrationRefused,
+    SessionError,
+)
+from ._events import Resynced
+from ._frames import decode_frame, error_frame
+
+__all__ = ["Session", "SessionHost", "bootstrap_routes"]
+
+# The listener's logger: its events keep one logger name, whichever module logs them.
+log = logging.getLogger("changefeed.listener")
+
+
+class SessionHost(Protocol):
+    """What a session reports to its listener, in the order it happens."""
+
+    def log_fields(self) -> dict[str, Any]:
+        """The listener's fields for this session's log events."""
+
+    def frame_received(self) -> None:
+        """A frame arrived (before it is decoded: error and bad frames count too)."""
+
+    def registered(self, ack: Ack, routes: dict[str, str], resuming: bool) -> None:
+        """The publisher acked the registration; ``routes``: resource -> absolute
+        bootstrap URL; ``resuming``: the registration carried ``since``."""
+
+    def bootstrapping(self) -> None:
+        """The ack did not resume: the bootstrap walks start (items are buffered meanwhile)."""
+
+    def bootstrap_progress(
+        self, resource: str, route: str, progress: PagerProgress, done: bool
+    ) -> None:
+        """A page of ``resource``'s walk arrived (``done``: the walk ended)."""
+
+    def bootstrapped(self, resyncs: list[Resynced]) -> None:
+        """Every walk ended; ``resyncs`` go to the application before any buffered item."""
+
+    def live(self) -> None:
+        """Resumed or bootstrapped: items now flow to the application."""
+
+    async def received(self, items: Sequence[ChangeItem]) -> None:
+        """One frame's change items arrived.
+
+        Raises:
+            BufferOverflow: they do not fit in the buffer; the session ends.
+        """
+
+
+def bootstrap_routes(
+    ack: Ack, kinds: Sequence[ChangeKind], multi: bool, api_url: str
+) -> dict[str, str]:
+    """Each registered resource's absolute bootstrap URL, from the ack.
+
+    A v1 ack names one route (for the one change kind); a v2 ack names one
+    per resource, matched by name.
+
+    Raises:
+        BadPublisherFrame: the ack names no route for a registered resource.
+    """
+    if not multi:
+        return {kinds[0].resource: urljoin(api_url, ack.bootstrap_route)}
+    named = {route.resource: route.bootstrap_route for route in ack.routes}
+    missing = [kind.resource for kind in kinds if kind.resource not in named]
+    if missing:
+        raise BadPublisherFrame(f"the ack names no bootstrap route for {', '.join(missing)}")
+    return {kind.resource: urljoin(api_url, named[kind.resource]) for kind in kinds}
+
+
+def _closed(exc: ConnectionClosed) -> PublisherClosed:
+    code = exc.rcvd.code if exc.rcvd is not None else None
+    reason = exc.rcvd.reason if exc.rcvd is not None else str(exc)
+    return PublisherClosed(f"connection closed: {reason or exc}", code)
+
+
+def _error(error: ErrorFrame, what: str) -> PublisherClosed:
+    return PublisherClosed(
+        f"{what} {error.code}: {error.message}", None, error.code, retry_after=error.retry_after
+    )
+
+
+class Session:
+    """One connection to the publisher, from the handshake to its end.
+
+    Args:
+        host: the listener it reports to.
+        url: the publisher's websocket endpoint.
+        api_url: what the ack's bootstrap routes are resolved against.
+        registration: the encoded registration frame (with ``since`` when resuming).
+        kinds: the registered change kinds.
+        multi: the registration is v2 (``resources``); items are then checked
+            to be of a registered resource.
+        resuming: the registration carries ``since``.
+        config: the listener's settings.
+        http: the client of the bootstrap walks.
+        token: bearer token for the handshake.
+        name: the listener's name (task names).
+        first_bootstrap: no bootstrap of this listener has completed yet.
+    """
+
+    def __init__(
+        self,
+        host: SessionHost,
+        *,
+        url: str,
+        api_url: str,
+        registration: str,
+        kinds: Sequence[ChangeKind],
+        multi: bool,
+        resuming: bool,
+        config: ListenerConfig,
+        http: httpx.AsyncClient,
+        token: str | None,
+        name: str,
+        first_bootstrap: bool,
+    ) -> None:
+        self._host = host
+        self._url = url
+        self._api_url = api_url
+        self._registration = registration
+        self._kinds = tuple(kinds)
+        self._multi = multi
+        self._resuming = resuming
+        self._config = config
+        self._http = http
+        self._token = token
+        self._name = name
+        self._first_bootstrap = first_bootstrap
+
+    async def run(self) -> None:
+        """Connect and serve until the connection ends; always raises ``SessionError``."""
+        config = self._config
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
+        try:
+            async with connect(
+                self._url,
+                additional_headers=headers,
+                open_timeout=config.open_timeout,
+                ping_interval=config.ping_interval,
+                ping_timeout=config.ping_timeout,
+                close_timeout=config.close_timeout,
+                max_size=config.max_frame_bytes,
+            ) as ws:
+                await ws.send(self._registration)
+                ack, routes = await self._receive_ack(ws)
+                await self._serve(ws, ack, routes)
+        except SessionError:
+            raise
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            raise PublisherClosed(f"handshake refused: HTTP {status}", status=status) from None
+        except InvalidURI as exc:
+            raise RegistrationRefused("bad_url", str(exc)) from None
+        except ConnectionClosed as exc:
+            raise _closed(exc) from None
+        except (OSError, TimeoutError, InvalidHandshake) as exc:
+            raise PublisherClosed(f"cannot connect: {exc!r}") from None
+
+    async def _receive_ack(self, ws: ClientConnection) -> tuple[Ack, dict[str, str]]:
+        try:
+            async with asyncio.timeout(self._config.ack_timeout):  # not wait_for: see _workqueue
+                raw = await ws.recv()
+        except TimeoutError:
+            raise PublisherClosed(f"no ack within {self._config.ack_timeout:g}s") from None
+        except ConnectionClosed as exc:
+            raise _closed(exc) from None
+        decoded = error_frame(raw)
+        if decoded is not None:
+            raise _error(decoded, "registration refused")
+        try:
+            ack = Ack.decode(raw)
+        except ProtocolError as exc:
+            raise BadPublisherFrame(f"bad ack ({exc.code}): {exc.message}") from None
+        routes = bootstrap_routes(ack, self._kinds, self._multi, self._api_url)
+        self._host.registered(ack, routes, self._resuming)
+        log_event(
+            log,
+            "listener.registered",
+            **self._host.log_fields(),
+            resumed=ack.resumed,
+            routes=list(routes.values()),
+            cursor=ack.cursor,
+            reason=ack.reason,
+        )
+        return ack, routes
+
+    async def _serve(self, ws: ClientConnection, ack: Ack, routes: dict[str, str]) -> None:
+        receiver = asyncio.create_task(self._receive(ws), name=f"changefeed-recv-{self._name}")
+        try:
+            if not (ack.resumed and self._resuming):
+                self._host.bootstrapping()
+                self._host.bootstrapped(await self._bootstrap(ack, routes, receiver))
+            self._host.live()
+            await receiver
+        finally:
+            receiver.cancel()
+            await asyncio.gather(receiver, return_exceptions=True)
+
+    async def _bootstrap(
+        self, ack: Ack, routes: dict[str, str], receiver: asyncio.Task[None]
+    ) -> list[Resynced]:
+        """Walk every route at once while ``receiver`` buffers; a receiver failure
+        (overflow, drop) or one failed walk aborts them all."""
+        walks = {
+            resource: asyncio.create_task(
+                self._walk(resource, route), name=f"changefeed-bootstrap-{self._name}-{resource}"
+            )
+            for resource, route in routes.items()
+        }
+        try:
+            waiting: set[asyncio.Task[Any]] = {receiver, *walks.values()}
+            while True:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if receiver in done or any(task.exception() is not None for task in done):
+                    break
+                if all(walk.done() for walk in walks.values()):
+                    break
+        finally:
+            unfinished = [walk for walk in walks.values() if not walk.done()]
+            for walk in unfinished:
+                walk.cancel()
+            await asyncio.gather(*unfinished, return_exceptions=True)
+        if receiver.done():
+            receiver.result()  # raises the receiver's SessionError
+            raise PublisherClosed("connection ended during bootstrap")
+        for resource, walk in walks.items():
+            # The failed walk, not one cancelled because of it.
+            failure = None if walk.cancelled() else walk.exception()
+            if isinstance(failure, BootstrapError):
+                raise BootstrapFailed(
+                    f"bootstrap walk of {resource} failed: {failure}", failure.status
+                ) from None
+            if failure is not None:  # e.g. httpx.InvalidURL: still this session's failure
+                raise BootstrapFailed(f"bootstrap walk of {resource} failed: {failure!r}") from None
+        resyncs = []
+        for resource, walk in walks.items():
+            items, pages, elapsed = walk.result()
+            resyncs.append(
+                Resynced(
+                    items,
+                    routes[resource],
+                    ack.cursor,
+                    pages,
+                    elapsed,
+                    self._first_bootstrap,
+                    resource,
+                )
+            )
+        return resyncs
+
+    async def _walk(self, resource: str, route: str) -> tuple[list[Any], int, float]:
+        """One route's walk: its items, pages and seconds."""
+        host = self._host
+
+        def on_page(progress: PagerProgress) -> None:
+            host.bootstrap_progress(resource, route, progress, False)
+            log_event(
+                log,
+                "listener.bootstrap.page",
+                logging.DEBUG,
+                **host.log_fields(),
+                resource=resource,
+                items=progress.items,
+                pages=progress.pages,
+                rate=round(progress.rate, 1),
+            )
+
+        pager = Pager(
+            self._http,
+            route,
+            limit=self._config.page_limit,
+            max_attempts=self._config.page_attempts,
+            on_progress=on_page,
+        )
+        log_event(
+            log, "listener.bootstrapping", **host.log_fields(), resource=resource, route=route
+        )
+        items: list[Any] = []
+        async for page in pager.pages():
+            items.extend(page)
+        progress = pager.progress
+        host.bootstrap_progress(resource, route, progress, True)
+        log_event(
+            log,
+            "listener.bootstrapped",
+            **host.log_fields(),
+            resource=resource,
+            items=len(items),
+            pages=progress.pages,
+            elapsed=round(progress.elapsed, 4),
+            rate=round(progress.rate, 1),
+            retries=pager.retries,
+        )
+        return items, progress.pages, progress.elapsed
+
+    async def _receive(self, ws: ClientConnection) -> None:
+        """Read frames into the host until the connection ends; always raises SessionError."""
+        host = self._host
+        resources = {kind.resource for kind in self._kinds} if self._multi else None
+        while True:
+            try:
+                # Undecoded: the frame decoder checks the UTF-8 of what it keeps.
+                raw = await ws.recv(decode=False)
+            except ConnectionClosed as exc:
+                raise _closed(exc) from None
+            host.frame_received()
+            decoded = decode_frame(raw)
+            if isinstance(decoded, ErrorFrame):
+                raise _error(decoded, "publisher error")
+            if resources is not None:
+                for item in decoded:
+                    if item.change_kind.resource not in resources:
+                        raise BadPublisherFrame(
+                            f"an item of resource {item.change_kind.resource!r}, "
+                            "which this connection did not register"
+                        )
+            await host.received(decoded)

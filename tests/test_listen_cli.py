@@ -1,0 +1,131 @@
+"""``changefeed listen``: several resources on one connection, the status line's bootstrap
+progress, and clear usage errors. The command runs as a real process against the
+example API (real uvicorn, real PostgreSQL)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from test_listener import seed_vms
+from test_listener_shared import create_servers, publisher_stats
+from test_listener_support import VmApiServer, create_vms
+
+from changefeed.cli import main
+from changefeed.listener import ChangeKind
+from changefeed.snoop import UsageError, change_kinds
+
+CHANGEFEED = str(Path(sys.executable).parent / "changefeed")
+
+
+@contextlib.asynccontextmanager
+async def listen(*args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``changefeed listen ARGS`` in a child process; stopped with SIGTERM at the end."""
+    process = await asyncio.create_subprocess_exec(
+        CHANGEFEED,
+        "--log-level",
+        "warning",
+        "listen",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        yield process
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 15)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+async def read_lines_until(
+    process: asyncio.subprocess.Process, done: Any, timeout: float = 60.0
+) -> list[dict[str, Any]]:
+    """Stdout's JSON lines until ``done(lines)`` holds (bounded by ``timeout``)."""
+    assert process.stdout is not None
+    lines: list[dict[str, Any]] = []
+    async with asyncio.timeout(timeout):
+        while not done(lines):
+            line = await process.stdout.readline()
+            if not line:
+                raise AssertionError(f"listen exited early: {lines}")
+            lines.append(orjson.loads(line))
+    return lines
+
+
+def test_resource_options() -> None:
+    assert change_kinds(["vm:nic,alias", "server"]) == (
+        ChangeKind("vm", ("nic", "alias")),
+        ChangeKind("server"),
+    )
+    assert change_kinds(["vm"], "nic,alias") == (ChangeKind("vm", ("nic", "alias")),)
+    for resources, subs, says in [
+        (["vm", "server"], "nic", "goes with one --resource"),
+        (["vm:nic"], "alias", "goes with one --resource"),
+        (["vm", "vm:nic"], "", "vm given twice"),
+        ([":nic"], "", "name is empty"),
+    ]:
+        with pytest.raises(UsageError, match=says):
+            change_kinds(resources, subs)
+
+
+def test_a_usage_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["listen", "http://127.0.0.1:9", "--resource", "vm", "--resource", "vm"])
+    assert status == 2
+    assert capsys.readouterr().err.strip() == "changefeed listen: --resource vm given twice"
+
+
+async def test_listen_status_shows_the_bootstrap_rising(dsn: str) -> None:
+    """3,000 VMs in pages of 10: the status line on stderr shows the route's item
+    count rising during the bootstrap."""
+    async with VmApiServer(dsn) as api:
+        await seed_vms(dsn, 3000)
+        args = ["--resource", "vm", "--status", "--status-interval", "0.02", "--page-limit", "10"]
+        async with listen(api.url, *args) as process:
+            (done,) = await read_lines_until(process, bool)
+            assert done["event"] == "bootstrapped" and done["items"] == 3000
+        assert process.stderr is not None
+        status = (await process.stderr.read()).decode()
+    counts = [int(n) for n in re.findall(r"bootstrap vm (\d+) items \d+ pages [\d,]+/s", status)]
+    assert counts == sorted(counts)
+    rising = sorted(set(counts))
+    assert len(rising) >= 3 and 0 < rising[1] < 3000, rising
+
+
+async def test_listen_follows_two_resources_on_one_connection(dsn: str) -> None:
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        vms = await create_vms(client, 3)
+        servers = await create_servers(client, 2)
+        args = ["--resource", "vm:nic,alias", "--resource", "server:hostname", "--mirror"]
+        async with listen(api.url, *args) as process:
+            adds = await read_lines_until(process, lambda lines: len(lines) == 5)
+            stats = await publisher_stats(api)
+            assert stats["listeners"] == 1 and len(stats["registrations"]) == 2
+            await client.patch(f"/servers/{servers[0]}", json={"status": "running"})  # not followed
+            await client.patch(f"/servers/{servers[0]}", json={"hostname": "renamed"})
+            (update,) = await read_lines_until(process, bool)
+            process.send_signal(signal.SIGTERM)
+            mirrors = await read_lines_until(process, lambda lines: len(lines) == 2)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+    assert sorted((a["resource"], a["op"], a["id"]) for a in adds) == sorted(
+        [("vm", "add", vm) for vm in vms] + [("server", "add", s) for s in servers]
+    )
+    assert (update["resource"], update["op"], update["id"]) == ("server", "update", servers[0])
+    assert update["state"]["hostname"] == "renamed"
+    assert {(m["event"], m["resource"], m["size"]) for m in mirrors} == {
+        ("mirror", "vm", 3),
+        ("mirror", "server", 2),
+    }
