@@ -263,7 +263,6 @@ async def children(out: Path, dsn: str, options: SoakOptions) -> AsyncIterator[t
                 f'dsn = "{dsn}"',
                 f"max_age = {options.max_age}",
                 f"retention_interval = {options.retention_interval}",
-                'cursor_key = "soak"',
                 "",
                 "[[resources]]",
                 'name = "vm"',

@@ -143,7 +143,7 @@ async def resume(conn: asyncpg.Connection, cursor: Position) -> set[Notification
     """What a resume from ``cursor`` delivers: entries in (cursor, head], as notifications."""
     reader = FeedReader()
     head = await reader.head(conn)
-    entries, _ = await reader.read_page(conn, cursor, head, RESOURCES, 1_000_000)
+    entries = (await reader.read_page(conn, cursor, head, RESOURCES, 1_000_000)).entries
     return notifications((e.resource, e.changed_resource_id, e.sub_resources) for e in entries)
 
 
