@@ -32,7 +32,7 @@ from changefeed.logs import log_event
 from changefeed.publisher import Publisher
 from changefeed.publisher.wire import DIRECT_WRITES, DISCONNECT_CAUSE, Disconnect
 from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
-from changefeed.tcp_liveness import acked_while_sending
+from changefeed.tcp_liveness import acked_while_sending, unacked_bytes
 
 __all__ = [
     "DrainingServer",
@@ -124,15 +124,20 @@ class _DirectWriter:
     Called for every listener on every flush: it keeps what ``open`` reads at
     hand, and ``write`` is the transport's own method."""
 
-    __slots__ = ("_conn", "_protocol", "_transport", "_writable", "buffered", "write")
+    __slots__ = ("_conn", "_protocol", "_socket", "_transport", "_writable", "write")
 
     def __init__(self, protocol: WebSocketsSansIOProtocol) -> None:
         self._protocol = protocol
         self._transport = protocol.transport
         self._writable = protocol.writable
         self._conn = protocol.conn
+        self._socket = protocol.transport.get_extra_info("socket")
         self.write = protocol.transport.write
-        self.buffered = protocol.transport.get_write_buffer_size
+
+    def buffered(self) -> int:
+        # The kernel's part too: for a listener that stopped reading on a quiet
+        # feed, what it has not taken may all sit there (the stall watch).
+        return self._transport.get_write_buffer_size() + unacked_bytes(self._socket)
 
     @property
     def open(self) -> bool:

@@ -168,17 +168,19 @@ def _refusals(rows: Sequence[dict[str, Any]]) -> list[str]:
         for r in reversed(rows)
     ]
     head = ("AT (UTC)", "CODE", "ENDPOINT", "PEER", "REASON")
-    return [f"RECENT REFUSALS  {len(rows)}, newest first", *_table(head, table, numeric=99)]
+    return [f"RECENT REFUSALS  {len(rows)}, newest first", *_table(head, table)]
 
 
-def _table(head: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: int) -> list[str]:
-    """Columns aligned; those from index ``numeric`` on to the right."""
+def _table(
+    head: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: int | None = None
+) -> list[str]:
+    """Columns aligned; those from index ``numeric`` on (numbers) to the right."""
     rows = list(rows)
     widths = [max(len(c) for c in column) for column in zip(head, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
-            c.rjust(w) if i >= numeric else c.ljust(w)
+            c.rjust(w) if numeric is not None and i >= numeric else c.ljust(w)
             for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ).rstrip()
 

@@ -19,13 +19,25 @@ import struct
 import termios
 from typing import Any
 
-__all__ = ["acked_while_sending"]
+__all__ = ["acked_while_sending", "unacked_bytes"]
 
 _TCP_INFO_SIZE = 104
 _LAST_ACK_RECV = 56
 """Offset of ``tcpi_last_ack_recv`` (milliseconds, u32) in Linux's ``struct tcp_info``:
 eight u8 fields, nine u32 fields, then last_data_sent, last_ack_sent,
 last_data_recv and last_ack_recv; unchanged since Linux 2.6."""
+
+
+def unacked_bytes(sock: Any) -> int:
+    """Bytes sent on ``sock`` that its peer has not acknowledged yet (0 when it
+    cannot tell)."""
+    if sock is None:
+        return 0
+    with contextlib.suppress(OSError, ValueError, struct.error):
+        outq = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        unacked: int = struct.unpack("i", outq)[0]
+        return unacked
+    return 0
 
 
 def acked_while_sending(sock: Any, within: float) -> bool:

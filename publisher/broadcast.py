@@ -5,8 +5,9 @@ Each batch the tailer reads goes into the window of recent entries
 queues the flush rounds write out (``scheduler``). A listener that falls
 behind, or starts behind (a resume), is refilled by its own connection from
 the window or, further back, from pages of the feed table shared with the
-listeners near it (``catchup``, ``pages``). Every entry is encoded once,
-whichever way it goes. Nothing here awaits a listener (I2, I3).
+listeners near it (``catchup``, ``pages``). An entry is encoded once for
+every listener that gets it live or from the window, and once per page read
+from the table. Nothing here awaits a listener (I2, I3).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ _FANNED_OUT_TIMEOUT = 1.0
 _PAGE_READS = 2
 """Catch-up page reads at once, at most (the pool also serves registrations)."""
 _ACQUIRE_TIMEOUT = 5.0
+_PAGE_TIMEOUT = 30.0
 
 
 class Broadcast:
@@ -165,4 +167,6 @@ class Broadcast:
         self, after: Position, upto: Position, resources: Sequence[str], limit: int
     ) -> PageOfFeed:
         async with self._pool().acquire(timeout=_ACQUIRE_TIMEOUT) as conn:
-            return await self._reader.read_page(conn, after, upto, resources, limit)
+            # Bounded: an embedding API's pool may have no statement timeout.
+            async with asyncio.timeout(_PAGE_TIMEOUT):
+                return await self._reader.read_page(conn, after, upto, resources, limit)

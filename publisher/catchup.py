@@ -27,6 +27,10 @@ from .window import Window
 
 __all__ = ["Catchup", "Filled"]
 
+_CHUNKS_PER_FILL = 16
+"""Chunks one fill looks through at most: a listener of a rare resource, far
+behind, walks the window a few chunks per turn, never all of it at once."""
+
 
 class Filled(Enum):
     """What ``Catchup.fill`` did."""
@@ -60,10 +64,14 @@ class Catchup:
         """Times a listener that was behind rejoined live delivery."""
 
     def fill(self, delivery: Delivery, most: int) -> Filled:
-        """Queue up to ``most`` items ``delivery`` wants next, from the window."""
+        """Queue up to ``most`` items ``delivery`` wants next, from the window,
+        looking through at most ``_CHUNKS_PER_FILL`` chunks (the caller yields
+        between two fills)."""
         window = self._window
         queued = 0
-        while queued < most:
+        for _ in range(_CHUNKS_PER_FILL):
+            if queued >= most:
+                break
             found = window.find(delivery.cursor)
             if found is None:
                 if delivery.cursor >= window.head:

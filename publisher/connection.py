@@ -35,11 +35,11 @@ from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
 from .auth import AuthUnavailable
 from .catchup import Filled
 from .delivery import Closing, Delivery
+from .feed import DB_ERRORS
 from .host import ListenerHost
 from .pages import CursorExpired
 from .registration import Refusal
 from .registry import Session
-from .tailer import DB_ERRORS
 from .wire import DIRECT_WRITES, DISCONNECT_CAUSE, BatchFrames, Disconnect, FrameWriter, batch_text
 
 __all__ = ["ListenerEndpoint"]
@@ -276,19 +276,22 @@ class _Connection:
             for task in (sender, receiver):
                 task.cancel()
             await asyncio.gather(sender, receiver, return_exceptions=True)
-        if not sender.cancelled() and (exc := sender.exception()) is not None:
+        for task in (sender, receiver):
+            if task.cancelled() or (exc := task.exception()) is None:
+                continue
             if isinstance(exc, OSError):
                 self._gone = True  # the server's ClientDisconnected is an OSError
-            else:
-                log_event(
-                    log,
-                    "listener.error",
-                    logging.ERROR,
-                    exc=exc,
-                    instance=session.instance,
-                    peer=session.peer,
-                )
-                session.close(Closing(1011, None, f"internal error: {exc!r}"))
+                continue
+            log_event(
+                log,
+                "listener.error",
+                logging.ERROR,
+                exc=exc,
+                task=task.get_name(),
+                instance=session.instance,
+                peer=session.peer,
+            )
+            session.close(Closing(1011, None, f"internal error: {exc!r}"))
         why = session.closing
         if why is not None:
             error = ErrorFrame(why.error_code, why.message) if why.error_code else None
@@ -300,7 +303,7 @@ class _Connection:
         ready = delivery.ready
         batch = delivery.batch
         turn = self.host.config.max_batch if batch else _FRAMES_PER_TURN
-        refill = turn * _REFILL_TURNS
+        refill = min(turn * _REFILL_TURNS, delivery.capacity)
         catchup = self.host.catchup
         failures = 0
         while True:
@@ -313,6 +316,9 @@ class _Connection:
                     continue
                 if catchup.fill(delivery, refill) is Filled.NEEDS_FEED:
                     failures = await self._load(session, refill, failures)
+                # Take turns: a refill that found nothing wanted, or a page that was
+                # already kept, awaited nothing.
+                await asyncio.sleep(0)
                 continue
             if direct is not None and direct.ready():
                 direct.write_turn()
@@ -469,7 +475,7 @@ class _DirectSender:
             # would see its batch fail and read it again for everyone.
             delivery.dropped += len(items)
             delivery.close(Closing(1011, None, f"write failed: {exc!r}"))
-            log_event(log, "listener.error", logging.ERROR, exc=exc)
+            log_event(log, "listener.error", logging.ERROR, exc=exc, task="direct write")
             return
         delivery.frames += frames
         delivery.sent += len(items)

@@ -1,4 +1,4 @@
-"""Where one listener connection is in the feed, and what is queued for it. Pure code.
+"""Where one listener connection is in the feed, and what is queued for it. No I/O.
 
 A delivery is **live** while it keeps up: the fan-out offers it every new
 batch it wants, and its bounded queue takes them. When a batch does not fit
@@ -130,14 +130,13 @@ class Delivery:
 
     @property
     def pending(self) -> bool:
-        """True when there is something the listener has yet to take."""
-        return bool(self.queue) or not self.live
+        """True when there is something the listener has yet to take (queued, behind
+        the head, or in a send under way)."""
+        return bool(self.queue) or not self.live or self.sending
 
     def offer(self, items: Sequence[Item]) -> bool:
         """Queue a live batch's items whole, or none of them (returns False: the
-        caller makes the delivery fall behind). A closing delivery takes nothing."""
-        if self.closing is not None:
-            return True
+        caller makes the delivery fall behind)."""
         if len(self.queue) + len(items) > self.capacity:
             return False
         self.queue.extend(items)

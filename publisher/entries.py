@@ -90,6 +90,7 @@ class Chunk:
         "after",
         "entries",
         "nbytes",
+        "oldest",
         "positions",
         "through",
     )
@@ -109,6 +110,10 @@ class Chunk:
         self._items: list[Item | None] = [None] * len(self.entries)
         self._selections: dict[Interest, Selection] = {}
         self.nbytes = sum(map(entry_bytes, self.entries))
+        self.oldest = min((e.published.timestamp() for e in self.entries), default=float("inf"))
+        """When its oldest entry was published (POSIX time). Not always the first:
+        an entry is stamped when its statement ran, and a long transaction commits
+        it late."""
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -120,6 +125,7 @@ class Chunk:
         self._items.extend([None] * len(entries))
         self._selections.clear()
         self.nbytes += sum(map(entry_bytes, entries))
+        self.oldest = min(self.oldest, *(e.published.timestamp() for e in entries))
         self.through = through
 
     def covers(self, position: Position) -> bool:

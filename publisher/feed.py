@@ -19,6 +19,7 @@ import asyncpg
 from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema, stamp_of
 
 __all__ = [
+    "DB_ERRORS",
     "FeedEntry",
     "FeedHealth",
     "FeedReader",
@@ -29,6 +30,18 @@ __all__ = [
     "publish",
     "publish_many",
 ]
+
+
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    # A connection left mid-operation (a query cancelled by a timeout while the
+    # server went away): retried on a new connection, like the others.
+    asyncpg.InternalClientError,
+)
+"""Failures that mean "the database is unreachable, restarting or failing over": retried."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +73,8 @@ class FeedState:
 class ResumeFacts:
     """What the feed says about a resume cursor's position, read in one snapshot."""
 
-    feed_id: uuid.UUID
-    low_water: Position
-    compacted_through: Position
+    state: FeedState
+    """The feed's identity, key and marks, in the same snapshot."""
     newest: Position
     """The newest entry's position, final or not (ORIGIN: the feed is empty)."""
     next_txid: int
@@ -374,9 +386,7 @@ class FeedReader:
         newest = ORIGIN if row["n_txid"] is None else Position(row["n_txid"], row["n_id"])
         published = row["published"]
         return ResumeFacts(
-            feed_id=state.feed_id,
-            low_water=state.low_water,
-            compacted_through=state.compacted_through,
+            state=state,
             newest=newest,
             next_txid=int(row["next_txid"]),
             stamp=None if published is None else stamp_of(published),

@@ -19,6 +19,7 @@ from changefeed.logs import log_event
 from changefeed.schemas import Cursor, CursorCodec, PgConnection, Position
 
 from .feed import FeedReader, FeedState
+from .pages import FeedPages
 from .registration import plan_resume
 from .window import Window
 
@@ -38,6 +39,9 @@ class FeedIdentity:
         self._configured_key = configured_key
         self.feed_id: uuid.UUID | None = None
         self._codec: CursorCodec | None = None
+        self.generation = 0
+        """Grows each time the identity changes: a registration decided across a
+        change is told to retry."""
 
     @property
     def codec(self) -> CursorCodec:
@@ -48,6 +52,8 @@ class FeedIdentity:
     def adopt(self, state: FeedState) -> bool:
         """Take the feed's identity and key; True when the identity changed."""
         changed = self.feed_id is not None and self.feed_id != state.feed_id
+        if changed:
+            self.generation += 1
         self.feed_id = state.feed_id
         self._codec = CursorCodec(self._configured_key or state.cursor_key, state.feed_id.bytes)
         return changed
@@ -56,51 +62,73 @@ class FeedIdentity:
 async def join_feed(
     conn: PgConnection,
     position: Position | None,
+    stamp: int,
     *,
     reader: FeedReader,
     identity: FeedIdentity,
     window: Window,
+    pages: FeedPages,
     feed_changed: Callable[[str], None],
-) -> Position:
-    """The tailer's ``join``, each time it connects: take the feed's identity and
-    cursor key, and check that the feed still holds the tailer's position.
+    resume_all: Callable[[str], None],
+) -> tuple[Position, int]:
+    """The tailer's ``join``, each time it connects (registrations wait meanwhile):
+    take the feed's identity and cursor key, and check that the feed still holds
+    the tailer's position, all from one snapshot.
 
     A feed restored from a backup (its transaction and entry ids went back), or
     trimmed past the position while the tailer was away, cannot be followed from
     there: the feed gets a new identity (restored; whichever publisher notices
-    first), every listener is closed (``feed_changed``: 4011, they bootstrap),
-    and the tailer starts again from the head.
+    first), the window and the kept pages are let go, every listener is closed
+    (``feed_changed``: 4011, they bootstrap), and the tailer starts again from the
+    head. A window ahead of the tailer (its last batch failed to reach the
+    listeners, a bug) is let go too, and every listener is told to resume
+    (``resume_all``: 4010), so that none keeps a gap.
 
     Returns:
-        the position to read after.
+        the position to read after, and its entry's stamp.
     """
-    state = await reader.state(conn)
-    changed = identity.adopt(state)
-    if position is not None:
-        facts = await reader.resume_facts(conn, position)
-        resumed, reason = plan_resume(
-            Cursor(position, window.head_stamp),
-            facts,
-            feed_id=state.feed_id,
-            head=position,
-            replay_limit=1 << 62,
-        )
-        if changed:
-            reason = "other_feed"  # another publisher found it restored first
-        elif not resumed and reason in ("cursor_ahead", "unknown_position"):
-            identity.adopt(await reader.rotate_identity(conn, state.feed_id))
-        if changed or not resumed:
-            log_event(
-                log,
-                "feed.rewound",
-                logging.CRITICAL,
-                reason=reason,
-                position=str(position),
-                feed_id=str(identity.feed_id),
-            )
-            feed_changed(f"the feed changed under this publisher ({reason})")
-            position = None
     if position is None:
-        position, stamp = await reader.head_entry(conn)
-        window.reset(position, stamp)
-    return position
+        identity.adopt(await reader.state(conn))
+        return await _start_at_head(conn, reader, window, pages)
+    facts = await reader.resume_facts(conn, position)
+    known = identity.feed_id
+    assert known is not None
+    resumed, reason = plan_resume(
+        Cursor(position, stamp), facts, feed_id=known, head=position, replay_limit=1 << 62
+    )
+    if resumed:
+        identity.adopt(facts.state)
+        if window.head != position:
+            window.reset(position, stamp)
+            pages.reset()
+            log_event(log, "fanout.recovered", logging.ERROR, position=str(position))
+            resume_all("the publisher recovered from an internal error; resume")
+        return position, stamp
+    state = facts.state
+    if reason in ("cursor_ahead", "unknown_position"):
+        state = await reader.rotate_identity(conn, state.feed_id)
+    head, head_stamp = await reader.head_entry(conn)
+    # From here on no await: the new identity, window and pages are in place
+    # before any listener hears of the change.
+    identity.adopt(state)
+    window.reset(head, head_stamp)
+    pages.reset()
+    log_event(
+        log,
+        "feed.rewound",
+        logging.CRITICAL,
+        reason=reason,
+        position=str(position),
+        feed_id=str(state.feed_id),
+    )
+    feed_changed(f"the feed changed under this publisher ({reason})")
+    return head, head_stamp
+
+
+async def _start_at_head(
+    conn: PgConnection, reader: FeedReader, window: Window, pages: FeedPages
+) -> tuple[Position, int]:
+    head, head_stamp = await reader.head_entry(conn)
+    window.reset(head, head_stamp)
+    pages.reset()
+    return head, head_stamp

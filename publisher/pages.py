@@ -131,6 +131,12 @@ class FeedPages:
         self._mark = Position(0, 0)
         """The feed's compaction mark as of the newest read: kept pages were read under it."""
 
+    def reset(self) -> None:
+        """Let every kept page go, and forget the compaction mark (the feed changed
+        under the publisher: a restored feed's mark may be lower)."""
+        self.cache.clear()
+        self._mark = Position(0, 0)
+
     async def page(self, resources: Sequence[str], position: Position, upto: Position) -> Chunk:
         """A page covering ``position`` for ``resources``, reading at most ``upto``.
 

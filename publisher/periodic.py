@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from changefeed.logs import log_event
 
-from .tailer import DB_ERRORS
+from .feed import DB_ERRORS
 
 __all__ = ["every"]
 
@@ -50,7 +50,7 @@ async def every(
             unexpected = 0
         except DB_ERRORS as exc:
             if log_db_errors:
-                log_event(log, f"{name}.failed", logging.WARNING, error=repr(exc))
+                log_event(log, f"{name}.failed", logging.WARNING, exc=exc)
         except Exception as exc:
             unexpected += 1
             log_event(log, f"{name}.failed", logging.ERROR, exc=exc, rounds=unexpected)

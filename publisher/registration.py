@@ -21,12 +21,10 @@ A registration is decided in three steps, and only the middle one awaits:
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from changefeed.schemas import (
     ORIGIN,
-    ChangeKind,
     Cursor,
     CursorCodec,
     CursorError,
@@ -174,26 +172,22 @@ def plan_resume(
             the entries' identities: ids the feed gave out between the two).
     """
     position = since.position
-    if facts.feed_id != feed_id:
+    state = facts.state
+    if state.feed_id != feed_id:
         # Another publisher gave the feed a new identity (a restore) since this
         # one read it: the cursor belongs to what the feed was before.
         return False, "other_feed"
-    if position < facts.low_water:
+    if position < state.low_water:
         return False, "cursor_expired"
-    if position > max(facts.newest, facts.low_water) or position.txid >= facts.next_txid:
+    if position > max(facts.newest, state.low_water) or position.txid >= facts.next_txid:
         return False, "cursor_ahead"
     if facts.stamp is None:
         # No entry there: trimmed (at the low-water mark), merged away by
         # compaction, or the cursor's entry was lost with the feed's history.
-        if position not in (ORIGIN, facts.low_water) and position > facts.compacted_through:
+        if position not in (ORIGIN, state.low_water) and position > state.compacted_through:
             return False, "unknown_position"
     elif facts.stamp != since.stamp:
         return False, "unknown_position"  # another entry at the same (txid, id)
     if head.id - position.id > replay_limit:
         return False, "too_far_behind"
     return True, None
-
-
-def change_kinds_json(kinds: Sequence[ChangeKind]) -> list[dict[str, object]]:
-    """Change kinds as the stats and logs show them."""
-    return [kind.to_json() for kind in kinds]

@@ -26,13 +26,18 @@ scheduling is tested without sockets or a running loop's real time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from changefeed.logs import log_event
+
 from .delivery import Delivery
 
 __all__ = ["Clock", "FlushScheduler", "LoopClock"]
+
+log = logging.getLogger(__name__)
 
 
 class Handle(Protocol):
@@ -162,7 +167,14 @@ class FlushScheduler:
             delivery = pending[i]
             i += 1
             send_now = delivery.send_now
-            if send_now is None or not send_now():
+            try:
+                written = send_now is not None and send_now()
+            except Exception as exc:
+                # A bug in one connection's write must not cost the others their
+                # turn, nor reach the tailer through the dispatch that ran this.
+                log_event(log, "fanout.write_failed", logging.ERROR, exc=exc)
+                written = False
+            if not written:
                 unsent.append(delivery)
             if perf() >= deadline:
                 break

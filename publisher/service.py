@@ -54,9 +54,6 @@ _WATCH_INTERVAL = 1.0
 _STALL_CHECK = 1.0
 """Seconds between two looks at the listeners' progress."""
 _READY_TIMEOUT = 5.0
-_FANNED_OUT_TIMEOUT = 1.0
-_PAGE_READS = 2
-"""Catch-up page reads at once, at most (the pool also serves registrations)."""
 
 
 class Publisher:
@@ -154,8 +151,10 @@ class Publisher:
     async def start(self) -> None:
         """Connect, create the schema if configured, and start tailing."""
         if self._pool is None:
+            # command_timeout: a query blocked on a lock fails (and is retried, or
+            # answered 4010) instead of holding a registration or a catch-up for good.
             self._pool = await asyncpg.create_pool(
-                self.config.dsn, min_size=1, max_size=4, timeout=5.0
+                self.config.dsn, min_size=1, max_size=4, timeout=5.0, command_timeout=30.0
             )
         if self.config.create_schema:
             async with self._pool.acquire() as conn:
@@ -190,6 +189,10 @@ class Publisher:
         if not task.cancelled() and (exc := task.exception()) is not None:
             self.failed[name] = f"{type(exc).__name__}: {exc}"
             log_event(log, "publisher.task_failed", logging.CRITICAL, exc=exc, task=name)
+            if name == "tailer":
+                # Nothing reaches this instance's listeners any more: send them to
+                # another instance, cursors in hand, rather than leave them waiting.
+                self.sessions.resume_all("this publisher's tailer failed; resume elsewhere")
 
     async def drain(self, grace: float = 5.0) -> None:
         """Refuse new registrations and close every listener with 1001 ("going away"),
@@ -243,14 +246,19 @@ class Publisher:
 
         return publisher_routes(self)
 
-    async def _join_feed(self, conn: asyncpg.Connection, position: Position | None) -> Position:
+    async def _join_feed(
+        self, conn: asyncpg.Connection, position: Position | None, stamp: int
+    ) -> tuple[Position, int]:
         return await join_feed(
             conn,
             position,
+            stamp,
             reader=self.reader,
             identity=self.identity,
             window=self.broadcast.window,
+            pages=self.broadcast.pages,
             feed_changed=self.sessions.feed_changed,
+            resume_all=self.sessions.resume_all,
         )
 
     # -- requests ------------------------------------------------------------

@@ -25,7 +25,7 @@ from .config import PublisherConfig
 from .counters import Counters, timestamp
 from .delivery import Closing, Delivery
 from .fanout import Fanout
-from .feed import FeedReader
+from .feed import DB_ERRORS, FeedReader
 from .host import Admitted
 from .identity import FeedIdentity
 from .registration import (
@@ -39,7 +39,7 @@ from .registration import (
 )
 from .registry import Registry, Session
 from .stall import stalled
-from .tailer import DB_ERRORS, Tailer
+from .tailer import Tailer
 from .window import Window
 
 __all__ = ["Sessions"]
@@ -171,6 +171,7 @@ class Sessions:
             )
         if not await self.wait_ready():
             return Refusal("unavailable", "the feed database is unreachable; retry later", 1.0)
+        generation = self._identity.generation
         since, reason = None, None
         if request.registration.since is not None:
             cursor = read_cursor(request.registration.since, self._identity.codec)
@@ -185,6 +186,10 @@ class Sessions:
                 since, reason = decided
         if self.draining:
             return Refusal("unavailable", "publisher is shutting down; register elsewhere", 1.0)
+        if self._identity.generation != generation or not self._tailer.ready.is_set():
+            # The feed changed (or the tailer is joining it again) while this was
+            # decided: what was decided may be about another feed.
+            return Refusal("unavailable", "the feed changed meanwhile; retry", 1.0)
         return self._admit(request, since, reason, peer)
 
     async def _plan_resume(
@@ -197,9 +202,11 @@ class Sessions:
         assert feed_id is not None
         try:
             async with self._pool().acquire(timeout=_READY_TIMEOUT) as conn:
-                facts = await self._reader.resume_facts(conn, cursor.position)
+                # Bounded: an embedding API's pool may have no statement timeout.
+                async with asyncio.timeout(_READY_TIMEOUT):
+                    facts = await self._reader.resume_facts(conn, cursor.position)
         except DB_ERRORS as exc:
-            log_event(log, "resume.unavailable", logging.WARNING, error=repr(exc), peer=peer)
+            log_event(log, "resume.unavailable", logging.WARNING, exc=exc, peer=peer)
             return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
         resumed, reason = plan_resume(
             cursor,
@@ -337,6 +344,12 @@ class Sessions:
         with 4011: they register again without ``since`` and bootstrap."""
         for session in list(self.registry):
             self.evict(session, "cursor_expired", f"{why}; register again without since")
+
+    def resume_all(self, why: str) -> None:
+        """Close every listener with 4010: each registers again and resumes from its
+        cursor (with this instance or another)."""
+        for session in list(self.registry):
+            session.close(Closing(ERROR_CLOSE_CODES["unavailable"], "unavailable", why))
 
     async def evict_stalled(self) -> None:
         """Close the listeners that made no progress for ``stall_timeout`` (only those)."""

@@ -23,21 +23,16 @@ import asyncpg
 from tenacity import AsyncRetrying, RetryCallState, wait_exponential_jitter
 
 from changefeed.logs import log_event
-from changefeed.schemas import Position
+from changefeed.schemas import Position, stamp_of
 
-from .feed import FeedEntry, FeedReader
+from .feed import DB_ERRORS, FeedEntry, FeedReader
 
-__all__ = ["DB_ERRORS", "Tailer"]
+__all__ = ["Join", "Tailer"]
+
+Join = Callable[[asyncpg.Connection, Position | None, int], Awaitable[tuple[Position, int]]]
+"""See Tailer's ``join``."""
 
 log = logging.getLogger(__name__)
-
-DB_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-)
-"""Failures that mean "the database is unreachable or restarting": retried."""
 
 _LOGGED_IDS = 20
 """Changed resource ids a ``tailer.read`` debug event names (the first of its batch)."""
@@ -56,9 +51,10 @@ class Tailer:
         channel: the NOTIFY channel writers ring.
         sink: called synchronously with each batch, in feed order; must not block.
         join: called on each connection before reading, with the position the
-            tailer is at (None the first time); returns the position to read
-            after (the feed's head the first time, or when the feed was
-            restored or trimmed under it: see Publisher).
+            tailer is at and its entry's stamp ((None, 0) the first time);
+            returns the position to read after and its stamp (the feed's head
+            the first time, or when the feed was restored or trimmed under it:
+            see identity.join_feed). ``ready`` is clear meanwhile.
         poll_interval: seconds between polls when no doorbell rings.
         batch: entries per read.
         retry_budget: after this many seconds without the database, status is
@@ -78,7 +74,7 @@ class Tailer:
         batch: int = 1000,
         retry_budget: float = 30.0,
         fanned_out: Callable[[], Awaitable[None]] | None = None,
-        join: Callable[[asyncpg.Connection, Position | None], Awaitable[Position]] | None = None,
+        join: Join | None = None,
     ) -> None:
         self._connect = connect
         self._reader = reader
@@ -93,6 +89,8 @@ class Tailer:
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
         self.position: Position | None = None
+        self.stamp = 0
+        """The stamp of the entry at ``position`` (schemas.stamp_of)."""
         self.status = "starting"
         self.last_error: str | None = None
         self.failing_since: float | None = None
@@ -167,12 +165,15 @@ class Tailer:
         )
 
     async def _follow(self) -> None:
+        # Not ready until this connection has joined the feed: registrations wait
+        # (or are told to retry) rather than read a head that may be about to change.
+        self.ready.clear()
         conn = await self._connect()
         try:
             await conn.add_listener(self._channel, self.ring)
             first = self.position is None
             if self._join is not None:
-                self.position = await self._join(conn, self.position)
+                self.position, self.stamp = await self._join(conn, self.position, self.stamp)
             elif first:
                 self.position = await self._reader.head(conn)
             if first:
@@ -211,6 +212,7 @@ class Tailer:
             entries = await self._reader.read_after(conn, self.position, self._batch)
             self.last_read_at = time.monotonic()
             if not entries:
+                self._unexpected = 0  # a round got through: whatever failed did not repeat
                 self.lag_seconds = 0.0
                 return
             last = entries[-1]
@@ -226,8 +228,9 @@ class Tailer:
                     ids=[e.changed_resource_id for e in entries[:_LOGGED_IDS]],
                 )
             self._sink(entries)
-            self._unexpected = 0  # it got through: whatever failed before did not repeat
+            self._unexpected = 0
             self.position = last.position
+            self.stamp = stamp_of(last.published)
             self.entries_total += len(entries)
             self.last_published = last.published
             self.lag_seconds = max(0.0, (datetime.now(UTC) - last.published).total_seconds())

@@ -114,17 +114,19 @@ class Window:
 
     def _young_enough(self, chunk: Chunk, entry: FeedEntry) -> bool:
         # A chunk spans at most a quarter of max_age: it leaves the window as a whole.
-        span = entry.published - chunk.entries[0].published
-        return span.total_seconds() <= self.max_age / 4
+        return entry.published.timestamp() - chunk.oldest <= self.max_age / 4
 
     def expire(self, now: float) -> None:
-        """Let go of the chunks holding an entry published more than ``max_age``
-        seconds before ``now`` (POSIX time), the newest chunk included."""
+        """Let go of every entry published more than ``max_age`` seconds before
+        ``now`` (POSIX time). The window holds a stretch of the feed without a hole,
+        so an old entry takes every chunk up to its own with it (an old entry late
+        in the feed: a long transaction that committed late)."""
         cutoff = now - self.max_age
-        while len(self._chunks) > self._first:
-            oldest = self._chunks[self._first]
-            if oldest.entries and oldest.entries[0].published.timestamp() >= cutoff:
-                break
+        last_old = -1
+        for i in range(self._first, len(self._chunks)):
+            if self._chunks[i].oldest < cutoff:
+                last_old = i
+        while self._first <= last_old:
             self._let_go_oldest()
 
     def _let_go_oldest(self) -> None:

@@ -63,7 +63,8 @@ class FrameWriter(Protocol):
         """Write ``data`` (whole frames); only when ``open``."""
 
     def buffered(self) -> int:
-        """Bytes written that the transport has yet to send."""
+        """Bytes written that the peer has yet to take: in the transport's buffer,
+        and in the kernel's unacknowledged where the server can tell."""
 
 
 def batch_text(items: Sequence[str]) -> str:

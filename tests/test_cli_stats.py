@@ -56,6 +56,8 @@ async def test_stats_shows_the_runbooks_figures_readably(feed_dsn: str) -> None:
         finally:
             await conn.close()
         await wait_until(lambda: pub.publisher.stats()["counters"]["evictions"] == 1, timeout=30)
+        # The reader keeps up: live again once it has read the burst.
+        await wait_until(lambda: pub.publisher.stats()["catchingUp"] == 0, timeout=30)
 
         text = await changefeed_stats(pub.server.url, "--token", TOKEN)
         print(text)

@@ -248,7 +248,7 @@ async def test_i5_property_random_feeds(feed_dsn: str, spark: Any) -> None:
                 resumed, reason = plan_resume(
                     Cursor(cursor, stamps.get(cursor, 0)),
                     facts,
-                    feed_id=facts.feed_id,
+                    feed_id=facts.state.feed_id,
                     head=head,
                     replay_limit=1 << 62,
                 )

@@ -233,7 +233,7 @@ def test_the_window_is_bounded_and_lets_the_oldest_go() -> None:
     window = Window(ORIGIN, 20_000, Encoder())
     for first in range(1, 200, 10):
         window.append(entries(first, first + 9))
-    assert window.nbytes <= 20_000 or len(window) <= 1024
+    assert window.nbytes <= 20_000 and len(window) < 200
     assert window.base > ORIGIN and window.head == Position(100, 200)
     assert window.find(Position(100, 1)) is None  # behind: read the table
     assert window.find(window.head) is None  # at the head: nothing to read
@@ -474,3 +474,61 @@ def test_only_a_listener_that_takes_nothing_for_stall_timeout_is_stalled() -> No
             assert found == [stuck], t
     stuck.close(Closing(4009, "slow_listener", "gone"))
     assert stalled(everyone, 130.0, 10.0) == []
+
+
+def test_a_sender_blocked_mid_send_with_an_empty_queue_is_stalled() -> None:
+    """Through ASGI sends: the sender took the last turn and waits in send() on a
+    listener that stopped reading; the queue is empty and the delivery live, but
+    it has not taken what it was sent."""
+    d = live()
+    d.queue.extend([object()] * 10)  # type: ignore[list-item]
+    d.take(128)
+    d.sending = True  # what the sender sets around its ASGI send
+    found: list[Delivery] = []
+    for t in range(0, 200, 5):
+        found += stalled([d], float(t + 1), stall_timeout=60.0)
+    assert found and all(f is d for f in found)
+
+
+def test_pages_kept_from_before_the_feed_changed_are_not_served_after() -> None:
+    """A restore hands out the same positions again: the publisher lets its kept
+    pages go (join_feed calls FeedPages.reset), and the lower compaction mark of
+    the restored feed does not stop pages from being kept again."""
+
+    def old(k: int) -> FeedEntry:
+        return FeedEntry(Position(10 + k, 100 + k), "vm", (), f"lost-{k}", T0)
+
+    def new(k: int) -> FeedEntry:
+        return FeedEntry(Position(11 + k, 100 + k), "vm", (), f"new-{k}", T0)
+
+    zero = Position(0, 0)
+    feed: dict[str, Any] = {"entries": [old(k) for k in range(50)], "mark": Position(9, 5)}
+
+    async def read(after: Position, upto: Position, resources: Any, limit: int) -> PageOfFeed:
+        rows = [e for e in feed["entries"] if after < e.position <= upto]
+        return PageOfFeed(rows[:limit], zero, feed["mark"])
+
+    pages = FeedPages(read, lambda e: e.changed_resource_id, page_size=20, max_bytes=1 << 24)
+
+    async def scenario() -> None:
+        await pages.page(["vm"], Position(9, 99), Position(60, 150))
+        feed["entries"], feed["mark"] = [new(k) for k in range(50)], zero
+        pages.reset()
+        page = await pages.page(["vm"], Position(11, 100), Position(60, 150))
+        assert [e.changed_resource_id for e in page.entries[:2]] == ["new-1", "new-2"]
+        assert len(pages.cache) == 1  # kept again, under the restored feed's mark
+
+    asyncio.run(scenario())
+
+
+def test_an_entry_that_arrives_already_old_leaves_the_window_in_time() -> None:
+    """An entry is stamped when its statement ran: a long transaction's entries
+    arrive already old, and must leave the window as soon as any other."""
+    now = T0.timestamp() + 3600
+    window = Window(Position(1, 0), 1 << 30, lambda e: e.changed_resource_id, max_age=300.0)
+    fresh = FeedEntry(Position(10, 1), "vm", (), "fresh", datetime.fromtimestamp(now - 1, UTC))
+    late = FeedEntry(Position(11, 2), "vm", (), "late", datetime.fromtimestamp(now - 1200, UTC))
+    window.append([fresh])
+    window.append([late])
+    window.expire(now)
+    assert window.find(Position(10, 1)) is None and window.base == Position(11, 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,3 +221,166 @@ async def test_a_cursor_from_before_a_restore_is_not_resumed_by_a_publisher_star
         # Beyond what the restored feed has written again.
         ack = await _resume(pub.ws_url, lost[9]["cursor"])
         assert ack["resumed"] is False and ack["reason"] in ("cursor_ahead", "unknown_position")
+
+
+# --------------------------------------------------------------------------- its own faults
+
+
+async def _feed_id(dsn: str) -> uuid.UUID:
+    conn = await asyncpg.connect(dsn)
+    try:
+        value: uuid.UUID = await conn.fetchval("SELECT feed_id FROM changefeed.feed_state")
+        return value
+    finally:
+        await conn.close()
+
+
+async def _kill_tailer(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = 'changefeed-tailer' AND datname = current_database()"
+        )
+    finally:
+        await conn.close()
+
+
+async def test_a_batch_that_failed_to_reach_the_listeners_is_not_taken_for_a_restore(
+    feed_dsn: str,
+) -> None:
+    """A bug raises in live dispatch, after the batch went into the window: the
+    tailer reads it again. The feed is the same feed (no new identity), and its
+    listeners are told to resume (4010), so that none keeps a gap."""
+    async with running_publisher(feed_dsn, poll_interval=0.05) as pub:
+        ws, _ = await register(pub.ws_url, registration(subs=[]))
+        await write(feed_dsn, [("vm", [], "first")])
+        (first,) = await receive_items(ws, 1)
+        before = await _feed_id(feed_dsn)
+        fanout = pub.publisher.broadcast.fanout
+        original = fanout.dispatch
+        calls = {"n": 0}
+
+        def fails_once(chunk: Any, start: int) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("a programming error, once")
+            return original(chunk, start)
+
+        fanout.dispatch = fails_once  # type: ignore[method-assign]
+        await write(feed_dsn, [("vm", [], "second")])
+        with pytest.raises(ConnectionClosed) as closed:
+            async with asyncio.timeout(30):
+                while True:
+                    await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == CloseCode.UNAVAILABLE
+        assert await _feed_id(feed_dsn) == before
+        # Resuming from what it had, it gets the batch that failed, once.
+        again, ack = await register(pub.ws_url, registration(subs=[], since=first["cursor"]))
+        assert ack["resumed"] is True
+        (second,) = await receive_items(again, 1)
+        assert second["changedResourceId"] == "second"
+        await again.close()
+
+
+async def test_an_identity_another_instance_gave_the_feed_is_taken_at_once(
+    feed_dsn: str,
+) -> None:
+    """Another instance found the feed restored and gave it a new identity just as
+    this one reconnected: this one reads the identity and its check in one
+    snapshot, closes its listeners, and signs with the new identity from then on."""
+    async with running_publisher(feed_dsn, poll_interval=0.05) as pub:
+        reader = pub.publisher.reader
+        original = reader.resume_facts
+        armed = {"on": True}
+
+        async def rotated_meanwhile(conn: Any, position: Any) -> Any:
+            if armed["on"]:
+                armed["on"] = False
+                other = await asyncpg.connect(feed_dsn)  # the other instance
+                try:
+                    await other.execute(
+                        "UPDATE changefeed.feed_state SET feed_id = gen_random_uuid(),"
+                        " cursor_key = uuid_send(gen_random_uuid())"
+                        " || uuid_send(gen_random_uuid())"
+                    )
+                finally:
+                    await other.close()
+            return await original(conn, position)
+
+        reader.resume_facts = rotated_meanwhile  # type: ignore[method-assign]
+        await write(feed_dsn, [("vm", [], "before")])
+        await wait_until(lambda: pub.publisher.tailer.entries_total >= 1, 30)
+        await _kill_tailer(feed_dsn)
+        tailer = pub.publisher.tailer
+        await wait_until(lambda: not armed["on"] and tailer.status == "running", 30)
+        ws, _ = await register(pub.ws_url, registration(subs=[]))
+        await write(feed_dsn, [("vm", [], "after")])
+        (item,) = await receive_items(ws, 1)
+        await ws.close()
+        assert pub.publisher.identity.feed_id == await _feed_id(feed_dsn)
+        assert (await _resume(pub.ws_url, item["cursor"]))["resumed"] is True
+
+
+async def test_a_registration_while_the_tailer_joins_a_restored_feed_is_told_to_retry(
+    own_server: EmbeddedPostgres, tmp_path: Path
+) -> None:
+    """While the tailer checks the feed after reconnecting (here: held on the
+    restored feed's head), a registration is answered 4010 with retryAfter, not
+    admitted at the lost feed's head, where it would skip the positions the
+    restored feed hands out again; registering again afterwards works."""
+    dsn = await _feed_on(own_server)
+    async with running_publisher(dsn, poll_interval=0.05) as pub:
+        listener, _ = await register(pub.ws_url, registration(subs=[]))
+        await write(dsn, [("vm", [], f"kept-{i}") for i in range(10)])
+        await receive_items(listener, 10)
+        await listener.close()
+        _back_up(own_server, tmp_path / "backup")
+        await wait_until(lambda: pub.publisher.tailer.status == "running", timeout=30)
+        await write(dsn, [("vm", [], f"lost-{i}") for i in range(20)])
+        await wait_until(lambda: pub.publisher.tailer.entries_total >= 30, timeout=30)
+
+        reader = pub.publisher.reader
+        original = reader.head_entry
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        async def held(conn: Any) -> Any:
+            found = await original(conn)
+            entered.set()
+            await asyncio.wait_for(release.wait(), 30)
+            return found
+
+        reader.head_entry = held  # type: ignore[method-assign]
+        _restore(own_server, tmp_path / "backup")
+        await asyncio.wait_for(entered.wait(), 60)
+        during, answer = await register(pub.ws_url, registration(subs=[]))
+        assert answer["error"]["code"] == "unavailable" and answer["error"]["retryAfter"] > 0
+        await during.close()
+        release.set()
+        await wait_until(lambda: pub.publisher.tailer.status == "running", timeout=30)
+        after, _ = await register(pub.ws_url, registration(subs=[]))
+        await write(dsn, [("vm", [], f"after-restore-{i}") for i in range(5)])
+        (item,) = await receive_items(after, 1, timeout=10)
+        assert item["changedResourceId"] == "after-restore-0"
+        await after.close()
+
+
+async def test_database_restarts_on_a_quiet_feed_do_not_fail_the_publisher(
+    own_server: EmbeddedPostgres,
+) -> None:
+    """What a restart leaves on a connection is the database's weather, not a bug
+    of the publisher's: however many restarts, it keeps tailing."""
+    dsn = await _feed_on(own_server)
+    async with running_publisher(dsn, poll_interval=0.05) as pub:
+        tailer = pub.publisher.tailer
+        for _ in range(4):
+            await asyncio.to_thread(own_server.restart)
+            since = time.monotonic()
+            await wait_until(
+                lambda since=since: (
+                    tailer.status in ("running", "failed") and (tailer.last_read_at or 0) > since
+                ),
+                timeout=60,
+            )
+            assert tailer.status == "running", tailer.last_error
+        assert pub.publisher.failed == {}
