@@ -34,10 +34,12 @@ Encoder = Callable[[FeedEntry], str]
 _SELECTIONS_KEPT = 8
 """Interests whose selection a chunk remembers (see Chunk.selection)."""
 
-_ENTRY_OVERHEAD = 600
-"""Bytes an entry costs beyond its id, estimated: the row's objects, its item
-text and its serialised frame (a 36-character id gives items of about 200
-bytes). Used to bound the window and the page cache by memory."""
+_ENTRY_OVERHEAD = 950
+"""Bytes an entry costs beyond its id, estimated: the row's objects, its item,
+its serialised frame and its places in cached selections (a 36-character id
+gives items of about 200 bytes; tracemalloc measured about 1,060 bytes per
+such entry in a full window). Used to bound the window and the page cache by
+memory."""
 
 
 class Item:
