@@ -32,7 +32,8 @@ _EPILOG = {
     "listen": "examples:\n"
     "  changefeed listen http://127.0.0.1:8080 --resource vm:nic,alias\n"
     "  changefeed listen http://127.0.0.1:8080 --resource vm:nic,alias --resource server --mirror\n"
-    "  changefeed listen http://127.0.0.1:8080 --resource vm --sub-resources nic,alias",
+    "  changefeed listen http://127.0.0.1:8080 --resource vm --sub-resources nic,alias\n"
+    "  changefeed listen http://127.0.0.1:8080 --resource vm --mirror --checkpoint vms.sqlite",
     "stats": "example:\n  changefeed stats http://127.0.0.1:8080",
     "db": "example:\n  changefeed db init --dsn postgresql://postgres@127.0.0.1:5432/postgres",
     "compact": "example:\n  changefeed compact --dsn postgresql://postgres@127.0.0.1:5432/postgres"
@@ -152,6 +153,12 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated sub-resources of the one --resource (same as NAME:SUB,SUB)",
     )
     listen.add_argument("--since", help="resume from this cursor")
+    listen.add_argument(
+        "--checkpoint",
+        metavar="FILE",
+        help="keep the cursor (and, with --mirror, the mirrors) in this SQLite file: "
+        "a run resumes where the last one stopped",
+    )
     listen.add_argument(
         "--mirror",
         action="store_true",

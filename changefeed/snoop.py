@@ -2,7 +2,9 @@
 
 Prints every change item as a JSON line on stdout; with ``--mirror`` it keeps
 one controller's mirror per resource instead and prints each add/update/delete
-with the resource's new state. Several ``--resource`` options share one
+with the resource's new state. With ``--checkpoint FILE`` the cursor (and the
+mirrors) are kept in a SQLite file: run again, it resumes where it stopped
+and prints only what changed meanwhile. Several ``--resource`` options share one
 connection (one registration per resource). A live status line on stderr
 shows the listener's state, buffer, back-off and, while it bootstraps, each
 route's progress, so an operator sees what the listener is doing.
@@ -29,6 +31,7 @@ from changefeed.listener import (
     ListenerConfig,
     ListenerStatus,
     Resynced,
+    SqliteCheckpointStore,
 )
 
 __all__ = ["UsageError", "change_kinds", "run_listen", "status_line", "websocket_url"]
@@ -98,6 +101,10 @@ def status_line(status: ListenerStatus, shown: int) -> str:
             f"{p.resource} {p.items} items {p.pages} pages {p.rate:,.0f}/s"
             for p in status.bootstrap
         )
+    checkpoint = status.checkpoint
+    if checkpoint is not None:
+        line += f" checkpoint={'resumed' if checkpoint.resumed_from else 'new'}"
+        line += f"/{checkpoint.saves} saves"
     if status.last_error:
         line += f" last_error={status.last_error[:60]}"
     return line
@@ -115,6 +122,9 @@ async def run_listen(args: argparse.Namespace) -> int:
         UsageError: the ``--resource`` options name nothing clear.
     """
     kinds = change_kinds(args.resource, args.sub_resources)
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint and args.since:
+        raise UsageError("give --since or --checkpoint, not both: the checkpoint keeps the cursor")
     config = ListenerConfig(page_limit=args.page_limit) if args.page_limit else None
     listener = Listener(
         websocket_url(args.url),
@@ -123,6 +133,7 @@ async def run_listen(args: argparse.Namespace) -> int:
         change_kinds=kinds,
         token=args.token,
         cursor=args.since,
+        checkpoint=SqliteCheckpointStore(checkpoint) if checkpoint else None,
         config=config,
     )
     show_status = sys.stderr.isatty() if args.status is None else args.status

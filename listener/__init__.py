@@ -22,6 +22,12 @@ mirror, work queue and callbacks)::
     async with vms, servers:
         ...
 
+Keep checkpoints, so that a restart resumes instead of bootstrapping (the
+mirrors and the cursor, saved together; callbacks see only what changed)::
+
+    listener = Listener(url, instance=INSTANCE_UUID, service="tcns", change_kinds=[...],
+                        checkpoint=SqliteCheckpointStore("/var/lib/tcns/checkpoint.sqlite"))
+
 Or read the raw events (``Resynced`` after each bootstrap, then ``ChangeItem``)::
 
     async with listener:
@@ -31,9 +37,11 @@ Or read the raw events (``Resynced`` after each bootstrap, then ``ChangeItem``):
 This module's ``__all__`` is the whole public API; the ``_``-modules are
 internal. Pure code: ``_lifecycle`` (the connection state machine and what a
 failure means), ``_backoff``, ``_buffer``, ``_frames``, ``_workqueue`` and
-``_mirror``; ``_listener`` (one connection in ``_session``) and
-``_controller`` are the websockets / httpx adapters around them; ``_metrics``
-exposes both on a Prometheus registry. Every exception is a
+``_mirror``, ``_checkpoint`` (what a checkpoint holds and the rules for
+using one); ``_listener`` (one connection in ``_session``, checkpoints in
+``_checkpointer``), ``_controller`` and ``_sqlite_store`` are the
+websockets / httpx / sqlite3 adapters around them; ``_metrics`` exposes both
+on a Prometheus registry. Every exception is a
 ``ListenerError`` (tree in ``_errors``). See docs/listener.md.
 
 What the package must never do: block or slow the publisher (the socket is
@@ -45,9 +53,11 @@ from changefeed.schemas import ChangeItem, ChangeKind
 
 from ._backoff import BackoffPolicy
 from ._buffer import Buffer, register_buffer_kind
+from ._checkpoint import Checkpoint, CheckpointStatus, CheckpointStore, MirrorCheckpoint
 from ._config import ListenerConfig
 from ._controller import Controller, ControllerStats
 from ._errors import (
+    CheckpointError,
     ListenerConfigError,
     ListenerError,
     RegistrationRefused,
@@ -64,6 +74,7 @@ from ._handlers import (
 )
 from ._lifecycle import ConnectionState
 from ._listener import Listener
+from ._sqlite_store import SqliteCheckpointStore
 
 __all__ = [
     "AddHandler",
@@ -72,6 +83,10 @@ __all__ = [
     "Buffer",
     "ChangeItem",
     "ChangeKind",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointStatus",
+    "CheckpointStore",
     "ConnectionState",
     "Controller",
     "ControllerStats",
@@ -84,10 +99,12 @@ __all__ = [
     "ListenerConfigError",
     "ListenerError",
     "ListenerStatus",
+    "MirrorCheckpoint",
     "ReconcileHandler",
     "RegistrationRefused",
     "Resynced",
     "RetriesExhausted",
+    "SqliteCheckpointStore",
     "UpdateHandler",
     "register_buffer_kind",
 ]

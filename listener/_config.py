@@ -54,6 +54,15 @@ class ListenerConfig:
             creates itself (an injected client keeps its own).
         high_water: buffer fill (fraction of ``buffer_size``) at which a
             ``listener.buffer.high`` event is logged.
+        checkpoint_interval: seconds between checkpoints, with a checkpoint
+            store (one is also saved on a clean stop). A restart replays at
+            most about this long of changes.
+        checkpoint_replay: seconds, after resuming from a checkpoint, during
+            which every id a change item names is called back even if its state
+            is what the checkpoint saved (``old == new``): the process that
+            stopped may have told the application of a state in between (a
+            change and its undoing) after its last checkpoint. Keep it above
+            the time the replay of the changes since a checkpoint takes.
 
     Raises:
         ListenerConfigError: a value is out of range or the buffer kind is unknown.
@@ -76,6 +85,8 @@ class ListenerConfig:
     max_attempts: int | None = None
     http_timeout: float = 10.0
     high_water: float = 0.8
+    checkpoint_interval: float = 10.0
+    checkpoint_replay: float = 60.0
 
     def __post_init__(self) -> None:
         if self.buffer_kind not in BUFFER_KINDS:
@@ -92,7 +103,14 @@ class ListenerConfig:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ListenerConfigError(key, f"must be > 0 (or None), got {value!r}")
-        for key in ("open_timeout", "ack_timeout", "close_timeout", "http_timeout"):
+        for key in (
+            "open_timeout",
+            "ack_timeout",
+            "close_timeout",
+            "http_timeout",
+            "checkpoint_interval",
+            "checkpoint_replay",
+        ):
             if not getattr(self, key) > 0:
                 raise ListenerConfigError(key, f"must be > 0, got {getattr(self, key)!r}")
         if not 0 < self.high_water <= 1:

@@ -28,6 +28,10 @@ client-go's informer + controller in one object, for RFD 5 feeds that say
   it again, without listing anything again.
 * ``decode`` turns each resource's JSON into the application's own type
   ``T``; the mirror and the callbacks hold ``T``.
+* With a checkpoint store on its listener (``_checkpoint``), the mirror is
+  saved with the listener's cursor and loaded at start: the controller then
+  starts from the mirror as its callbacks last saw it, fetches again the ids
+  that were pending, and is called back only for what changed since.
 
 Several controllers may share one Listener, one per resource it registers
 (``resource=``): each has its own mirror, work queue and callbacks, and sees
@@ -58,6 +62,7 @@ from changefeed.logs import log_event
 from changefeed.schemas import ChangeItem
 
 from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
+from ._checkpoint import CheckpointStore, EncodedItems, MirrorCheckpoint, application_view
 from ._errors import ListenerConfigError, ListenerError
 from ._events import Resynced
 from ._handlers import (
@@ -177,6 +182,11 @@ class Controller(Generic[T]):
         decode: turns a resource's JSON into the application's ``T``; what it
             refuses is logged and retried with back-off, like a failed fetch.
             ``T`` must compare by value (dataclasses, msgspec Structs do).
+        encode: turns a ``T`` back into JSON for a checkpoint (``decode`` of the
+            result must give it back); required with ``decode`` when the
+            listener has a checkpoint store. It may run off the event loop.
+        checkpoint: a checkpoint store for the listener (and so for every
+            controller attached to it); the same as ``Listener(checkpoint=...)``.
         fetch: how to fetch resources by id (default: the bootstrap client's
             ``fetch_one`` / ``fetch_many`` on the resource's route and the
             listener's HTTP client).
@@ -199,7 +209,10 @@ class Controller(Generic[T]):
         ListenerConfigError: both ``reconcile`` and an ``on_*`` callback, a bad number,
             a resource the listener does not register (or none named on a listener
             of several), a listener that has started, or one holding a saved cursor
-            (the mirror starts empty, so the listener must bootstrap).
+            (the mirror starts empty, so the listener must bootstrap: a checkpoint
+            store saves and loads the mirror with the cursor instead); with a
+            checkpoint store, ``decode`` without ``encode`` or a name another
+            controller of the listener has.
     """
 
     def __init__(
@@ -212,6 +225,8 @@ class Controller(Generic[T]):
         on_update: UpdateHandler[T] | None = None,
         on_delete: DeleteHandler[T] | None = None,
         decode: Callable[[Any], T] | None = None,
+        encode: Callable[[T], Any] | None = None,
+        checkpoint: CheckpointStore | None = None,
         fetch: Fetcher | None = None,
         key: Callable[[Any], str] | None = None,
         id_field: str = "uuid",
@@ -240,6 +255,8 @@ class Controller(Generic[T]):
         shared = isinstance(listener, Listener)
         if fetch is None and not shared:
             raise ListenerConfigError("fetch", "is required when the source is not a Listener")
+        if checkpoint is not None and not shared:
+            raise ListenerConfigError("checkpoint", "is kept by a Listener: give it one")
         if isinstance(listener, Listener):
             if listener.cursor is not None:
                 # The mirror starts empty: resuming would skip the bootstrap that fills it.
@@ -261,6 +278,7 @@ class Controller(Generic[T]):
         self._on_update = on_update
         self._on_delete = on_delete
         self._decode = decode
+        self._encode = encode
         self._fetch = fetch or self._default_fetch
         self._key = key or (lambda obj: str(obj[id_field]))
         self._id_field = id_field
@@ -278,6 +296,15 @@ class Controller(Generic[T]):
         # part of it, even if the mirror goes back to what it last saw.
         self._attempted: dict[str, Any] = {}
         self._resyncing: set[str] = set()  # ids a periodic resync hands out again
+        # Ids called back even when unchanged, after a restore: the process that saved
+        # the checkpoint may have told the application of a state in between.
+        self._forced: set[str] = set()
+        self._replay_until: float | None = None  # items until then add to ``_forced``
+        self._restored = False
+        self._fetching: set[str] = set()  # ids whose fetch is under way
+        # Ids whose state as the application saw it may have changed since the last
+        # checkpoint (None: no checkpoint is kept, nothing is tracked).
+        self._touched: set[str] | None = None
         self._route: str | None = None
         self._synced = asyncio.Event()
         self._resynced_once = False
@@ -300,6 +327,8 @@ class Controller(Generic[T]):
             assert resource is not None
             self._sink = _Sink(self)
             listener._attach(resource, self._sink)
+            if checkpoint is not None:
+                listener._use_checkpoint(checkpoint)
         if registry is not None:
             register_controller(registry, self)
 
@@ -361,7 +390,9 @@ class Controller(Generic[T]):
         ]
 
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Wait until the first bootstrap is in the mirror and its callbacks have run.
+        """Wait until the first bootstrap is in the mirror and its callbacks have run, or,
+        for a mirror loaded from a checkpoint, until the listener resumed its cursor
+        and the ids loaded as pending have been fetched and called back.
 
         Raises:
             TimeoutError: not synced within ``timeout`` seconds.
@@ -414,6 +445,10 @@ class Controller(Generic[T]):
                 self._failure = exc
             raise
         finally:
+            if self._sink is not None and isinstance(self.listener, Listener):
+                # Before this controller takes nothing more: the listener's last
+                # checkpoint must see its mirror with the cursor it has reached.
+                self.listener._controller_stopping(self._sink)
             self._ended.set()
             self._room.set()  # a dispatch task waiting for this controller's room goes on
             self.queue.shut_down()
@@ -485,6 +520,11 @@ class Controller(Generic[T]):
         self.items += len(items)
         ids = [item.changed_resource_id for item in items]
         self._stale.update(ids)
+        if self._replay_until is not None:
+            if time.monotonic() < self._replay_until:
+                self._forced.update(ids)
+            else:
+                self._replay_until = None
         self.queue.add_many(ids)
 
     def _apply_resync(self, event: Resynced) -> None:
@@ -512,6 +552,8 @@ class Controller(Generic[T]):
         for change in changes:
             self._seen.setdefault(change.id, change.old)
             self.queue.add(change.id)
+        if self._touched is not None:
+            self._touched.update(change.id for change in changes)
         for busy in self.queue.processing:
             self._stale.add(busy)
             self.queue.add(busy)
@@ -551,6 +593,78 @@ class Controller(Generic[T]):
                 id=key,
             )
             return _UNDECODABLE
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def _restore(self, part: MirrorCheckpoint) -> None:
+        """Start from a checkpoint's mirror (no callbacks for it); its pending ids, and
+        any ``decode`` refuses, are fetched again and called back if they changed."""
+        refetch = set(part.pending)
+        items: Mapping[str, T]
+        if self._decode is None:
+            items = part.items  # the JSON itself is T: no copy before the mirror's own
+        else:
+            items = decoded = {}
+            for key, raw in part.items.items():
+                value = self._decoded(key, raw)
+                if isinstance(value, _Undecodable):
+                    refetch.add(key)
+                else:
+                    decoded[key] = value
+        self._mirror.restore(items)
+        self._touched = set()
+        self._restored = True
+        self._forced.update(refetch)
+        self._stale.update(refetch)
+        self.queue.add_many(refetch)
+        log_event(
+            log,
+            "controller.restored",
+            controller=self.name,
+            items=len(items),
+            pending=len(refetch),
+        )
+
+    def _track_changes(self) -> None:
+        """Start counting the ids a checkpoint must save again (nothing was restored)."""
+        if self._touched is None:
+            self._touched = set()
+
+    def _checkpoint_part(self, changed: set[str] | None) -> MirrorCheckpoint:
+        """This controller's part of a checkpoint taken now: every resource as the
+        application saw it (``changed`` None), or those of ``changed`` (ids absent
+        from the view are deleted), and every id with work outstanding."""
+        seen, resource = self._seen, self.resource or ""
+        deleted: list[str] = []
+        if changed is None:
+            view = application_view(self._mirror.copy(), seen)
+        else:
+            view = {}
+            get = self._mirror.get
+            for key in changed:
+                value = seen[key] if key in seen else get(key)
+                if value is None:
+                    deleted.append(key)
+                else:
+                    view[key] = value
+        pending = self._stale | self._fetching | seen.keys() | self._attempted.keys()
+        items = view if self._encode is None else EncodedItems(view, self._encode)
+        return MirrorCheckpoint(resource, items, deleted, pending)
+
+    def _take_touched(self) -> set[str]:
+        touched = self._touched or set()
+        self._touched = set()
+        return touched
+
+    def _resumed(self) -> None:
+        """The listener resumed: for a mirror loaded from a checkpoint, this is what
+        a first bootstrap is to an empty one; the change items replayed now are
+        called back even when unchanged (see ``_forced``)."""
+        if not self._resynced_once:
+            self._resynced_once = True
+            self._sync_task = asyncio.create_task(self._mark_synced())
+            if self._restored and isinstance(self.listener, Listener):
+                self._replay_until = time.monotonic() + self.listener.config.checkpoint_replay
 
     async def _mark_synced(self) -> None:
         await self.queue.wait_idle()
@@ -610,7 +724,8 @@ class Controller(Generic[T]):
         for key in ids:
             if key in failed:
                 continue
-            if key not in seen and key not in resyncing:  # nothing for the application
+            if key not in seen and key not in resyncing and key not in self._forced:
+                # nothing for the application
                 if retrying:
                     self._retry.forget(key)
                 continue
@@ -620,14 +735,20 @@ class Controller(Generic[T]):
         """Fetch ``stale`` ids into the mirror; return the ids whose fetch failed."""
         if not stale:
             return set()
-        # Unmark first: an item arriving during the fetch marks the id again.
+        # Unmark first: an item arriving during the fetch marks the id again. Until
+        # the result is in the mirror the ids are "fetching": a checkpoint counts
+        # them as pending, and a fetch cut short (cancelled) marks them again.
         self._stale.difference_update(stale)
+        self._fetching.update(stale)
         started = time.monotonic()
         try:
             found = await self._fetch(stale)
-        except Exception as exc:
-            self.fetch_errors += 1
+        except BaseException as exc:
+            self._fetching.difference_update(stale)
             self._stale.update(stale)
+            if not isinstance(exc, Exception):
+                raise
+            self.fetch_errors += 1
             for key in stale:
                 self.queue.add_rate_limited(key, self._retry.failure(key))
             log_event(
@@ -650,9 +771,11 @@ class Controller(Generic[T]):
             found=len(found),
             elapsed=round(time.monotonic() - started, 4),
         )
+        self._fetching.difference_update(stale)
         failed: set[str] = set()
         current = self._mirror.view().get
         decode = self._decode
+        touched = self._touched
         for key in stale:
             raw = found.get(key)
             new: T | _Undecodable | None = raw
@@ -671,11 +794,22 @@ class Controller(Generic[T]):
                 self._mirror.delete(key)
             else:
                 self._mirror.put(key, new)
+            if touched is not None:
+                touched.add(key)
         return failed
+
+    def _done_with(self, key: str) -> None:
+        self._resyncing.discard(key)
+        self._forced.discard(key)
+        self._retry.forget(key)
 
     async def _notify(self, key: str) -> None:
         new = self._mirror.get(key)
-        resync = key in self._resyncing
+        forced = key in self._forced
+        resync = forced or key in self._resyncing
+        # A forced id absent before and after may have existed in between (created
+        # and deleted after the checkpoint): reconcile(id, None, None) says it is gone.
+        absent_too = forced and self._reconcile is not None
         if key in self._seen:
             seen = old = self._seen[key]
             if old == new:
@@ -683,20 +817,20 @@ class Controller(Generic[T]):
                 if attempted is _NOTHING or attempted == new:
                     del self._seen[key]
                     self._attempted.pop(key, None)
-                    if not resync or new is None:
-                        self._resyncing.discard(key)
-                        self._retry.forget(key)
+                    if not resync or (new is None and not absent_too):
+                        self._done_with(key)
                         return
                 else:
                     # A failed callback for this id may have applied part of its
                     # change, and the mirror is back where it was: undo from there.
                     old = attempted
         elif new is None:  # a resync of an id deleted meanwhile: its delete went out
-            self._resyncing.discard(key)
-            self._retry.forget(key)
-            return
+            if not absent_too:
+                self._done_with(key)
+                return
+            seen = old = None
         else:
-            seen = old = new  # a periodic resync: old == new
+            seen = old = new  # a periodic resync (or a forced id): old == new
         try:
             await self._dispatch(key, old, new)
         except Exception as exc:
@@ -718,6 +852,7 @@ class Controller(Generic[T]):
             return
         self.reconciles += 1
         self._resyncing.discard(key)
+        self._forced.discard(key)
         self._attempted.pop(key, None)
         self._retry.forget(key)
         # The mirror may have moved on during the callback (a resync): the
@@ -726,6 +861,8 @@ class Controller(Generic[T]):
             self._seen.pop(key, None)
         else:
             self._seen[key] = new
+        if self._touched is not None and seen != new:
+            self._touched.add(key)  # what the application saw changed
 
     async def _dispatch(self, key: str, old: T | None, new: T | None) -> None:
         if self._reconcile is not None:
@@ -743,6 +880,11 @@ class Controller(Generic[T]):
         listener = self.listener
         assert isinstance(listener, Listener) and self.resource is not None
         route = self._route or listener.routes.get(self.resource)
+        if route is None:
+            # Ids loaded from a checkpoint as pending are fetched from the route
+            # the first ack names.
+            await listener._registered.wait()
+            route = listener.routes.get(self.resource)
         if route is None:
             raise ListenerError("no resource route yet: the listener has not registered")
         if len(ids) == 1:
@@ -795,6 +937,42 @@ class _Sink:
     def changed(self, items: Sequence[ChangeItem]) -> None:
         if not self._gone():
             self._controller._take_items(items)
+
+    @property
+    def name(self) -> str:
+        return self._controller.name
+
+    @property
+    def resource(self) -> str:
+        return self._controller.resource or ""
+
+    def checkpoint_problem(self) -> str | None:
+        controller = self._controller
+        if controller._decode is not None and controller._encode is None:
+            return f"controller {controller.name} has decode but no encode: give encode"
+        return None
+
+    def resumed(self) -> None:
+        if not self._gone():
+            self._controller._resumed()
+
+    def restore(self, part: MirrorCheckpoint) -> None:
+        self._controller._restore(part)
+
+    def track_changes(self) -> None:
+        self._controller._track_changes()
+
+    def take_changed(self) -> set[str]:
+        return self._controller._take_touched()
+
+    def has_changed(self) -> bool:
+        return bool(self._controller._touched)
+
+    def checkpoint_part(self, changed: set[str] | None) -> MirrorCheckpoint:
+        return self._controller._checkpoint_part(changed)
+
+    def size(self) -> int:
+        return len(self._controller._mirror)
 
     def stopped(self, error: BaseException | None) -> None:
         stopped = self._stopped

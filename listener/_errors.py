@@ -8,6 +8,8 @@ Exception tree::
     │                           unauthorized, forbidden; or HTTP 401/403 at the handshake)
     ├── RetriesExhausted        ``max_attempts`` connection attempts failed in a row
     ├── ListenerConfigError     a setting is out of range (also a ValueError)
+    ├── CheckpointError         a checkpoint store cannot use what it holds, or refuses a
+    │                           save that does not go on top of it
     ├── LifecycleError          an impossible state transition was requested (a bug)
     └── SessionError            one connection ended; the listener re-registers with back-off
         ├── BufferOverflow      the buffer could not hold what arrived (RFD 5: abort, clear,
@@ -21,7 +23,9 @@ Exception tree::
 ``SessionError`` and its subclasses are the retryable ones: the listener
 handles them itself (they show up in ``status().last_error`` and in the log);
 an application only ever sees ``RegistrationRefused``, ``RetriesExhausted``
-and, on a bug, ``LifecycleError``. Failures of the network, of the websocket
+and, on a bug, ``LifecycleError``. ``CheckpointError`` is raised by stores;
+the listener logs it (a checkpoint is a saving, never a requirement), and an
+application's own store may raise it too. Failures of the network, of the websocket
 and of the HTTP API are mapped into this tree at the boundary; nothing from
 websockets or httpx crosses the public API (the ``wait_*`` helpers raise
 ``TimeoutError``, iteration ends with ``StopAsyncIteration``).
@@ -33,6 +37,7 @@ __all__ = [
     "BadPublisherFrame",
     "BootstrapFailed",
     "BufferOverflow",
+    "CheckpointError",
     "LifecycleError",
     "ListenerConfigError",
     "ListenerError",
@@ -89,6 +94,11 @@ class ListenerConfigError(ListenerError, ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
+
+
+class CheckpointError(ListenerError):
+    """A checkpoint store cannot use what it holds (another layout version, a row that
+    does not decode), or refuses an incremental save that does not go on top of it."""
 
 
 class LifecycleError(ListenerError):

@@ -21,6 +21,7 @@ from typing import Any
 
 from changefeed.schemas import ChangeItem
 
+from ._checkpoint import CheckpointStatus
 from ._lifecycle import ConnectionState
 
 __all__ = ["BootstrapProgress", "Event", "ListenerStatus", "Resynced"]
@@ -120,6 +121,7 @@ class ListenerStatus:
             the first bootstrap).
         not_resumed: acks that did not resume a ``since``, by the ack's
             ``reason`` (``"unknown"`` when the publisher gave none).
+        checkpoint: loads and saves of the checkpoint store (None: no store).
     """
 
     name: str
@@ -147,6 +149,7 @@ class ListenerStatus:
     resources: tuple[str, ...] = ()
     bootstrap: tuple[BootstrapProgress, ...] = ()
     not_resumed: dict[str, int] = field(default_factory=dict)
+    checkpoint: CheckpointStatus | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot as a JSON-ready dict (``state`` as its string value)."""
@@ -155,4 +158,5 @@ class ListenerStatus:
         doc["resources"] = list(self.resources)
         doc["bootstrap"] = [progress.to_json() for progress in self.bootstrap]
         doc["not_resumed"] = dict(self.not_resumed)
+        doc["checkpoint"] = None if self.checkpoint is None else self.checkpoint.to_json()
         return doc

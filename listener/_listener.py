@@ -41,6 +41,14 @@ its work queue has room for (``max_pending``) and waits for room otherwise,
 so a controller that falls behind fills the buffer, which overflows (abort,
 clear, re-bootstrap of every change kind) rather than grow.
 
+With a checkpoint store (``_checkpointer``), the listener loads the last
+checkpoint before it first registers (its controllers start from their saved
+mirrors, and it registers with the saved cursor), and saves one at intervals
+and when it or its first controller stops. The cursor saved is the position
+the application is done with: for controllers, that of the last event handed
+to them (their mirrors and pending ids are taken in the same step); for
+``async for``, that of the event before the one handed out last.
+
 It must never hand the application an item of a connection before that
 connection's ``Resynced`` events, never retry without back-off, and never
 swallow a failure without logging and counting it.
@@ -67,6 +75,8 @@ from changefeed.schemas import RESUME_REASONS, Ack, ChangeItem, ChangeKind, Regi
 
 from ._backoff import Backoff
 from ._buffer import Buffer, make_buffer
+from ._checkpoint import CheckpointStore, MirrorCheckpoint
+from ._checkpointer import Checkpointer
 from ._config import ListenerConfig
 from ._errors import (
     BufferOverflow,
@@ -91,7 +101,16 @@ _LOW_WATER = 0.5  # the high-water event re-arms once the buffer drains below th
 
 
 class Sink(Protocol):
-    """What a controller attached to a listener receives (``Listener._attach``)."""
+    """What a controller attached to a listener receives (``Listener._attach``), and
+    what a checkpoint reads from it (``_checkpointer.MirrorSource``)."""
+
+    @property
+    def name(self) -> str:
+        """The controller's name (its mirror's key in a checkpoint)."""
+
+    @property
+    def resource(self) -> str:
+        """The resource it mirrors."""
 
     def room(self) -> int:
         """How many more change items it takes now (0 or less: none until ``wait_room``)."""
@@ -107,6 +126,30 @@ class Sink(Protocol):
 
     def stopped(self, error: BaseException | None) -> None:
         """The listener stopped: closed (None), or for good with ``error``."""
+
+    def resumed(self) -> None:
+        """A connection resumed the cursor (no bootstrap)."""
+
+    def checkpoint_problem(self) -> str | None:
+        """Why its mirror cannot be checkpointed (None: it can)."""
+
+    def restore(self, part: MirrorCheckpoint) -> None:
+        """Start from a checkpoint's mirror."""
+
+    def track_changes(self) -> None:
+        """Count the ids a checkpoint saves again, from now on."""
+
+    def take_changed(self) -> set[str]:
+        """Ids changed since the last call."""
+
+    def has_changed(self) -> bool:
+        """Whether any id changed since ``take_changed``."""
+
+    def checkpoint_part(self, changed: set[str] | None) -> MirrorCheckpoint:
+        """Its part of a checkpoint taken now."""
+
+    def size(self) -> int:
+        """Resources in its mirror."""
 
 
 def _http_origin(ws_url: str) -> str:
@@ -187,6 +230,10 @@ class Listener:
             listener creates the HTTP client, for its requests.
         cursor: a cursor saved from an earlier run (``status().cursor``) to
             resume from; only useful when the application kept its state.
+        checkpoint: a store to keep checkpoints in (``SqliteCheckpointStore``, or
+            your own ``CheckpointStore``): the cursor and the mirrors of every
+            attached controller, loaded at start and saved every
+            ``config.checkpoint_interval`` seconds and on a clean stop.
         buffer: a buffer instance to use instead of ``config.buffer_kind``.
         registry: a Prometheus registry to expose this listener's metrics on.
         name: this listener's name in logs and metrics (default
@@ -195,7 +242,8 @@ class Listener:
 
     Raises:
         ListenerConfigError: the URL is not ws:// or wss://, no change kind or a
-            resource twice, or a setting is out of range.
+            resource twice, a setting is out of range, or both ``cursor`` and
+            ``checkpoint`` (the checkpoint holds the cursor).
     """
 
     def __init__(
@@ -211,6 +259,7 @@ class Listener:
         api_url: str | None = None,
         token: str | None = None,
         cursor: str | None = None,
+        checkpoint: CheckpointStore | None = None,
         buffer: Buffer | None = None,
         registry: CollectorRegistry | None = None,
         name: str | None = None,
@@ -233,6 +282,11 @@ class Listener:
         self._lifecycle = Lifecycle(self._on_transition)
         self._clock = time.monotonic
         self._cursor = cursor
+        self._handed = cursor  # the cursor of the last event handed out
+        self._position = cursor  # ... and of the last one the application is done with
+        self._checkpointer: Checkpointer | None = None
+        self._registered = asyncio.Event()  # the first ack named the routes
+        self._resumed_now = False  # the current connection resumed its cursor
         self._routes: dict[str, str] = {}
         self._progress: dict[str, BootstrapProgress] = {}
         self._not_resumed: dict[str, int] = {}
@@ -262,6 +316,8 @@ class Listener:
         self.frames_received = 0
         self.last_error: str | None = None
         self._peak = 0
+        if checkpoint is not None:
+            self._use_checkpoint(checkpoint)
         if registry is not None:
             register_listener(registry, self)
 
@@ -343,6 +399,7 @@ class Listener:
             resources=self.resources,
             bootstrap=tuple(self._progress[r] for r in self.resources if r in self._progress),
             not_resumed=dict(self._not_resumed),
+            checkpoint=None if self._checkpointer is None else self._checkpointer.status(),
         )
 
     def metric_samples(self) -> list[Sample]:
@@ -390,13 +447,18 @@ class Listener:
                 base_url=self.api_url, headers=headers, timeout=self.config.http_timeout
             )
         self._task = asyncio.create_task(self._run(), name=f"changefeed-listener-{self.name}")
+        if self._checkpointer is not None:
+            self._checkpointer.start(self)
         if self._sinks:
             self._dispatcher = asyncio.create_task(
                 self._dispatch(), name=f"changefeed-dispatch-{self.name}"
             )
 
     async def close(self) -> None:
-        """Stop: close the connection, drop the buffer, end iteration. Idempotent."""
+        """Stop: save the last checkpoint (with a store), close the connection, drop the
+        buffer, end iteration. Idempotent."""
+        if self._checkpointer is not None:
+            self._checkpointer.final(self, "listener closed")
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -410,9 +472,23 @@ class Listener:
             dispatcher.cancel()
             await asyncio.gather(dispatcher, return_exceptions=True)
         self._stop_sinks(self._fatal)
+        if self._checkpointer is not None:
+            await self._checkpointer.close()
         if self._own_http and self._http is not None:
             await self._http.aclose()
             self._http = None
+
+    async def save_checkpoint(self) -> bool:
+        """Take a checkpoint now and save it (besides the periodic ones).
+
+        Returns:
+            whether one was saved: not without a store, before the checkpoint was
+            loaded, without a position yet, after the listener or a controller
+            stopped, or when the store failed (logged).
+        """
+        if self._checkpointer is None:
+            return False
+        return await self._checkpointer.save_now(self) is not None
 
     async def __aenter__(self) -> Self:
         self.start()
@@ -438,21 +514,26 @@ class Listener:
             ListenerError: controllers are attached: they are its consumers.
             StopAsyncIteration: the listener was closed.
         """
+        # Asking for the next event means the application is done with the last one
+        # (with the last ``Resynced`` of a bootstrap: the others are not consistent
+        # with its cursor on their own).
+        if not self._resyncs:
+            self._position = self._handed
         staged = self._staged
         if staged:  # the hot path: one item of a batch already taken from the buffer
             item = staged.popleft()
-            self._cursor = item.cursor
+            self._cursor = self._handed = item.cursor
             return item
         if self._sinks:
             raise ListenerError(f"controllers are attached to listener {self.name}: not iterable")
         unit = await self._next_unit()
         if isinstance(unit, Resynced):
-            self._cursor = unit.cursor
+            self._cursor = self._handed = unit.cursor
             return unit
         self._staged_total += len(unit)
         staged.extend(unit)
         item = staged.popleft()
-        self._cursor = item.cursor
+        self._cursor = self._handed = item.cursor
         return item
 
     # -- handing out --------------------------------------------------------------
@@ -488,9 +569,11 @@ class Listener:
             while True:
                 unit = await self._next_unit()
                 if isinstance(unit, Resynced):
-                    self._cursor = unit.cursor
+                    self._cursor = self._handed = unit.cursor
                     for sink in self._sinks.get(unit.resource, ()):
                         sink.resynced(unit)
+                    if not self._resyncs:  # every resource of the bootstrap is in
+                        self._position = unit.cursor
                 else:
                     self._in_hand = len(unit)
                     try:
@@ -532,9 +615,11 @@ class Listener:
                 start += len(chunk)
                 self._in_hand -= len(chunk)
                 self._dispatched += len(chunk)
-                self._cursor = chunk[-1].cursor
+                self._cursor = self._handed = self._position = chunk[-1].cursor
 
     def _stop_sinks(self, error: BaseException | None) -> None:
+        if self._checkpointer is not None:  # while every mirror still follows the cursor
+            self._checkpointer.final(self, "listener stopped")
         for sinks in list(self._sinks.values()):
             for sink in sinks:
                 sink.stopped(error)
@@ -556,8 +641,62 @@ class Listener:
             raise ListenerConfigError(
                 "listener", "attach every controller before the listener starts"
             )
+        if self._checkpointer is not None:
+            self._check_checkpointable(sink)
         self._sinks[resource] = [*self._sinks.get(resource, ()), sink]
         self._attached += 1
+
+    def _use_checkpoint(self, store: CheckpointStore) -> None:
+        """Keep checkpoints in ``store`` (``Listener(checkpoint=)``, ``Controller(checkpoint=)``).
+
+        Raises:
+            ListenerConfigError: another store, a saved cursor besides it, a
+                listener that started, or a controller that cannot be checkpointed.
+        """
+        if self._checkpointer is not None:
+            if self._checkpointer.store is store:
+                return
+            raise ListenerConfigError("checkpoint", f"listener {self.name} has another store")
+        if self._cursor is not None:
+            raise ListenerConfigError(
+                "checkpoint", "give a cursor or a checkpoint store, not both: it keeps the cursor"
+            )
+        if self._task is not None or self.state is not S.IDLE:
+            raise ListenerConfigError("checkpoint", "give the store before the listener starts")
+        for sinks in self._sinks.values():
+            for sink in sinks:
+                self._check_checkpointable(sink)
+        self._checkpointer = Checkpointer(
+            store, interval=self.config.checkpoint_interval, name=self.name
+        )
+
+    def _check_checkpointable(self, sink: Sink) -> None:
+        problem = sink.checkpoint_problem()
+        if problem is not None:
+            raise ListenerConfigError("checkpoint", problem)
+        names = [s.name for sinks in self._sinks.values() for s in sinks if s is not sink]
+        if sink.name in names:
+            raise ListenerConfigError(
+                "checkpoint",
+                f"two controllers named {sink.name!r}: a checkpoint keeps each mirror by "
+                "its controller's name (give name=)",
+            )
+
+    # -- checkpoints (``_checkpointer.CheckpointHost``) -------------------------------
+
+    def checkpoint_position(self) -> str | None:
+        """The cursor of what the application is done with (a checkpoint's cursor)."""
+        return self._position
+
+    def checkpoint_sources(self) -> list[Sink]:
+        """The attached controllers, in the order they attached."""
+        return [sink for sinks in self._sinks.values() for sink in sinks]
+
+    def _controller_stopping(self, sink: Sink) -> None:
+        """An attached controller is about to stop taking events: the last checkpoint is
+        taken now, while its mirror still follows the cursor."""
+        if self._checkpointer is not None and sink in self._running:
+            self._checkpointer.final(self, f"controller {sink.name} stopped")
 
     def _controller_running(self, sink: Sink) -> None:
         """An attached controller runs; the listener starts once all of them do."""
@@ -588,6 +727,11 @@ class Listener:
 
     async def _run(self) -> None:
         try:
+            if self._checkpointer is not None:
+                cursor = await self._checkpointer.restore(
+                    self.change_kinds, self.checkpoint_sources(), self.config.resume
+                )
+                self._cursor = self._handed = self._position = cursor
             while True:
                 self._lifecycle.to(S.CONNECTING)
                 try:
@@ -754,7 +898,9 @@ class _Reports:
         listener = self._listener
         listener.registrations += 1
         listener._routes = routes
+        listener._registered.set()
         listener._lifecycle.to(S.REGISTERED)
+        listener._resumed_now = ack.resumed and resuming
         if ack.resumed:
             listener.resumes += 1
         elif resuming:
@@ -798,6 +944,9 @@ class _Reports:
         listener._live_since = now
         listener._backoff.healthy(now)
         listener._ready.set()
+        if listener._resumed_now:
+            for sink in listener.checkpoint_sources():
+                sink.resumed()
 
     def frame_received(self) -> None:
         self._listener.frames_received += 1

@@ -83,6 +83,16 @@ class Mirror(Mapping[str, V]):
         self.replaces += 1
         return changes
 
+    def restore(self, items: Mapping[str, V]) -> None:
+        """Make ``items`` the whole store, as loaded from a checkpoint: no changes are
+        reported (the application saw them before it stopped)."""
+        self._items.clear()
+        self._items.update(items)
+
+    def copy(self) -> dict[str, V]:
+        """A shallow copy of the store (a checkpoint's snapshot)."""
+        return dict(self._items)
+
     def put(self, key: str, value: V) -> V | None:
         """Store ``value`` under ``key``; return the previous value (None if absent)."""
         previous = self._items.get(key)

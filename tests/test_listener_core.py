@@ -73,11 +73,18 @@ PUBLIC = {
     "EventSource",
     "Buffer",
     "register_buffer_kind",
+    # checkpoints: the store it uses or brings, what a store keeps, and their status
+    "SqliteCheckpointStore",
+    "CheckpointStore",
+    "Checkpoint",
+    "MirrorCheckpoint",
+    "CheckpointStatus",
     # what it may catch
     "ListenerError",
     "ListenerConfigError",
     "RegistrationRefused",
     "RetriesExhausted",
+    "CheckpointError",
 }
 
 

@@ -1,0 +1,370 @@
+"""The listener's checkpoints at work: load at start, save at intervals and on a clean stop.
+
+The adapter around the pure rules of ``_checkpoint``. A ``Checkpointer``
+belongs to one listener (one connection, one cursor) and covers every
+controller attached to it:
+
+* ``restore`` loads the store's checkpoint before the first registration,
+  hands each controller its mirror and returns the cursor to register with
+  (``plan_restore`` decides; None: bootstrap).
+* ``take`` snapshots the cursor and every mirror in one synchronous step,
+  which is what makes the checkpoint consistent; ``save`` hands it to the
+  store, one save at a time, off the event loop as far as the store goes.
+* A periodic task saves every ``interval`` seconds when something changed;
+  ``final`` takes the last checkpoint when the listener or its first
+  controller stops (after that one controller's mirror no longer follows the
+  cursor, so no later checkpoint could be consistent).
+
+Incremental saves carry the ids changed since the last save the store is
+known to hold: ids of a save that failed, or is still under way, go into the
+next one too, so a failure never leaves a change out. It must never save
+before the load has run (that would replace a checkpoint nobody read), never
+save a cursor ahead of the mirrors, and never let a failed save stop the
+listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from changefeed.logs import log_event
+from changefeed.schemas import ChangeKind
+
+from ._checkpoint import (
+    Checkpoint,
+    CheckpointStatus,
+    CheckpointStore,
+    MirrorCheckpoint,
+    next_save_is_whole,
+    plan_restore,
+)
+
+__all__ = ["CLOSE_WAIT", "Checkpointer", "MirrorSource"]
+
+log = logging.getLogger("changefeed.listener")
+
+CLOSE_WAIT = 120.0
+"""Seconds a stopping listener waits for its last checkpoint to be saved."""
+
+
+class MirrorSource(Protocol):
+    """What a checkpoint reads from (and loads into) one attached controller."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def resource(self) -> str: ...
+
+    def restore(self, part: MirrorCheckpoint) -> None:
+        """Start from ``part``: no callbacks for it, its pending ids fetched again."""
+
+    def track_changes(self) -> None:
+        """Nothing was restored: count changed ids from now on."""
+
+    def take_changed(self) -> set[str]:
+        """The ids whose saved state may differ now, since the last call."""
+
+    def has_changed(self) -> bool:
+        """Whether ``take_changed`` would return any id."""
+
+    def checkpoint_part(self, changed: set[str] | None) -> MirrorCheckpoint:
+        """Its part of a checkpoint taken now: everything (None) or ``changed``."""
+
+    def size(self) -> int:
+        """Resources in its mirror."""
+
+
+class Checkpointer:
+    """Loads and saves one listener's checkpoints.
+
+    Args:
+        store: where they are kept.
+        interval: seconds between periodic saves.
+        name: the listener's name, for log events.
+    """
+
+    def __init__(self, store: CheckpointStore, *, interval: float, name: str) -> None:
+        self.store = store
+        self._interval = interval
+        self._name = name
+        self._restored = asyncio.Event()
+        self._frozen = False
+        self._last_save: asyncio.Task[bool] | None = None  # saves run one after another
+        self._sequence = 0  # the last snapshot's number
+        self._confirmed: int | None = None  # the number of a save the store holds
+        self._unsaved: dict[str, set[str]] = {}  # changed since the save confirmed
+        self._since_whole: dict[str, set[str]] = {}  # changed since the last whole save
+        self._taken_position: str | None = None
+        self._saves: set[asyncio.Task[bool]] = set()
+        self._periodic: asyncio.Task[None] | None = None
+        self._status = CheckpointStatus()
+
+    @property
+    def restored(self) -> bool:
+        return self._restored.is_set()
+
+    def status(self) -> CheckpointStatus:
+        return self._status
+
+    def _update(self, **changes: Any) -> None:
+        self._status = dataclasses.replace(self._status, **changes)
+
+    # -- loading ---------------------------------------------------------------
+
+    async def restore(
+        self, change_kinds: Sequence[ChangeKind], sources: Sequence[MirrorSource], resume: bool
+    ) -> str | None:
+        """Load the checkpoint and hand the controllers their mirrors; return the cursor
+        to register with (None: bootstrap). A checkpoint that cannot be read is
+        logged and the listener bootstraps: it is a saving, never a requirement."""
+        started = time.monotonic()
+        log_event(log, "listener.checkpoint.loading", listener=self._name)
+        try:
+            checkpoint = await self.store.load()
+        except Exception as exc:
+            checkpoint = None
+            self._update(last_error=f"load: {type(exc).__name__}: {exc}")
+            log_event(
+                log, "listener.checkpoint.load_failed", logging.ERROR, exc=exc, listener=self._name
+            )
+        plan = plan_restore(
+            checkpoint,
+            change_kinds=change_kinds,
+            controllers={source.name: source.resource for source in sources},
+            resume=resume,
+        )
+        items = 0
+        for source in sources:
+            part = plan.mirrors.get(source.name)
+            if part is None:
+                source.track_changes()
+            else:
+                source.restore(part)
+                items += len(part.items)
+        self._sequence = plan.sequence
+        self._confirmed = plan.sequence if plan.baseline else None
+        self._taken_position = plan.cursor
+        elapsed = time.monotonic() - started
+        self._update(
+            loaded=checkpoint is not None,
+            loaded_items=items,
+            load_seconds=elapsed,
+            resumed_from=plan.cursor is not None,
+            not_resumed=plan.reason,
+        )
+        if checkpoint is not None:
+            log_event(
+                log,
+                "listener.checkpoint.loaded",
+                logging.INFO if plan.reason is None else logging.WARNING,
+                listener=self._name,
+                items=items,
+                mirrors=sorted(plan.mirrors),
+                cursor=plan.cursor,
+                not_resumed=plan.reason,
+                saved_at=checkpoint.saved_at,
+                seconds=round(elapsed, 4),
+            )
+        self._restored.set()
+        return plan.cursor
+
+    # -- saving ----------------------------------------------------------------
+
+    def take(
+        self,
+        position: str | None,
+        change_kinds: tuple[ChangeKind, ...],
+        sources: Sequence[MirrorSource],
+    ) -> Checkpoint | None:
+        """A checkpoint of ``position`` and every mirror, now (synchronous: nothing
+        moves while it is taken). None before the load, or without a position yet."""
+        if not self._restored.is_set() or position is None:
+            return None
+        for source in sources:
+            fresh = source.take_changed()
+            self._unsaved.setdefault(source.name, set()).update(fresh)
+            self._since_whole.setdefault(source.name, set()).update(fresh)
+        whole = next_save_is_whole(
+            baseline=self._confirmed is not None,
+            changed_since_whole=sum(len(ids) for ids in self._since_whole.values()),
+            size=sum(source.size() for source in sources),
+        )
+        parts = {
+            source.name: source.checkpoint_part(
+                None if whole else self._unsaved.get(source.name, set())
+            )
+            for source in sources
+        }
+        self._sequence += 1
+        self._taken_position = position
+        if whole:
+            self._since_whole.clear()
+        return Checkpoint(
+            position,
+            change_kinds,
+            parts,
+            whole=whole,
+            sequence=self._sequence,
+            base=None if whole else self._confirmed,
+            saved_at=time.time(),
+        )
+
+    def due(self, position: str | None, sources: Sequence[MirrorSource]) -> bool:
+        """Whether a periodic save has anything to save."""
+        return position != self._taken_position or any(s.has_changed() for s in sources)
+
+    def save(self, checkpoint: Checkpoint) -> asyncio.Task[bool]:
+        """Hand ``checkpoint`` to the store once every save taken before it has ended
+        (in the order they were taken: a later snapshot may build on an earlier one).
+        The task's result: whether it was saved."""
+        task = asyncio.create_task(
+            self._save_after(self._last_save, checkpoint),
+            name=f"changefeed-checkpoint-{self._name}",
+        )
+        self._last_save = task
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+        return task
+
+    async def _save_after(
+        self, previous: asyncio.Task[bool] | None, checkpoint: Checkpoint
+    ) -> bool:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        started = time.monotonic()
+        try:
+            await self.store.save(checkpoint)
+        except Exception as exc:
+            self._update(
+                save_failures=self._status.save_failures + 1,
+                last_error=f"save: {type(exc).__name__}: {exc}",
+            )
+            log_event(
+                log,
+                "listener.checkpoint.save_failed",
+                logging.ERROR,
+                exc=exc,
+                listener=self._name,
+                sequence=checkpoint.sequence,
+                whole=checkpoint.whole,
+            )
+            return False
+        elapsed = time.monotonic() - started
+        self._confirmed = checkpoint.sequence
+        if checkpoint.sequence == self._sequence:  # no later snapshot is under way
+            self._unsaved.clear()
+        items = checkpoint.items_count()
+        self._update(
+            saves=self._status.saves + 1,
+            whole_saves=self._status.whole_saves + checkpoint.whole,
+            last_save_seconds=elapsed,
+            last_save_items=items,
+            last_saved_at=checkpoint.saved_at,
+        )
+        log_event(
+            log,
+            "listener.checkpoint.saved",
+            logging.DEBUG,
+            listener=self._name,
+            sequence=checkpoint.sequence,
+            whole=checkpoint.whole,
+            items=items,
+            deleted=sum(len(part.deleted) for part in checkpoint.mirrors.values()),
+            pending=sum(len(part.pending) for part in checkpoint.mirrors.values()),
+            seconds=round(elapsed, 4),
+        )
+        return True
+
+    # -- the periodic task and the end ---------------------------------------------
+
+    def start(self, host: CheckpointHost) -> None:
+        """Save every ``interval`` seconds while anything changed (idempotent)."""
+        if self._periodic is None:
+            self._periodic = asyncio.create_task(
+                self._every_interval(host), name=f"changefeed-checkpoints-{self._name}"
+            )
+
+    async def _every_interval(self, host: CheckpointHost) -> None:
+        await self._restored.wait()
+        while not self._frozen:
+            await asyncio.sleep(self._interval)
+            sources = host.checkpoint_sources()
+            position = host.checkpoint_position()
+            if self._frozen or self._saves or not self.due(position, sources):
+                continue
+            checkpoint = self.take(position, host.change_kinds, sources)
+            if checkpoint is not None:
+                self.save(checkpoint)
+
+    def final(self, host: CheckpointHost, why: str) -> None:
+        """Take the last checkpoint now and save it; no checkpoint is taken after it."""
+        if self._frozen:
+            return
+        self._frozen = True
+        self._update(frozen=True)
+        checkpoint = self.take(
+            host.checkpoint_position(), host.change_kinds, host.checkpoint_sources()
+        )
+        log_event(
+            log,
+            "listener.checkpoint.final",
+            listener=self._name,
+            why=why,
+            sequence=checkpoint.sequence if checkpoint is not None else None,
+        )
+        if checkpoint is not None:
+            self.save(checkpoint)
+
+    async def save_now(self, host: CheckpointHost) -> Checkpoint | None:
+        """Take a checkpoint and save it now; the checkpoint, or None when none was
+        taken (before the load, without a position, or after ``final``) or it failed."""
+        if self._frozen:
+            return None
+        checkpoint = self.take(
+            host.checkpoint_position(), host.change_kinds, host.checkpoint_sources()
+        )
+        if checkpoint is None or not await self.save(checkpoint):
+            return None
+        return checkpoint
+
+    async def close(self) -> None:
+        """Stop the periodic task and wait for the saves under way (the final one too),
+        at most ``CLOSE_WAIT`` seconds: a store that hangs must not hang the stop."""
+        periodic, self._periodic = self._periodic, None
+        if periodic is not None:
+            periodic.cancel()
+            await asyncio.gather(periodic, return_exceptions=True)
+        saves = list(self._saves)
+        if not saves:
+            return
+        _, late = await asyncio.wait(saves, timeout=CLOSE_WAIT)
+        if late:
+            log_event(
+                log,
+                "listener.checkpoint.abandoned",
+                logging.ERROR,
+                listener=self._name,
+                saves=len(late),
+                waited=CLOSE_WAIT,
+            )
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
+
+class CheckpointHost(Protocol):
+    """What a checkpointer reads from its listener."""
+
+    change_kinds: tuple[ChangeKind, ...]
+
+    def checkpoint_position(self) -> str | None:
+        """The cursor every mirror reflects now (None: none yet)."""
+
+    def checkpoint_sources(self) -> Sequence[MirrorSource]:
+        """The attached controllers whose mirrors go into a checkpoint."""

@@ -1,0 +1,355 @@
+"""A checkpoint store in one SQLite file: Python's own ``sqlite3``, nothing to run beside it.
+
+Layout (tables prefixed ``changefeed_``, so the file may hold the
+application's own tables too; several listeners share one file under
+different ``name``s):
+
+* ``changefeed_checkpoint``: one row per name: format version, save number,
+  cursor, change kinds, when it was taken.
+* ``changefeed_checkpoint_mirror``: one row per controller: its resource and
+  its pending ids (a JSON array).
+* ``changefeed_checkpoint_chunk``: a whole save's resources, ``chunk_items``
+  to a row as one JSON object (id -> resource): loading decodes a few large
+  documents instead of a million small ones.
+* ``changefeed_checkpoint_change``: what incremental saves changed since,
+  one row per id (NULL: deleted), replaced in place, so it never holds an id
+  twice; loading applies it on top of the chunks. A whole save empties it.
+
+Every save is one transaction, so a process killed at any moment (SIGKILL
+included) leaves the previous checkpoint or the new one, never a mix; the
+file is in WAL mode, and with ``synchronous=NORMAL`` a power loss may take
+the last saves back but never tears one. Blocking SQLite calls run in a
+worker thread, one connection per call; loading decodes the chunks on the
+event loop one at a time, with the garbage collector paused while each is
+decoded (as the bootstrap pager does), so the loop is never held for long.
+
+It must never apply an incremental save to a checkpoint it was not made
+for (another listener's, or an older one: ``CheckpointError``), and never
+leave a save half-written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import itertools
+import os
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from changefeed.schemas import ChangeKind
+
+from ._checkpoint import Checkpoint, MirrorCheckpoint
+from ._errors import CheckpointError
+
+__all__ = ["FORMAT_VERSION", "SqliteCheckpointStore"]
+
+FORMAT_VERSION = 1
+"""The layout's version; a file of another version is refused, not guessed at."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS changefeed_checkpoint (
+    name         TEXT PRIMARY KEY,
+    version      INTEGER NOT NULL,
+    sequence     INTEGER NOT NULL,
+    cursor       TEXT,
+    change_kinds TEXT NOT NULL,
+    saved_at     REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS changefeed_checkpoint_mirror (
+    name       TEXT NOT NULL,
+    controller TEXT NOT NULL,
+    resource   TEXT NOT NULL,
+    pending    BLOB NOT NULL,
+    PRIMARY KEY (name, controller)
+);
+CREATE TABLE IF NOT EXISTS changefeed_checkpoint_chunk (
+    name       TEXT NOT NULL,
+    controller TEXT NOT NULL,
+    seq        INTEGER NOT NULL,
+    items      BLOB NOT NULL,
+    PRIMARY KEY (name, controller, seq)
+);
+CREATE TABLE IF NOT EXISTS changefeed_checkpoint_change (
+    name       TEXT NOT NULL,
+    controller TEXT NOT NULL,
+    id         TEXT NOT NULL,
+    item       BLOB,
+    PRIMARY KEY (name, controller, id)
+) WITHOUT ROWID;
+"""
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while one chunk is decoded: its thousands of
+    new containers all live on, and collections meanwhile would only traverse them."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class SqliteCheckpointStore:
+    """Keeps a listener's checkpoint in a SQLite file (``CheckpointStore``).
+
+    Args:
+        path: the file; created with its tables when missing.
+        name: this checkpoint's name in the file (one per listener).
+        chunk_items: resources per stored chunk of a whole save.
+        timeout: seconds to wait for another connection's lock on the file.
+
+    Raises:
+        ValueError: ``chunk_items`` < 1, or an empty ``name``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        name: str = "default",
+        chunk_items: int = 10_000,
+        timeout: float = 30.0,
+    ) -> None:
+        if chunk_items < 1:
+            raise ValueError(f"chunk_items must be at least 1, got {chunk_items!r}")
+        if not name:
+            raise ValueError("name must not be empty")
+        self.path = Path(path)
+        self.name = name
+        self.chunk_items = chunk_items
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"SqliteCheckpointStore({str(self.path)!r}, name={self.name!r})"
+
+    def size_on_disk(self) -> int:
+        """Bytes of the file and its write-ahead log."""
+        total = 0
+        for suffix in ("", "-wal"):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.path.getsize(f"{self.path}{suffix}")
+        return total
+
+    # -- the connection (worker thread only) -------------------------------------
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            # A whole save of a large mirror passes through the log: give the disk back after.
+            conn.execute("PRAGMA journal_size_limit=67108864")
+            conn.executescript(_SCHEMA)
+            yield conn
+        finally:
+            conn.close()
+
+    # -- load ----------------------------------------------------------------------
+
+    async def load(self) -> Checkpoint | None:
+        """The checkpoint last saved under ``name``, or None.
+
+        Raises:
+            CheckpointError: the file holds another layout version, or a row
+                that does not decode.
+            sqlite3.Error: the file cannot be read.
+        """
+        raw = await asyncio.to_thread(self._read)
+        if raw is None:
+            return None
+        head, mirrors = raw
+        version, sequence, cursor, kinds_json, saved_at = head
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{self.path}: checkpoint {self.name!r} has layout version {version}, "
+                f"this store reads {FORMAT_VERSION}"
+            )
+        try:
+            kinds = tuple(ChangeKind.from_json(doc) for doc in orjson.loads(kinds_json))
+            parts = {}
+            for controller, (resource, pending, chunks, changes) in mirrors.items():
+                items = await self._decode_items(chunks, changes)
+                parts[controller] = MirrorCheckpoint(
+                    resource, items, (), frozenset(orjson.loads(pending))
+                )
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{self.path}: checkpoint {self.name!r}: {exc}") from exc
+        return Checkpoint(cursor, kinds, parts, whole=True, sequence=sequence, saved_at=saved_at)
+
+    @staticmethod
+    async def _decode_items(
+        chunks: list[bytes], changes: list[tuple[str, bytes | None]]
+    ) -> dict[str, Any]:
+        items: dict[str, Any] = {}
+        for body in chunks:
+            with _collector_paused():
+                items.update(orjson.loads(body))
+            await asyncio.sleep(0)  # the loop runs between chunks
+        with _collector_paused():
+            for key, item in changes:
+                if item is None:
+                    items.pop(key, None)
+                else:
+                    items[key] = orjson.loads(item)
+        return items
+
+    def _read(
+        self,
+    ) -> (
+        tuple[
+            tuple[int, int, str | None, str, float],
+            dict[str, tuple[str, bytes, list[bytes], list[tuple[str, bytes | None]]]],
+        ]
+        | None
+    ):
+        with self._connect() as conn:
+            conn.execute("BEGIN")  # one read snapshot: a save in between is seen whole or not
+            try:
+                head = conn.execute(
+                    "SELECT version, sequence, cursor, change_kinds, saved_at"
+                    " FROM changefeed_checkpoint WHERE name = ?",
+                    (self.name,),
+                ).fetchone()
+                if head is None:
+                    return None
+                mirrors = {}
+                for controller, resource, pending in conn.execute(
+                    "SELECT controller, resource, pending FROM changefeed_checkpoint_mirror"
+                    " WHERE name = ? ORDER BY controller",
+                    (self.name,),
+                ).fetchall():
+                    chunks = [
+                        row[0]
+                        for row in conn.execute(
+                            "SELECT items FROM changefeed_checkpoint_chunk"
+                            " WHERE name = ? AND controller = ? ORDER BY seq",
+                            (self.name, controller),
+                        )
+                    ]
+                    changes = conn.execute(
+                        "SELECT id, item FROM changefeed_checkpoint_change"
+                        " WHERE name = ? AND controller = ?",
+                        (self.name, controller),
+                    ).fetchall()
+                    mirrors[controller] = (resource, pending, chunks, changes)
+                return head, mirrors
+            finally:
+                conn.execute("COMMIT")
+
+    # -- save ------------------------------------------------------------------------
+
+    async def save(self, checkpoint: Checkpoint) -> None:
+        """Keep ``checkpoint`` (one transaction, in a worker thread).
+
+        Raises:
+            CheckpointError: an incremental checkpoint whose ``base`` this file does
+                not hold (another listener wrote under the same name).
+            sqlite3.Error: the file cannot be written (disk full, read-only, ...).
+        """
+        await asyncio.to_thread(self._write, checkpoint)
+
+    def _write(self, checkpoint: Checkpoint) -> None:
+        name = self.name
+        with self._connect() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if checkpoint.whole:
+                    self._write_whole(conn, checkpoint)
+                else:
+                    self._write_changes(conn, checkpoint)
+                kinds = orjson.dumps([kind.to_json() for kind in checkpoint.change_kinds])
+                conn.execute(
+                    "INSERT INTO changefeed_checkpoint"
+                    " (name, version, sequence, cursor, change_kinds, saved_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
+                    " version = excluded.version, sequence = excluded.sequence,"
+                    " cursor = excluded.cursor, change_kinds = excluded.change_kinds,"
+                    " saved_at = excluded.saved_at",
+                    (
+                        name,
+                        FORMAT_VERSION,
+                        checkpoint.sequence,
+                        checkpoint.cursor,
+                        kinds.decode(),
+                        checkpoint.saved_at or time.time(),
+                    ),
+                )
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _write_whole(self, conn: sqlite3.Connection, checkpoint: Checkpoint) -> None:
+        name = self.name
+        for table in ("chunk", "change", "mirror"):
+            conn.execute(f"DELETE FROM changefeed_checkpoint_{table} WHERE name = ?", (name,))
+        for controller, part in checkpoint.mirrors.items():
+            conn.execute(
+                "INSERT INTO changefeed_checkpoint_mirror (name, controller, resource, pending)"
+                " VALUES (?, ?, ?, ?)",
+                (name, controller, part.resource, orjson.dumps(sorted(part.pending))),
+            )
+            for seq, chunk in enumerate(_chunks(part.items, self.chunk_items)):
+                conn.execute(
+                    "INSERT INTO changefeed_checkpoint_chunk (name, controller, seq, items)"
+                    " VALUES (?, ?, ?, ?)",
+                    (name, controller, seq, orjson.dumps(chunk)),
+                )
+
+    def _write_changes(self, conn: sqlite3.Connection, checkpoint: Checkpoint) -> None:
+        name = self.name
+        row = conn.execute(
+            "SELECT sequence FROM changefeed_checkpoint WHERE name = ?", (name,)
+        ).fetchone()
+        held = None if row is None else row[0]
+        base = checkpoint.base
+        if held is None or base is None or not base <= held < checkpoint.sequence:
+            raise CheckpointError(
+                f"{self.path}: incremental checkpoint {checkpoint.sequence} of {name!r} goes "
+                f"on save {base}, but the file holds save {held}: another listener may be "
+                "writing under this name"
+            )
+        for controller, part in checkpoint.mirrors.items():
+            updated = conn.execute(
+                "UPDATE changefeed_checkpoint_mirror SET pending = ?"
+                " WHERE name = ? AND controller = ? AND resource = ?",
+                (orjson.dumps(sorted(part.pending)), name, controller, part.resource),
+            )
+            if updated.rowcount != 1:
+                raise CheckpointError(
+                    f"{self.path}: incremental checkpoint of {name!r} names controller "
+                    f"{controller!r} ({part.resource}), which the file does not hold"
+                )
+            rows = itertools.chain(
+                ((name, controller, key, orjson.dumps(item)) for key, item in part.items.items()),
+                ((name, controller, key, None) for key in part.deleted),
+            )
+            conn.executemany(
+                "INSERT INTO changefeed_checkpoint_change (name, controller, id, item)"
+                " VALUES (?, ?, ?, ?) ON CONFLICT (name, controller, id)"
+                " DO UPDATE SET item = excluded.item",
+                rows,
+            )
+
+
+def _chunks(items: Mapping[str, Any], size: int) -> Iterator[dict[str, Any]]:
+    chunk: dict[str, Any] = {}
+    for key, value in items.items():
+        chunk[key] = value
+        if len(chunk) >= size:
+            yield chunk
+            chunk = {}
+    if chunk:
+        yield chunk

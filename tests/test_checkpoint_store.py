@@ -1,0 +1,228 @@
+"""Checkpoints without a publisher: the pure rules (``_checkpoint``), and the SQLite store
+on a real file, including processes killed with SIGKILL in the middle of their saves."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from changefeed.listener import (
+    ChangeKind,
+    Checkpoint,
+    CheckpointError,
+    MirrorCheckpoint,
+    SqliteCheckpointStore,
+)
+from changefeed.listener._checkpoint import (
+    EncodedItems,
+    application_view,
+    covers,
+    next_save_is_whole,
+    plan_restore,
+)
+
+WRITER = Path(__file__).with_name("checkpoint_writer.py")
+VM, SERVER = ChangeKind("vm", ("nic", "alias")), ChangeKind("server")
+
+
+def checkpoint(cursor: str | None = "c1", **mirrors: MirrorCheckpoint) -> Checkpoint:
+    return Checkpoint(cursor, (VM, SERVER), mirrors, sequence=4)
+
+
+# -- the rules -------------------------------------------------------------------------
+
+
+def test_saved_change_kinds_cover_the_ones_registered_now() -> None:
+    assert covers([VM, SERVER], [VM, SERVER])
+    assert covers([VM], [ChangeKind("vm", ("nic",))])  # fewer sub-resources: still current
+    assert covers([ChangeKind("vm")], [VM])  # everything was followed
+    assert not covers([VM], [ChangeKind("vm")])  # all sub-resources now: alias, nic were not all
+    assert not covers([VM], [ChangeKind("vm", ("nic", "server"))])
+    assert not covers([VM], [VM, SERVER])  # a resource nobody followed
+
+
+def test_a_checkpoint_resumes_only_when_every_controller_finds_its_mirror() -> None:
+    vms, servers = MirrorCheckpoint("vm", {"a": 1}), MirrorCheckpoint("server", {"s": 2})
+    both = {"vms": "vm", "servers": "server"}
+    plan = plan_restore(checkpoint(vms=vms, servers=servers), change_kinds=[VM], controllers=both)
+    assert plan.cursor == "c1" and plan.reason is None and plan.baseline
+    assert plan.mirrors == {"vms": vms, "servers": servers} and plan.sequence == 4
+    # One controller more than was saved: the others' mirrors are kept for the diff,
+    # but the cursor would skip the newcomer's bootstrap.
+    plan = plan_restore(checkpoint(vms=vms), change_kinds=[VM], controllers=both)
+    assert plan.cursor is None and plan.reason == "no_mirror:servers"
+    assert plan.mirrors == {"vms": vms} and not plan.baseline
+    # A mirror of another resource under the same name is not this controller's.
+    plan = plan_restore(checkpoint(vms=servers), change_kinds=[VM], controllers={"vms": "vm"})
+    assert plan.mirrors == {} and plan.reason == "no_mirror:vms"
+    # Fewer controllers than were saved: resumes, but the file must be rewritten whole.
+    plan = plan_restore(
+        checkpoint(vms=vms, servers=servers), change_kinds=[VM], controllers={"vms": "vm"}
+    )
+    assert plan.cursor == "c1" and not plan.baseline
+    plan = plan_restore(
+        checkpoint(vms=vms), change_kinds=[ChangeKind("vm")], controllers={"vms": "vm"}
+    )
+    assert plan.cursor is None and plan.reason == "change_kinds" and plan.mirrors
+    plan = plan_restore(checkpoint(None, vms=vms), change_kinds=[VM], controllers={"vms": "vm"})
+    assert plan.reason == "no_cursor"
+    plan = plan_restore(
+        checkpoint(vms=vms), change_kinds=[VM], controllers={"vms": "vm"}, resume=False
+    )
+    assert plan.reason == "resume_off"
+    # async for (no controllers): the cursor is what the application was done with.
+    assert plan_restore(checkpoint(), change_kinds=[VM], controllers={}).cursor == "c1"
+    assert plan_restore(None, change_kinds=[VM], controllers={}).cursor is None
+
+
+def test_saves_are_incremental_until_a_quarter_of_the_mirror_changed() -> None:
+    assert next_save_is_whole(baseline=False, changed_since_whole=0, size=10)
+    assert not next_save_is_whole(baseline=True, changed_since_whole=9_000, size=10)
+    assert next_save_is_whole(baseline=True, changed_since_whole=10_001, size=10)
+    assert not next_save_is_whole(baseline=True, changed_since_whole=200_000, size=1_000_000)
+    assert next_save_is_whole(baseline=True, changed_since_whole=250_001, size=1_000_000)
+
+
+def test_the_saved_view_is_what_the_callbacks_last_saw() -> None:
+    mirror = {"a": 1, "b": 2, "c": 3}
+    # b changed (the callback saw 20), c is new (never seen), d was deleted (seen as 4).
+    view = application_view(dict(mirror), {"b": 20, "c": None, "d": 4})
+    assert view == {"a": 1, "b": 20, "d": 4} and mirror == {"a": 1, "b": 2, "c": 3}
+    encoded = EncodedItems({"x": (1, 2)}, list)
+    assert dict(encoded.items()) == {"x": [1, 2]} and len(encoded) == 1
+
+
+# -- the SQLite store --------------------------------------------------------------------
+
+
+def vms(n: int, count: int = 50) -> dict[str, Any]:
+    return {f"vm-{k}": {"uuid": f"vm-{k}", "alias": f"a{n}-{k}", "nics": []} for k in range(count)}
+
+
+async def test_whole_and_incremental_saves_load_back_as_one_checkpoint(tmp_path: Path) -> None:
+    store = SqliteCheckpointStore(tmp_path / "cp.sqlite", chunk_items=7)
+    assert await store.load() is None
+    first = vms(1)
+    await store.save(
+        Checkpoint(
+            "c1",
+            (VM, SERVER),
+            {
+                "vms": MirrorCheckpoint("vm", first, (), {"vm-3"}),
+                "servers": MirrorCheckpoint("server", {"s": {"uuid": "s"}}),
+            },
+            sequence=1,
+        )
+    )
+    changed = {"vm-1": {"uuid": "vm-1", "alias": "renamed", "nics": []}, "vm-99": {"new": 1}}
+    await store.save(
+        Checkpoint(
+            "c2",
+            (VM, SERVER),
+            {
+                "vms": MirrorCheckpoint("vm", changed, ["vm-2", "vm-4"], {"vm-5"}),
+                "servers": MirrorCheckpoint("server", {}, ["s"]),
+            },
+            whole=False,
+            sequence=2,
+            base=1,
+        )
+    )
+    loaded = await store.load()
+    assert loaded is not None and loaded.whole and loaded.sequence == 2
+    assert loaded.cursor == "c2" and loaded.change_kinds == (VM, SERVER)
+    want = {k: v for k, v in first.items() if k not in ("vm-2", "vm-4")} | changed
+    assert dict(loaded.mirrors["vms"].items) == want
+    assert set(loaded.mirrors["vms"].pending) == {"vm-5"}
+    assert dict(loaded.mirrors["servers"].items) == {}
+    # A whole save replaces everything, the changes kept beside the chunks included.
+    await store.save(
+        Checkpoint("c3", (VM,), {"vms": MirrorCheckpoint("vm", vms(3, 5))}, sequence=3)
+    )
+    loaded = await store.load()
+    assert loaded is not None and set(loaded.mirrors) == {"vms"}
+    assert dict(loaded.mirrors["vms"].items) == vms(3, 5) and loaded.cursor == "c3"
+    # Two names in one file do not see each other.
+    other = SqliteCheckpointStore(store.path, name="other")
+    assert await other.load() is None
+    assert store.size_on_disk() > 0
+
+
+async def test_an_incremental_save_on_top_of_a_save_the_file_does_not_hold_is_refused(
+    tmp_path: Path,
+) -> None:
+    store = SqliteCheckpointStore(tmp_path / "cp.sqlite")
+    part = MirrorCheckpoint("vm", vms(1, 3))
+    await store.save(Checkpoint("c5", (VM,), {"vms": part}, sequence=5))
+    for base, sequence in ((3, 4), (6, 7), (5, 5)):
+        with pytest.raises(CheckpointError, match="another listener"):
+            await store.save(
+                Checkpoint("cx", (VM,), {"vms": part}, whole=False, sequence=sequence, base=base)
+            )
+    with pytest.raises(CheckpointError, match="does not hold"):
+        await store.save(Checkpoint("cx", (VM,), {"other": part}, whole=False, sequence=6, base=5))
+    loaded = await store.load()  # nothing of the refused saves went in
+    assert loaded is not None and loaded.cursor == "c5" and loaded.sequence == 5
+
+
+async def test_a_file_of_another_layout_or_not_a_database_is_refused(tmp_path: Path) -> None:
+    store = SqliteCheckpointStore(tmp_path / "cp.sqlite")
+    await store.save(Checkpoint("c1", (VM,), {}, sequence=1))
+    with sqlite3.connect(store.path) as conn:
+        conn.execute("UPDATE changefeed_checkpoint SET version = 99")
+    with pytest.raises(CheckpointError, match="layout version 99"):
+        await store.load()
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(sqlite3.DatabaseError):
+        await SqliteCheckpointStore(garbage).load()
+    with pytest.raises(ValueError, match="chunk_items"):
+        SqliteCheckpointStore(garbage, chunk_items=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_writer_killed_at_any_moment_leaves_one_whole_checkpoint(
+    tmp_path: Path, seed: int
+) -> None:
+    """SIGKILL between or inside saves, whole and incremental alike: every load finds
+    exactly one save, never a mix; the next writer goes on from it."""
+    from checkpoint_writer import expected
+
+    rng = random.Random(f"torn-{seed}")
+    path, items = tmp_path / "cp.sqlite", 3000
+    store = SqliteCheckpointStore(path)
+    last_loaded = 0
+    for _ in range(6):
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(WRITER),
+            str(path),
+            str(items),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        try:
+            async with asyncio.timeout(60):
+                # A few saves in, then kill at a random moment within the next ones.
+                for _ in range(rng.randint(1, 4)):
+                    line = await process.stdout.readline()
+                    assert line.startswith(b"saved "), line
+                await asyncio.sleep(rng.uniform(0, 0.3))
+        finally:
+            process.send_signal(signal.SIGKILL)
+            await process.wait()
+        assert process.returncode == -signal.SIGKILL
+        loaded = await store.load()
+        assert loaded is not None
+        n = loaded.sequence
+        assert n > last_loaded and loaded.cursor == f"c{n}"
+        assert dict(loaded.mirrors["vms"].items) == expected(n, items)
+        assert set(loaded.mirrors["vms"].pending) == {f"i{n % items}"}
+        last_loaded = n
