@@ -100,7 +100,7 @@ class Checkpointer:
         self._confirmed: int | None = None  # the number of a save the store holds
         self._unsaved: dict[str, set[str]] = {}  # changed since the save confirmed
         self._since_whole: dict[str, set[str]] = {}  # changed since the last whole save
-        self._taken_position: str | None = None
+        self._saved_position: str | None = None  # of the last save that succeeded
         self._saves: set[asyncio.Task[bool]] = set()
         self._periodic: asyncio.Task[None] | None = None
         self._status = CheckpointStatus()
@@ -149,7 +149,7 @@ class Checkpointer:
                 items += len(part.items)
         self._sequence = plan.sequence
         self._confirmed = plan.sequence if plan.baseline else None
-        self._taken_position = plan.cursor
+        self._saved_position = plan.cursor if plan.baseline else None
         elapsed = time.monotonic() - started
         self._update(
             loaded=checkpoint is not None,
@@ -202,7 +202,6 @@ class Checkpointer:
             for source in sources
         }
         self._sequence += 1
-        self._taken_position = position
         if whole:
             self._since_whole.clear()
         return Checkpoint(
@@ -216,8 +215,12 @@ class Checkpointer:
         )
 
     def due(self, position: str | None, sources: Sequence[MirrorSource]) -> bool:
-        """Whether a periodic save has anything to save."""
-        return position != self._taken_position or any(s.has_changed() for s in sources)
+        """Whether a periodic save has anything to save (what a failed one did not, too)."""
+        return (
+            position != self._saved_position
+            or any(self._unsaved.values())
+            or any(s.has_changed() for s in sources)
+        )
 
     def save(self, checkpoint: Checkpoint) -> asyncio.Task[bool]:
         """Hand ``checkpoint`` to the store once every save taken before it has ended
@@ -257,6 +260,7 @@ class Checkpointer:
             return False
         elapsed = time.monotonic() - started
         self._confirmed = checkpoint.sequence
+        self._saved_position = checkpoint.cursor
         if checkpoint.sequence == self._sequence:  # no later snapshot is under way
             self._unsaved.clear()
         items = checkpoint.items_count()
