@@ -122,7 +122,7 @@ async def run_listen(args: argparse.Namespace) -> int:
         UsageError: the ``--resource`` options name nothing clear.
     """
     kinds = change_kinds(args.resource, args.sub_resources)
-    checkpoint = getattr(args, "checkpoint", None)
+    checkpoint = args.checkpoint
     if checkpoint and args.since:
         raise UsageError("give --since or --checkpoint, not both: the checkpoint keeps the cursor")
     config = ListenerConfig(page_limit=args.page_limit) if args.page_limit else None

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -26,6 +27,7 @@ from changefeed.listener import (
     ListenerConfigError,
     RegistrationRefused,
     Resynced,
+    SqliteCheckpointStore,
 )
 from changefeed.schemas import ChangeItem, ChangeKind
 
@@ -333,6 +335,37 @@ def test_configuration_errors() -> None:
             "ws://127.0.0.1:9/changefeeds", instance="i", service="s",
             change_kinds=[ChangeKind("vm"), ChangeKind("vm", ("nic",))],
         )  # fmt: skip
+
+
+def test_checkpoint_configuration_errors(tmp_path: Path) -> None:
+    store = SqliteCheckpointStore(tmp_path / "cp.sqlite")
+
+    def listener(**options: Any) -> Listener:
+        return Listener(
+            "ws://127.0.0.1:9/changefeeds", instance="i", service="s",
+            change_kinds=[ChangeKind("vm"), ChangeKind("server")], **options,
+        )  # fmt: skip
+
+    with pytest.raises(ListenerConfigError, match="not both"):
+        listener(cursor="saved", checkpoint=store)
+    with pytest.raises(ListenerConfigError, match="decode but no encode"):
+        Controller(listener(checkpoint=store), resource="vm", decode=dict)
+    late = listener()
+    Controller(late, resource="vm", decode=dict)
+    with pytest.raises(ListenerConfigError, match="decode but no encode"):
+        Controller(late, resource="server", checkpoint=store)  # the store covers both
+    shared = listener(checkpoint=store)
+    Controller(shared, resource="vm")
+    with pytest.raises(ListenerConfigError, match="two controllers named"):
+        Controller(shared, resource="vm")  # the same default name
+    Controller(shared, resource="vm", name="again")
+    Controller(shared, resource="server", checkpoint=store)  # the listener's own: fine
+    with pytest.raises(ListenerConfigError, match="another store"):
+        Controller(shared, resource="server", name="other", checkpoint=SqliteCheckpointStore("x"))
+    with pytest.raises(ListenerConfigError, match="kept by a Listener"):
+        Controller(Source(), fetch=Api().fetch, checkpoint=store)
+    with pytest.raises(ListenerConfigError, match="checkpoint_interval"):
+        ListenerConfig(checkpoint_interval=0)
 
 
 async def test_a_controller_cannot_join_a_listener_that_started() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from helpers import metric_value
 from test_listener import seed_vms
 from test_listener_shared import create_servers, publisher_stats
 from test_listener_support import VmApiServer, create_vms
@@ -129,3 +130,50 @@ async def test_listen_follows_two_resources_on_one_connection(dsn: str) -> None:
         ("mirror", "vm", 3),
         ("mirror", "server", 2),
     }
+
+
+async def test_listen_with_a_checkpoint_resumes_and_prints_only_what_changed(
+    dsn: str, tmp_path: Path
+) -> None:
+    """``--mirror --checkpoint FILE``: stopped and run again, the command loads its
+    mirror, resumes (the publisher counts a resumed registration), and prints only the
+    changes made while it was away."""
+    checkpoint = str(tmp_path / "listen.sqlite")
+    args = ["--resource", "vm", "--mirror", "--checkpoint", checkpoint]
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        vms = await create_vms(client, 4)
+        async with listen(api.url, *args) as process:
+            adds = await read_lines_until(process, lambda lines: len(lines) == 4)
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+        assert {(a["op"], a["id"]) for a in adds} == {("add", vm) for vm in vms}
+        await client.patch(f"/vms/{vms[0]}", json={"alias": "renamed"})
+        await client.delete(f"/vms/{vms[1]}")
+        (added,) = await create_vms(client, 1, "new")
+        async with listen(api.url, *args) as process:
+            changes = await read_lines_until(process, lambda lines: len(lines) == 3)
+            process.send_signal(signal.SIGTERM)
+            (mirror,) = await read_lines_until(process, bool)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+        metrics = (await client.get("/metrics")).text
+    assert sorted((c["op"], c["id"]) for c in changes) == sorted(
+        [("update", vms[0]), ("delete", vms[1]), ("add", added)]
+    )
+    assert mirror["event"] == "mirror" and set(mirror["resources"]) == {
+        vms[0],
+        vms[2],
+        vms[3],
+        added,
+    }
+    assert (
+        metric_value(metrics, "changefeed_registrations_total", resource="vm", resumed="true") == 1
+    )
+
+
+def test_since_and_checkpoint_together_are_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = str(tmp_path / "listen.sqlite")
+    args = ["--resource", "vm", "--since", "x", "--checkpoint", checkpoint]
+    assert main(["listen", "http://127.0.0.1:9", *args]) == 2
+    assert "give --since or --checkpoint, not both" in capsys.readouterr().err
