@@ -35,6 +35,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import orjson
+
 from changefeed.schemas import ChangeKind
 
 __all__ = [
@@ -43,7 +45,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointStatus",
     "CheckpointStore",
-    "EncodedItems",
+    "JsonItems",
     "MirrorCheckpoint",
     "RestorePlan",
     "application_view",
@@ -53,6 +55,8 @@ __all__ = [
 ]
 
 V = TypeVar("V")
+
+_MISSING: Any = object()
 
 WHOLE_SAVE_RATIO = 0.25
 """An incremental save becomes whole once the ids changed since the last whole
@@ -71,7 +75,9 @@ class MirrorCheckpoint:
         resource: the resource the controller mirrors.
         items: id -> the resource as JSON (the controller's ``encode`` applied):
             every resource of the mirror when the checkpoint is ``whole``,
-            otherwise only those changed since the previous save.
+            otherwise only those changed since the previous save. Read it as a
+            Mapping; a ``JsonItems`` (what the controller hands over, and what
+            ``SqliteCheckpointStore`` loads) also gives them as JSON bytes.
         deleted: ids gone since the previous save (empty when ``whole``).
         pending: ids whose state may be newer than ``items`` says; every one
             is fetched again after a load. Always complete (not a change).
@@ -293,22 +299,57 @@ def application_view(view: dict[str, V], seen: Mapping[str, V | None]) -> dict[s
     return view
 
 
-class EncodedItems(Mapping[str, Any]):
-    """``items`` with ``encode`` applied as they are read: a store reads them
-    (off the event loop, where a whole save's encoding belongs), the
-    snapshot itself is only a dict copy."""
+class JsonItems(Mapping[str, Any]):
+    """id -> resource as JSON, held partly as the mirror's values (``encode``, when given,
+    turns one into JSON as it is read) and partly still encoded (JSON bytes, decoded as
+    read): what a store reads, off the event loop, where encoding belongs.
 
-    __slots__ = ("_encode", "_items")
+    ``encoded_items`` gives every resource as JSON bytes, passing the encoded ones
+    through untouched: a store that writes JSON text uses it to skip a decode and an
+    encode of each resource loaded from a checkpoint and not read since.
+    """
 
-    def __init__(self, items: Mapping[str, V], encode: Callable[[V], Any]) -> None:
-        self._items: Mapping[str, Any] = items
-        self._encode: Callable[[Any], Any] = encode
+    __slots__ = ("_encode", "_encoded", "_values")
+
+    def __init__(
+        self,
+        values: Mapping[str, Any] | None = None,
+        encoded: Mapping[str, bytes] | None = None,
+        encode: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self._values: Mapping[str, Any] = values if values is not None else {}
+        self._encoded: Mapping[str, bytes] = encoded if encoded is not None else {}
+        self._encode = encode
+
+    @property
+    def encoded(self) -> Mapping[str, bytes]:
+        """The resources held as JSON bytes."""
+        return self._encoded
+
+    @property
+    def values_held(self) -> Mapping[str, Any]:
+        """The resources held as the mirror's values (``encode`` not applied)."""
+        return self._values
 
     def __getitem__(self, key: str) -> Any:
-        return self._encode(self._items[key])
+        value = self._values.get(key, _MISSING)
+        if value is _MISSING:
+            return orjson.loads(self._encoded[key])
+        return value if self._encode is None else self._encode(value)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
+        yield from self._values
+        yield from self._encoded
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._values) + len(self._encoded)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values or key in self._encoded
+
+    def encoded_items(self) -> Iterator[tuple[str, bytes]]:
+        """Every resource as ``(id, JSON bytes)``."""
+        encode, dumps = self._encode, orjson.dumps
+        for key, value in self._values.items():
+            yield key, dumps(value if encode is None else encode(value))
+        yield from self._encoded.items()

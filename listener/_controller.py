@@ -54,6 +54,7 @@ from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any, Generic, Self
 
+import orjson
 from prometheus_client import CollectorRegistry
 from typing_extensions import TypeVar
 
@@ -62,7 +63,7 @@ from changefeed.logs import log_event
 from changefeed.schemas import ChangeItem
 
 from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
-from ._checkpoint import CheckpointStore, EncodedItems, MirrorCheckpoint, application_view
+from ._checkpoint import CheckpointStore, JsonItems, MirrorCheckpoint, application_view
 from ._errors import ListenerConfigError, ListenerError
 from ._events import Resynced
 from ._handlers import (
@@ -600,18 +601,25 @@ class Controller(Generic[T]):
         """Start from a checkpoint's mirror (no callbacks for it); its pending ids, and
         any ``decode`` refuses, are fetched again and called back if they changed."""
         refetch = set(part.pending)
-        items: Mapping[str, T]
+        held = part.items
         if self._decode is None:
-            items = part.items  # the JSON itself is T: no copy before the mirror's own
+            if isinstance(held, JsonItems) and not held.values_held:
+                # Decoded as they are read: going live does not wait for a million objects.
+                encoded = held.encoded
+                self._mirror.restore_encoded(
+                    encoded if isinstance(encoded, dict) else dict(encoded), orjson.loads
+                )
+            else:
+                self._mirror.restore(held)  # the JSON itself is T
         else:
-            items = decoded = {}
-            for key, raw in part.items.items():
+            decoded: dict[str, T] = {}
+            for key, raw in held.items():
                 value = self._decoded(key, raw)
                 if isinstance(value, _Undecodable):
                     refetch.add(key)
                 else:
                     decoded[key] = value
-        self._mirror.restore(items)
+            self._mirror.restore(decoded)
         self._touched = set()
         self._restored = True
         self._forced.update(refetch)
@@ -621,7 +629,7 @@ class Controller(Generic[T]):
             log,
             "controller.restored",
             controller=self.name,
-            items=len(items),
+            items=len(self._mirror),
             pending=len(refetch),
         )
 
@@ -636,8 +644,12 @@ class Controller(Generic[T]):
         from the view are deleted), and every id with work outstanding."""
         seen, resource = self._seen, self.resource or ""
         deleted: list[str] = []
+        encoded: dict[str, bytes] = {}
         if changed is None:
-            view = application_view(self._mirror.copy(), seen)
+            values, encoded = self._mirror.copy_parts()
+            for key in seen:
+                encoded.pop(key, None)  # what the application saw instead, or nothing
+            view = application_view(values, seen)
         else:
             view = {}
             get = self._mirror.get
@@ -648,8 +660,7 @@ class Controller(Generic[T]):
                 else:
                     view[key] = value
         pending = self._stale | self._fetching | seen.keys() | self._attempted.keys()
-        items = view if self._encode is None else EncodedItems(view, self._encode)
-        return MirrorCheckpoint(resource, items, deleted, pending)
+        return MirrorCheckpoint(resource, JsonItems(view, encoded, self._encode), deleted, pending)
 
     def _take_touched(self) -> set[str]:
         touched = self._touched or set()

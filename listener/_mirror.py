@@ -5,13 +5,18 @@ Like client-go's Store: ``replace`` swaps in a fresh bootstrap in one step
 changed; ``put`` and ``delete`` apply the result of one fetch. Readers get a
 read-only live view (``view``).
 
+A mirror loaded from a checkpoint may hold its resources still encoded
+(``restore_encoded``: id -> JSON bytes): each is decoded the first time it is
+read, so that a restart does not build a million objects before it can go
+live. Every way in (``[]``, ``get``, iteration, the view) decodes on the way.
+
 Pure code: a dict and its bookkeeping. It must never be written by anyone
-but the controller, and never hands out a mutable reference to its dict.
+but the controller, and never hands out a mutable reference to its dicts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
@@ -19,6 +24,8 @@ from typing import Any, Generic, TypeVar
 __all__ = ["Change", "Mirror"]
 
 V = TypeVar("V")
+
+_MISSING: Any = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +42,10 @@ class Mirror(Mapping[str, V]):
 
     def __init__(self) -> None:
         self._items: dict[str, V] = {}
-        self._view = MappingProxyType(self._items)
+        self._encoded: dict[str, bytes] = {}  # loaded from a checkpoint, not read yet
+        self._load: Callable[[bytes], V] | None = None
+        self._proxy = MappingProxyType(self._items)
+        self._lazy = _LazyView(self)
         self.replaces = 0
         """How many times a bootstrap replaced the whole store."""
         self.writes = 0
@@ -44,31 +54,70 @@ class Mirror(Mapping[str, V]):
     # -- Mapping ------------------------------------------------------------
 
     def __getitem__(self, key: str) -> V:
-        return self._items[key]
+        value = self._items.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._decode(key)
+            if value is _MISSING:
+                raise KeyError(key)
+        result: V = value
+        return result
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
+        if not self._encoded:
+            return iter(self._items)
+        # Reading a value while iterating decodes it (moves it between the dicts).
+        return iter([*self._items, *self._encoded])
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._encoded)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._items
+        return key in self._items or key in self._encoded
 
     def get(self, key: str, default: Any = None) -> Any:
         """The resource under ``key``, or ``default`` (the dict's own ``get``: no
         KeyError raised and caught for a missing id, as ``Mapping.get`` would)."""
-        return self._items.get(key, default)
+        value = self._items.get(key, _MISSING)
+        if value is _MISSING:
+            if not self._encoded:
+                return default
+            value = self._decode(key)
+            if value is _MISSING:
+                return default
+        return value
 
     def view(self) -> Mapping[str, V]:
         """A read-only live view of the store."""
-        return self._view
+        return self._proxy if not self._encoded else self._lazy
+
+    @property
+    def encoded(self) -> int:
+        """Resources loaded from a checkpoint and not decoded yet."""
+        return len(self._encoded)
+
+    def _decode(self, key: str) -> Any:
+        raw = self._encoded.pop(key, None)
+        if raw is None:
+            return _MISSING
+        assert self._load is not None
+        value = self._items[key] = self._load(raw)
+        return value
+
+    def decode_all(self) -> None:
+        """Decode every resource still encoded."""
+        if self._encoded:
+            assert self._load is not None
+            load, items = self._load, self._items
+            for key, raw in self._encoded.items():
+                items[key] = load(raw)
+            self._encoded.clear()
 
     # -- writes -------------------------------------------------------------
 
     def replace(self, items: Mapping[str, V]) -> list[Change[V]]:
         """Swap in ``items`` as the whole store; return every id that was added, changed or
         removed (in that order: fresh ids first, in ``items`` order, then removed ids)."""
+        self.decode_all()
         old = self._items
         changes = [
             Change(key, old.get(key), value)
@@ -86,16 +135,25 @@ class Mirror(Mapping[str, V]):
     def restore(self, items: Mapping[str, V]) -> None:
         """Make ``items`` the whole store, as loaded from a checkpoint: no changes are
         reported (the application saw them before it stopped)."""
+        self._encoded.clear()
         self._items.clear()
         self._items.update(items)
 
-    def copy(self) -> dict[str, V]:
-        """A shallow copy of the store (a checkpoint's snapshot)."""
-        return dict(self._items)
+    def restore_encoded(self, encoded: dict[str, bytes], load: Callable[[bytes], V]) -> None:
+        """Like ``restore``, with every resource still encoded: ``load`` decodes one when
+        it is first read. The mirror takes ``encoded`` over (it is not copied)."""
+        self._items.clear()
+        self._encoded = encoded
+        self._load = load
+
+    def copy_parts(self) -> tuple[dict[str, V], dict[str, bytes]]:
+        """Shallow copies of the store (a checkpoint's snapshot): the decoded resources,
+        and those still encoded."""
+        return dict(self._items), dict(self._encoded)
 
     def put(self, key: str, value: V) -> V | None:
         """Store ``value`` under ``key``; return the previous value (None if absent)."""
-        previous = self._items.get(key)
+        previous: V | None = self.get(key)
         if previous is None or previous != value:
             self.writes += 1
         self._items[key] = value
@@ -103,7 +161,33 @@ class Mirror(Mapping[str, V]):
 
     def delete(self, key: str) -> V | None:
         """Remove ``key``; return the removed value (None if absent)."""
+        if key in self._encoded:
+            self._decode(key)
         previous = self._items.pop(key, None)
         if previous is not None:
             self.writes += 1
         return previous
+
+
+class _LazyView(Mapping[str, V]):
+    """The read-only view of a mirror that still holds encoded resources."""
+
+    __slots__ = ("_mirror",)
+
+    def __init__(self, mirror: Mirror[V]) -> None:
+        self._mirror = mirror
+
+    def __getitem__(self, key: str) -> V:
+        return self._mirror[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._mirror)
+
+    def __len__(self) -> int:
+        return len(self._mirror)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._mirror
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._mirror.get(key, default)

@@ -9,8 +9,10 @@ different ``name``s):
 * ``changefeed_checkpoint_mirror``: one row per controller: its resource and
   its pending ids (a JSON array).
 * ``changefeed_checkpoint_chunk``: a whole save's resources, ``chunk_items``
-  to a row as one JSON object (id -> resource): loading decodes a few large
-  documents instead of a million small ones.
+  to a row: their ids as one JSON array, and their JSON documents one to a
+  line. Loading splits them without decoding them: the mirror decodes each
+  resource when it is first read (``JsonItems``), so a restart does not wait
+  for a million objects to be built.
 * ``changefeed_checkpoint_change``: what incremental saves changed since,
   one row per id (NULL: deleted), replaced in place, so it never holds an id
   twice; loading applies it on top of the chunks. A whole save empties it.
@@ -19,9 +21,9 @@ Every save is one transaction, so a process killed at any moment (SIGKILL
 included) leaves the previous checkpoint or the new one, never a mix; the
 file is in WAL mode, and with ``synchronous=NORMAL`` a power loss may take
 the last saves back but never tears one. Blocking SQLite calls run in a
-worker thread, one connection per call; loading decodes the chunks on the
-event loop one at a time, with the garbage collector paused while each is
-decoded (as the bootstrap pager does), so the loop is never held for long.
+worker thread, one connection per call; loading splits the chunks on the
+event loop one at a time, with the garbage collector paused meanwhile (as
+the bootstrap pager does), so the loop is never held for long.
 
 It must never apply an incremental save to a checkpoint it was not made
 for (another listener's, or an older one: ``CheckpointError``), and never
@@ -45,7 +47,7 @@ import orjson
 
 from changefeed.schemas import ChangeKind
 
-from ._checkpoint import Checkpoint, MirrorCheckpoint
+from ._checkpoint import Checkpoint, JsonItems, MirrorCheckpoint
 from ._errors import CheckpointError
 
 __all__ = ["FORMAT_VERSION", "SqliteCheckpointStore"]
@@ -73,6 +75,7 @@ CREATE TABLE IF NOT EXISTS changefeed_checkpoint_chunk (
     name       TEXT NOT NULL,
     controller TEXT NOT NULL,
     seq        INTEGER NOT NULL,
+    ids        BLOB NOT NULL,
     items      BLOB NOT NULL,
     PRIMARY KEY (name, controller, seq)
 );
@@ -180,7 +183,7 @@ class SqliteCheckpointStore:
             kinds = tuple(ChangeKind.from_json(doc) for doc in orjson.loads(kinds_json))
             parts = {}
             for controller, (resource, pending, chunks, changes) in mirrors.items():
-                items = await self._decode_items(chunks, changes)
+                items = JsonItems(encoded=await self._split_items(chunks, changes))
                 parts[controller] = MirrorCheckpoint(
                     resource, items, (), frozenset(orjson.loads(pending))
                 )
@@ -189,20 +192,24 @@ class SqliteCheckpointStore:
         return Checkpoint(cursor, kinds, parts, whole=True, sequence=sequence, saved_at=saved_at)
 
     @staticmethod
-    async def _decode_items(
-        chunks: list[bytes], changes: list[tuple[str, bytes | None]]
-    ) -> dict[str, Any]:
-        items: dict[str, Any] = {}
-        for body in chunks:
+    async def _split_items(
+        chunks: list[tuple[bytes, bytes]], changes: list[tuple[str, bytes | None]]
+    ) -> dict[str, bytes]:
+        """id -> JSON document, from the chunks and the changes on top of them."""
+        items: dict[str, bytes] = {}
+        for ids, body in chunks:
             with _collector_paused():
-                items.update(orjson.loads(body))
+                keys = orjson.loads(ids)
+                documents = body.split(b"\n")
+                if len(keys) != len(documents):
+                    raise ValueError(f"a chunk of {len(keys)} ids holds {len(documents)} items")
+                items.update(zip(keys, documents, strict=True))
             await asyncio.sleep(0)  # the loop runs between chunks
-        with _collector_paused():
-            for key, item in changes:
-                if item is None:
-                    items.pop(key, None)
-                else:
-                    items[key] = orjson.loads(item)
+        for key, item in changes:
+            if item is None:
+                items.pop(key, None)
+            else:
+                items[key] = item
         return items
 
     def _read(
@@ -210,7 +217,7 @@ class SqliteCheckpointStore:
     ) -> (
         tuple[
             tuple[int, int, str | None, str, float],
-            dict[str, tuple[str, bytes, list[bytes], list[tuple[str, bytes | None]]]],
+            dict[str, tuple[str, bytes, list[tuple[bytes, bytes]], list[tuple[str, bytes | None]]]],
         ]
         | None
     ):
@@ -230,14 +237,11 @@ class SqliteCheckpointStore:
                     " WHERE name = ? ORDER BY controller",
                     (self.name,),
                 ).fetchall():
-                    chunks = [
-                        row[0]
-                        for row in conn.execute(
-                            "SELECT items FROM changefeed_checkpoint_chunk"
-                            " WHERE name = ? AND controller = ? ORDER BY seq",
-                            (self.name, controller),
-                        )
-                    ]
+                    chunks = conn.execute(
+                        "SELECT ids, items FROM changefeed_checkpoint_chunk"
+                        " WHERE name = ? AND controller = ? ORDER BY seq",
+                        (self.name, controller),
+                    ).fetchall()
                     changes = conn.execute(
                         "SELECT id, item FROM changefeed_checkpoint_change"
                         " WHERE name = ? AND controller = ?",
@@ -301,11 +305,11 @@ class SqliteCheckpointStore:
                 " VALUES (?, ?, ?, ?)",
                 (name, controller, part.resource, orjson.dumps(sorted(part.pending))),
             )
-            for seq, chunk in enumerate(_chunks(part.items, self.chunk_items)):
+            for seq, (ids, documents) in enumerate(_chunks(part.items, self.chunk_items)):
                 conn.execute(
-                    "INSERT INTO changefeed_checkpoint_chunk (name, controller, seq, items)"
-                    " VALUES (?, ?, ?, ?)",
-                    (name, controller, seq, orjson.dumps(chunk)),
+                    "INSERT INTO changefeed_checkpoint_chunk"
+                    " (name, controller, seq, ids, items) VALUES (?, ?, ?, ?, ?)",
+                    (name, controller, seq, orjson.dumps(ids), b"\n".join(documents)),
                 )
 
     def _write_changes(self, conn: sqlite3.Connection, checkpoint: Checkpoint) -> None:
@@ -333,7 +337,7 @@ class SqliteCheckpointStore:
                     f"{controller!r} ({part.resource}), which the file does not hold"
                 )
             rows = itertools.chain(
-                ((name, controller, key, orjson.dumps(item)) for key, item in part.items.items()),
+                ((name, controller, key, item) for key, item in _encoded(part.items)),
                 ((name, controller, key, None) for key in part.deleted),
             )
             conn.executemany(
@@ -344,12 +348,23 @@ class SqliteCheckpointStore:
             )
 
 
-def _chunks(items: Mapping[str, Any], size: int) -> Iterator[dict[str, Any]]:
-    chunk: dict[str, Any] = {}
-    for key, value in items.items():
-        chunk[key] = value
-        if len(chunk) >= size:
-            yield chunk
-            chunk = {}
-    if chunk:
-        yield chunk
+def _encoded(items: Mapping[str, Any]) -> Iterator[tuple[str, bytes]]:
+    """Every ``(id, JSON document)`` of ``items`` (those already encoded as they are)."""
+    if isinstance(items, JsonItems):
+        return items.encoded_items()
+    return ((key, orjson.dumps(value)) for key, value in items.items())
+
+
+def _chunks(items: Mapping[str, Any], size: int) -> Iterator[tuple[list[str], list[bytes]]]:
+    """``items`` as (ids, JSON documents) of at most ``size`` each. A document of orjson
+    holds no line break (it escapes those in strings), so one to a line splits back."""
+    ids: list[str] = []
+    documents: list[bytes] = []
+    for key, document in _encoded(items):
+        ids.append(key)
+        documents.append(document)
+        if len(ids) >= size:
+            yield ids, documents
+            ids, documents = [], []
+    if ids:
+        yield ids, documents

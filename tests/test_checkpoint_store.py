@@ -21,7 +21,7 @@ from changefeed.listener import (
     SqliteCheckpointStore,
 )
 from changefeed.listener._checkpoint import (
-    EncodedItems,
+    JsonItems,
     application_view,
     covers,
     next_save_is_whole,
@@ -95,8 +95,9 @@ def test_the_saved_view_is_what_the_callbacks_last_saw() -> None:
     # b changed (the callback saw 20), c is new (never seen), d was deleted (seen as 4).
     view = application_view(dict(mirror), {"b": 20, "c": None, "d": 4})
     assert view == {"a": 1, "b": 20, "d": 4} and mirror == {"a": 1, "b": 2, "c": 3}
-    encoded = EncodedItems({"x": (1, 2)}, list)
-    assert dict(encoded.items()) == {"x": [1, 2]} and len(encoded) == 1
+    items = JsonItems({"x": (1, 2)}, {"y": b'{"a":1}'}, list)
+    assert dict(items.items()) == {"x": [1, 2], "y": {"a": 1}} and len(items) == 2
+    assert dict(items.encoded_items()) == {"x": b"[1,2]", "y": b'{"a":1}'}
 
 
 # -- the SQLite store --------------------------------------------------------------------

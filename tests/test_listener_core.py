@@ -329,6 +329,30 @@ def test_mirror_replace_reports_adds_updates_deletes_and_stays_read_only() -> No
     assert mirror.replaces == 3 and "b" in mirror and len(mirror) == 2
 
 
+def test_a_mirror_restored_encoded_decodes_each_resource_when_first_read() -> None:
+    mirror: Mirror[dict[str, int]] = Mirror()
+    loads: list[bytes] = []
+
+    def load(raw: bytes) -> dict[str, int]:
+        loads.append(raw)
+        return dict(orjson.loads(raw))
+
+    encoded = {"a": b'{"n":1}', "b": b'{"n":2}', "c": b'{"n":3}', "d": b'{"n":4}'}
+    mirror.restore_encoded(encoded, load)
+    view = mirror.view()
+    assert len(mirror) == 4 and "a" in mirror and "z" not in mirror and not loads
+    assert view["a"] == {"n": 1} and mirror.get("b") == {"n": 2} and mirror.get("z") is None
+    assert loads == [b'{"n":1}', b'{"n":2}'] and mirror.encoded == 2
+    values, still = mirror.copy_parts()  # a checkpoint passes the encoded ones through
+    assert values == {"a": {"n": 1}, "b": {"n": 2}} and set(still) == {"c", "d"}
+    assert mirror.put("c", {"n": 30}) == {"n": 3} and mirror.delete("d") == {"n": 4}
+    assert dict(view) == {"a": {"n": 1}, "b": {"n": 2}, "c": {"n": 30}} and not mirror.encoded
+    assert mirror.view() is not view and dict(mirror.view()) == dict(view)  # no longer lazy
+    mirror.restore_encoded({"x": b"1", "y": b"2"}, lambda raw: {"n": int(raw)})
+    changes = mirror.replace({"x": {"n": 1}, "z": {"n": 9}})  # the old ones decoded to compare
+    assert [(c.id, c.old, c.new) for c in changes] == [("z", None, {"n": 9}), ("y", {"n": 2}, None)]
+
+
 # -- settings --------------------------------------------------------------------------------
 
 
