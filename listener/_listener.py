@@ -428,6 +428,18 @@ class Listener:
             Sample(p + "not_resumed", count, (("reason", reason),))
             for reason, count in sorted(st.not_resumed.items())
         ]
+        checkpoint = st.checkpoint
+        if checkpoint is not None:
+            saved_at = checkpoint.last_saved_at
+            samples += [
+                Sample(p + "checkpoint_saves", checkpoint.saves),
+                Sample(p + "checkpoint_save_failures", checkpoint.save_failures),
+                Sample(p + "checkpoint_save_seconds", checkpoint.last_save_seconds),
+                Sample(
+                    p + "checkpoint_age_seconds",
+                    0.0 if saved_at is None else max(0.0, time.time() - saved_at),
+                ),
+            ]
         for progress in st.bootstrap:
             labels = (("resource", progress.resource),)
             samples += [

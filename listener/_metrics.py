@@ -69,6 +69,14 @@ _LISTENER: tuple[_Spec, ...] = (
         "Acks that did not resume the since given, by the ack's reason",
         ("reason",),
     ),
+    ("changefeed_listener_checkpoint_saves", "counter", "Checkpoints saved"),
+    ("changefeed_listener_checkpoint_save_failures", "counter", "Checkpoint saves that failed"),
+    ("changefeed_listener_checkpoint_save_seconds", "gauge", "How long the last save took"),
+    (
+        "changefeed_listener_checkpoint_age_seconds",
+        "gauge",
+        "Seconds since the last checkpoint saved was taken (what a restart now replays)",
+    ),
     (
         "changefeed_listener_bootstrap_items",
         "gauge",

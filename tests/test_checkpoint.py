@@ -33,6 +33,7 @@ import asyncpg
 import httpx
 import pytest
 from helpers import fresh_database, metric_value, wait_until
+from prometheus_client import CollectorRegistry, generate_latest
 from test_convergence import SlowTransport
 from test_listener_shared import create_servers
 from test_listener_support import (
@@ -168,11 +169,23 @@ async def test_a_restart_resumes_from_the_checkpoint_and_calls_back_what_changed
         after, servers = await api_state(dsn), await api_servers(dsn)
         resumed_before = await registrations(client, resumed=True)
 
-        second = Service(api.ws_url, store)
+        registry = CollectorRegistry()
+        second = Service(api.ws_url, store, registry=registry)
         async with second.running():
             await second.vms.wait_synced(20)
             await second.servers.wait_synced(20)
             await wait_until(lambda: second.converged(dsn), 15, message="converged")
+            assert await second.listener.save_checkpoint()
+            exported = generate_latest(registry).decode()
+            name = second.listener.name
+            assert (
+                metric_value(exported, "changefeed_listener_checkpoint_saves_total", listener=name)
+                >= 1
+            )
+            assert (
+                metric_value(exported, "changefeed_listener_checkpoint_age_seconds", listener=name)
+                < 60
+            )
             status = second.listener.status()
             assert status.resumes == 1 and status.bootstraps == 0 and status.not_resumed == {}
             assert status.checkpoint is not None and status.checkpoint.loaded
