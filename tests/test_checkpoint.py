@@ -15,18 +15,21 @@ SQLite file): what a restart does with a checkpoint.
   converges by resuming.
 * ``async for`` keeps the cursor of what the application was done with; a
   store that fails is logged and counted and loses nothing; a checkpoint that
-  cannot be read means a bootstrap.
+  cannot be read means a bootstrap; a store of the application's own
+  (docs/examples/postgres_checkpoint_store.py) works the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import random
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import asyncpg
@@ -59,6 +62,9 @@ from changefeed.listener import (
 )
 from changefeed.publisher.retention import trim_expired
 
+EXAMPLE_STORE = (
+    Path(__file__).resolve().parent.parent / "docs" / "examples" / "postgres_checkpoint_store.py"
+)
 KINDS = (ChangeKind("vm", ("nic", "alias", "server")), ChangeKind("server"))
 CONFIG = ListenerConfig(
     backoff=BackoffPolicy(initial=0.02, maximum=0.2), page_limit=25, checkpoint_interval=0.2
@@ -469,3 +475,54 @@ async def test_failed_saves_lose_nothing_and_an_unreadable_checkpoint_bootstraps
         )
         # Bootstrapped from nothing: every VM is an add.
         assert len(again.calls["vm"]) == len(await api_state(dsn))
+
+
+def _example_store_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("postgres_checkpoint_store", EXAMPLE_STORE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_a_store_of_the_applications_own_postgresql_resumes_too(
+    dsn: str, pg_server: Any
+) -> None:
+    """docs/examples/postgres_checkpoint_store.py: the same restart, with the checkpoint
+    in the application's database: whole, then incremental saves, then a resume."""
+    example = _example_store_module()
+    async with (
+        fresh_database(pg_server, prefix="app") as app_dsn,
+        asyncpg.create_pool(app_dsn, min_size=1, max_size=2) as pool,
+        VmApiServer(dsn) as api,
+        httpx.AsyncClient(base_url=api.url) as client,
+    ):
+        store = example.PostgresCheckpointStore(pool, name="tcns-1")
+        await store.setup()
+        vm_ids = await create_vms(client, 12)
+        await create_servers(client, 2)
+        first = Service(api.ws_url, store)
+        async with first.running():
+            await first.vms.wait_synced(20)
+            await first.servers.wait_synced(20)
+            await client.patch(f"/vms/{vm_ids[0]}", json={"alias": "live"})
+            await wait_until(lambda: first.converged(dsn), 10, message="first converged")
+            assert await first.listener.save_checkpoint()  # an incremental one
+        status = checkpoint_status(first)
+        assert status.saves >= 2 and status.whole_saves == 1
+        before = await api_state(dsn)
+        await client.patch(f"/vms/{vm_ids[1]}", json={"alias": "away"})
+        await client.delete(f"/vms/{vm_ids[2]}")
+        second = Service(api.ws_url, store)
+        async with second.running():
+            await second.vms.wait_synced(20)
+            await wait_until(lambda: second.converged(dsn), 15, message="converged")
+            assert second.listener.status().resumes == 1
+            assert second.listener.status().bootstraps == 0
+        after = await api_state(dsn)
+        assert sorted(second.calls["vm"]) == sorted(
+            [(vm_ids[1], before[vm_ids[1]], after[vm_ids[1]]), (vm_ids[2], before[vm_ids[2]], None)]
+        )
+        assert second.calls["server"] == []
+        saved = await store.load()
+        assert saved is not None and dict(saved.mirrors[second.vms.name].items) == after
