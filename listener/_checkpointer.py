@@ -44,7 +44,7 @@ from ._checkpoint import (
     plan_restore,
 )
 
-__all__ = ["CLOSE_WAIT", "Checkpointer", "MirrorSource"]
+__all__ = ["CLOSE_WAIT", "CheckpointHost", "Checkpointer", "MirrorSource"]
 
 log = logging.getLogger("changefeed.listener")
 
@@ -80,17 +80,35 @@ class MirrorSource(Protocol):
         """Resources in its mirror."""
 
 
+class CheckpointHost(Protocol):
+    """What a checkpointer reads from its listener."""
+
+    @property
+    def change_kinds(self) -> tuple[ChangeKind, ...]:
+        """What the listener registers."""
+
+    def checkpoint_position(self) -> str | None:
+        """The cursor every mirror reflects now (None: none yet)."""
+
+    def checkpoint_sources(self) -> Sequence[MirrorSource]:
+        """The attached controllers whose mirrors go into a checkpoint."""
+
+
 class Checkpointer:
     """Loads and saves one listener's checkpoints.
 
     Args:
         store: where they are kept.
+        host: the listener: its cursor, change kinds and controllers.
         interval: seconds between periodic saves.
         name: the listener's name, for log events.
     """
 
-    def __init__(self, store: CheckpointStore, *, interval: float, name: str) -> None:
+    def __init__(
+        self, store: CheckpointStore, host: CheckpointHost, *, interval: float, name: str
+    ) -> None:
         self.store = store
+        self._host = host
         self._interval = interval
         self._name = name
         self._restored = asyncio.Event()
@@ -117,13 +135,16 @@ class Checkpointer:
 
     # -- loading ---------------------------------------------------------------
 
-    async def restore(
-        self, change_kinds: Sequence[ChangeKind], sources: Sequence[MirrorSource], resume: bool
-    ) -> str | None:
+    async def restore(self, resume: bool) -> str | None:
         """Load the checkpoint and hand the controllers their mirrors; return the cursor
         to register with (None: bootstrap). A checkpoint that cannot be read is
-        logged and the listener bootstraps: it is a saving, never a requirement."""
+        logged and the listener bootstraps: it is a saving, never a requirement.
+
+        Args:
+            resume: the listener resumes at all (``ListenerConfig.resume``).
+        """
         started = time.monotonic()
+        sources = self._host.checkpoint_sources()
         log_event(log, "listener.checkpoint.loading", listener=self._name)
         try:
             checkpoint = await self.store.load()
@@ -135,7 +156,7 @@ class Checkpointer:
             )
         plan = plan_restore(
             checkpoint,
-            change_kinds=change_kinds,
+            change_kinds=self._host.change_kinds,
             controllers={source.name: source.resource for source in sources},
             resume=resume,
         )
@@ -176,14 +197,11 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------
 
-    def take(
-        self,
-        position: str | None,
-        change_kinds: tuple[ChangeKind, ...],
-        sources: Sequence[MirrorSource],
-    ) -> Checkpoint | None:
-        """A checkpoint of ``position`` and every mirror, now (synchronous: nothing
-        moves while it is taken). None before the load, or without a position yet."""
+    def take(self) -> Checkpoint | None:
+        """A checkpoint of the listener's position and every mirror, now (synchronous:
+        nothing moves while it is taken). None before the load, or without a position."""
+        host = self._host
+        position, sources = host.checkpoint_position(), host.checkpoint_sources()
         if not self._restored.is_set() or position is None:
             return None
         for source in sources:
@@ -206,7 +224,7 @@ class Checkpointer:
             self._since_whole.clear()
         return Checkpoint(
             position,
-            change_kinds,
+            host.change_kinds,
             parts,
             whole=whole,
             sequence=self._sequence,
@@ -214,12 +232,13 @@ class Checkpointer:
             saved_at=time.time(),
         )
 
-    def due(self, position: str | None, sources: Sequence[MirrorSource]) -> bool:
+    def due(self) -> bool:
         """Whether a periodic save has anything to save (what a failed one did not, too)."""
+        host = self._host
         return (
-            position != self._saved_position
+            host.checkpoint_position() != self._saved_position
             or any(self._unsaved.values())
-            or any(s.has_changed() for s in sources)
+            or any(source.has_changed() for source in host.checkpoint_sources())
         )
 
     def save(self, checkpoint: Checkpoint) -> asyncio.Task[bool]:
@@ -287,34 +306,30 @@ class Checkpointer:
 
     # -- the periodic task and the end ---------------------------------------------
 
-    def start(self, host: CheckpointHost) -> None:
+    def start(self) -> None:
         """Save every ``interval`` seconds while anything changed (idempotent)."""
         if self._periodic is None:
             self._periodic = asyncio.create_task(
-                self._every_interval(host), name=f"changefeed-checkpoints-{self._name}"
+                self._every_interval(), name=f"changefeed-checkpoints-{self._name}"
             )
 
-    async def _every_interval(self, host: CheckpointHost) -> None:
+    async def _every_interval(self) -> None:
         await self._restored.wait()
         while not self._frozen:
             await asyncio.sleep(self._interval)
-            sources = host.checkpoint_sources()
-            position = host.checkpoint_position()
-            if self._frozen or self._saves or not self.due(position, sources):
+            if self._frozen or self._saves or not self.due():
                 continue
-            checkpoint = self.take(position, host.change_kinds, sources)
+            checkpoint = self.take()
             if checkpoint is not None:
                 self.save(checkpoint)
 
-    def final(self, host: CheckpointHost, why: str) -> None:
+    def final(self, why: str) -> None:
         """Take the last checkpoint now and save it; no checkpoint is taken after it."""
         if self._frozen:
             return
         self._frozen = True
         self._update(frozen=True)
-        checkpoint = self.take(
-            host.checkpoint_position(), host.change_kinds, host.checkpoint_sources()
-        )
+        checkpoint = self.take()
         log_event(
             log,
             "listener.checkpoint.final",
@@ -325,14 +340,12 @@ class Checkpointer:
         if checkpoint is not None:
             self.save(checkpoint)
 
-    async def save_now(self, host: CheckpointHost) -> Checkpoint | None:
+    async def save_now(self) -> Checkpoint | None:
         """Take a checkpoint and save it now; the checkpoint, or None when none was
         taken (before the load, without a position, or after ``final``) or it failed."""
         if self._frozen:
             return None
-        checkpoint = self.take(
-            host.checkpoint_position(), host.change_kinds, host.checkpoint_sources()
-        )
+        checkpoint = self.take()
         if checkpoint is None or not await self.save(checkpoint):
             return None
         return checkpoint
@@ -361,14 +374,3 @@ class Checkpointer:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
 
-
-class CheckpointHost(Protocol):
-    """What a checkpointer reads from its listener."""
-
-    change_kinds: tuple[ChangeKind, ...]
-
-    def checkpoint_position(self) -> str | None:
-        """The cursor every mirror reflects now (None: none yet)."""
-
-    def checkpoint_sources(self) -> Sequence[MirrorSource]:
-        """The attached controllers whose mirrors go into a checkpoint."""

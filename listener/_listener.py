@@ -460,7 +460,7 @@ class Listener:
             )
         self._task = asyncio.create_task(self._run(), name=f"changefeed-listener-{self.name}")
         if self._checkpointer is not None:
-            self._checkpointer.start(self)
+            self._checkpointer.start()
         if self._sinks:
             self._dispatcher = asyncio.create_task(
                 self._dispatch(), name=f"changefeed-dispatch-{self.name}"
@@ -470,7 +470,7 @@ class Listener:
         """Stop: save the last checkpoint (with a store), close the connection, drop the
         buffer, end iteration. Idempotent."""
         if self._checkpointer is not None:
-            self._checkpointer.final(self, "listener closed")
+            self._checkpointer.final("listener closed")
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -500,7 +500,7 @@ class Listener:
         """
         if self._checkpointer is None:
             return False
-        return await self._checkpointer.save_now(self) is not None
+        return await self._checkpointer.save_now() is not None
 
     async def __aenter__(self) -> Self:
         self.start()
@@ -631,7 +631,7 @@ class Listener:
 
     def _stop_sinks(self, error: BaseException | None) -> None:
         if self._checkpointer is not None:  # while every mirror still follows the cursor
-            self._checkpointer.final(self, "listener stopped")
+            self._checkpointer.final("listener stopped")
         for sinks in list(self._sinks.values()):
             for sink in sinks:
                 sink.stopped(error)
@@ -679,7 +679,7 @@ class Listener:
             for sink in sinks:
                 self._check_checkpointable(sink)
         self._checkpointer = Checkpointer(
-            store, interval=self.config.checkpoint_interval, name=self.name
+            store, _Checkpointed(self), interval=self.config.checkpoint_interval, name=self.name
         )
 
     def _check_checkpointable(self, sink: Sink) -> None:
@@ -694,13 +694,7 @@ class Listener:
                 "its controller's name (give name=)",
             )
 
-    # -- checkpoints (``_checkpointer.CheckpointHost``) -------------------------------
-
-    def checkpoint_position(self) -> str | None:
-        """The cursor of what the application is done with (a checkpoint's cursor)."""
-        return self._position
-
-    def checkpoint_sources(self) -> list[Sink]:
+    def _controllers(self) -> list[Sink]:
         """The attached controllers, in the order they attached."""
         return [sink for sinks in self._sinks.values() for sink in sinks]
 
@@ -708,7 +702,7 @@ class Listener:
         """An attached controller is about to stop taking events: the last checkpoint is
         taken now, while its mirror still follows the cursor."""
         if self._checkpointer is not None and sink in self._running:
-            self._checkpointer.final(self, f"controller {sink.name} stopped")
+            self._checkpointer.final(f"controller {sink.name} stopped")
 
     def _controller_running(self, sink: Sink) -> None:
         """An attached controller runs; the listener starts once all of them do."""
@@ -740,9 +734,7 @@ class Listener:
     async def _run(self) -> None:
         try:
             if self._checkpointer is not None:
-                cursor = await self._checkpointer.restore(
-                    self.change_kinds, self.checkpoint_sources(), self.config.resume
-                )
+                cursor = await self._checkpointer.restore(self.config.resume)
                 self._cursor = self._handed = self._position = cursor
             while True:
                 self._lifecycle.to(S.CONNECTING)
@@ -957,7 +949,7 @@ class _Reports:
         listener._backoff.healthy(now)
         listener._ready.set()
         if listener._resumed_now:
-            for sink in listener.checkpoint_sources():
+            for sink in listener._controllers():
                 sink.resumed()
 
     def frame_received(self) -> None:
@@ -981,3 +973,24 @@ class _Reports:
             raise BufferOverflow(buffer.capacity, held, len(items))
         listener._check_water()
         listener._ready.set()
+
+
+class _Checkpointed:
+    """The listener's side of ``_checkpointer.CheckpointHost``: what a checkpoint reads
+    from it. A separate object, so that these calls are not part of ``Listener``'s
+    public face."""
+
+    __slots__ = ("_listener",)
+
+    def __init__(self, listener: Listener) -> None:
+        self._listener = listener
+
+    @property
+    def change_kinds(self) -> tuple[ChangeKind, ...]:
+        return self._listener.change_kinds
+
+    def checkpoint_position(self) -> str | None:
+        return self._listener._position
+
+    def checkpoint_sources(self) -> list[Sink]:
+        return self._listener._controllers()
