@@ -53,7 +53,13 @@ from changefeed.schemas import ChangeItem, ChangeKind
 
 from ._backoff import BackoffPolicy
 from ._buffer import Buffer, register_buffer_kind
-from ._checkpoint import Checkpoint, CheckpointStatus, CheckpointStore, MirrorCheckpoint
+from ._checkpoint import (
+    Checkpoint,
+    CheckpointStatus,
+    CheckpointStore,
+    JsonItems,
+    MirrorCheckpoint,
+)
 from ._config import ListenerConfig
 from ._controller import Controller, ControllerStats
 from ._errors import (
@@ -94,6 +100,7 @@ __all__ = [
     "Event",
     "EventSource",
     "Fetcher",
+    "JsonItems",
     "Listener",
     "ListenerConfig",
     "ListenerConfigError",

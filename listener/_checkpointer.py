@@ -373,4 +373,3 @@ class Checkpointer:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-

@@ -78,6 +78,7 @@ PUBLIC = {
     "CheckpointStore",
     "Checkpoint",
     "MirrorCheckpoint",
+    "JsonItems",
     "CheckpointStatus",
     # what it may catch
     "ListenerError",

@@ -32,6 +32,7 @@ from changefeed.listener import (
     ChangeKind,
     Checkpoint,
     CheckpointError,
+    JsonItems,
     MirrorCheckpoint,
 )
 
@@ -61,11 +62,10 @@ CREATE TABLE IF NOT EXISTS listener_checkpoint_item (
 
 
 def _documents(items: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
-    """``(id, JSON text)`` of each resource; a ``JsonItems`` hands out the ones it holds
-    encoded as they are (``encoded_items``)."""
-    encoded = getattr(items, "encoded_items", None)
-    if encoded is not None:
-        return ((key, document.decode()) for key, document in encoded())
+    """``(id, JSON text)`` of each resource; a ``JsonItems`` (what a controller hands
+    over) gives the ones it holds encoded as they are."""
+    if isinstance(items, JsonItems):
+        return ((key, document.decode()) for key, document in items.encoded_items())
     return ((key, orjson.dumps(value).decode()) for key, value in items.items())
 
 
@@ -104,13 +104,17 @@ class PostgresCheckpointStore:
                 "SELECT controller, id, item::text FROM listener_checkpoint_item WHERE name = $1",
                 self.name,
             )
-        items: dict[str, dict[str, Any]] = {row["controller"]: {} for row in mirrors}
+        # Handed over still encoded: the controller decodes each when it is first read.
+        items: dict[str, dict[str, bytes]] = {row["controller"]: {} for row in mirrors}
         for row in rows:
-            items[row["controller"]][row["id"]] = orjson.loads(row["item"])
+            items[row["controller"]][row["id"]] = row["item"].encode()
         kinds = tuple(ChangeKind.from_json(doc) for doc in orjson.loads(head["change_kinds"]))
         parts = {
             row["controller"]: MirrorCheckpoint(
-                row["resource"], items[row["controller"]], (), frozenset(row["pending"])
+                row["resource"],
+                JsonItems(encoded=items[row["controller"]]),
+                (),
+                frozenset(row["pending"]),
             )
             for row in mirrors
         }
