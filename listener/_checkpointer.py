@@ -43,6 +43,7 @@ from ._checkpoint import (
     next_save_is_whole,
     plan_restore,
 )
+from ._errors import CheckpointError
 
 __all__ = ["CLOSE_WAIT", "CheckpointHost", "Checkpointer", "MirrorSource"]
 
@@ -263,6 +264,10 @@ class Checkpointer:
         try:
             await self.store.save(checkpoint)
         except Exception as exc:
+            if isinstance(exc, CheckpointError):
+                # The store holds something else than the save ours would go on top
+                # of (another writer): only a whole save can be right from here.
+                self._confirmed = None
             self._update(
                 save_failures=self._status.save_failures + 1,
                 last_error=f"save: {type(exc).__name__}: {exc}",

@@ -526,3 +526,30 @@ async def test_a_store_of_the_applications_own_postgresql_resumes_too(
         assert second.calls["server"] == []
         saved = await store.load()
         assert saved is not None and dict(saved.mirrors[second.vms.name].items) == after
+
+
+async def test_a_store_another_process_wrote_to_gets_a_whole_save_next(
+    dsn: str, tmp_path: Path
+) -> None:
+    """Another writer under the same name: the incremental save is refused
+    (``CheckpointError``, logged), and the next save is whole and succeeds."""
+    path = tmp_path / "checkpoint.sqlite"
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        vm_ids = await create_vms(client, 5)
+        service = Service(api.ws_url, SqliteCheckpointStore(path))
+        async with service.running():
+            await service.vms.wait_synced(20)
+            await service.servers.wait_synced(20)
+            assert await service.listener.save_checkpoint()
+            intruder = SqliteCheckpointStore(path)
+            await intruder.save(Checkpoint("elsewhere", KINDS, {}, sequence=1000))
+            await client.patch(f"/vms/{vm_ids[0]}", json={"alias": "after"})
+            await wait_until(lambda: service.converged(dsn), 10, message="converged")
+            assert not await service.listener.save_checkpoint()
+            assert "another listener" in str(checkpoint_status(service).last_error)
+            whole = checkpoint_status(service).whole_saves
+            assert await service.listener.save_checkpoint()
+            assert checkpoint_status(service).whole_saves == whole + 1
+        saved = await SqliteCheckpointStore(path).load()
+        assert saved is not None and saved.cursor != "elsewhere"
+        assert dict(saved.mirrors[service.vms.name].items) == await api_state(dsn)
