@@ -15,7 +15,8 @@ SQLite file): what a restart does with a checkpoint.
   converges by resuming.
 * ``async for`` keeps the cursor of what the application was done with; a
   store that fails is logged and counted and loses nothing; a checkpoint that
-  cannot be read means a bootstrap; a store of the application's own
+  cannot be read means a bootstrap; a file another process wrote to gets a
+  whole save next; a store of the application's own
   (docs/examples/postgres_checkpoint_store.py) works the same.
 """
 
