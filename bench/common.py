@@ -406,7 +406,7 @@ class _Fleet:
             "ack": acks[0].decode() if acks else None,
         }
 
-    def reset(self, target: int) -> None:
+    def reset(self, target: int, clients: int | None) -> None:
         live = [c for c in self.clients if c.transport and not c.transport.is_closing()]
         for client in self.clients:
             client.items = 0
@@ -415,8 +415,8 @@ class _Fleet:
             client.done_at = 0.0
             if client.recv_at is not None:
                 client.recv_at = array("d", bytes(8 * self.latency_slots))
-        self.totals = _Totals(target, len(live))
-        if not live:
+        self.totals = _Totals(target, len(live) if clients is None else clients)
+        if self.totals.remaining <= 0:
             self.totals.done.set()
 
     async def wait(self, timeout: float) -> dict[str, Any]:
@@ -622,9 +622,16 @@ class ClientFleet:
         )
         return result
 
-    async def reset(self, target: int) -> None:
-        """Zero the counters; ``wait`` then waits until every client counted ``target`` items."""
-        await self.call("reset", target=target)
+    async def reset(self, target: int, clients: int | None = None) -> None:
+        """Zero the counters; ``wait`` then waits until every client counted ``target`` items.
+
+        Args:
+            target: items each client is to count.
+            clients: how many clients to wait for (default: those open now). Give it to
+                count clients that ``connect`` opens after this call, from their first
+                item on (listeners that start receiving as soon as they register).
+        """
+        await self.call("reset", target=target, clients=clients)
 
     async def wait(self, timeout: float) -> dict[str, Any]:
         """Wait (bounded) until every open client counted its target; the per-client report."""
