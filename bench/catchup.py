@@ -26,8 +26,10 @@ default settings but for ``window_bytes`` where said:
   entries / (time the last one has the last entry - time the first
   registration was sent), against the **live** rate: the same listeners
   registered live while the same entries are written (``publish_many``, 1,000
-  per transaction, as bench/fanout.py does), until the last one has the last
-  entry. Three windows: one large enough to hold every entry (everything from
+  per transaction, by a connection in this process, as bench/fanout.py does),
+  until the last one has the last entry. Live delivery cannot outrun the
+  writer: the bench prints how long the writes took and how long after the
+  last COMMIT the last delivery came. Three windows: one large enough to hold every entry (everything from
   memory), the default 64 MiB (at about 716 bytes an entry, see
   ``entries.entry_bytes``, it holds about 93,000 entries, so the oldest few
   thousand come from the feed table), and ``--small-window-mib`` (most come
@@ -99,6 +101,10 @@ class Run:
     window: dict[str, Any] = field(default_factory=dict)
     registered: float = 0.0
     """Seconds until every catching-up listener had its ack."""
+    written: float = 0.0
+    """Live: seconds the writer took to commit every entry."""
+    after_commit: float = 0.0
+    """Live: seconds from the last COMMIT to the last listener having the last entry."""
 
 
 @contextlib.asynccontextmanager
@@ -208,6 +214,7 @@ async def live_rate(
             meter = Meter(fleet)
             started = time.monotonic()
             await write(writer, ids, WRITE_CHUNK)
+            committed = time.monotonic()
             report = await fleet.wait(600)
             deliveries = listeners * len(ids)
             check(report, listeners, len(ids))
@@ -216,7 +223,14 @@ async def live_rate(
             await fleet.close_all()
     finally:
         await writer.close()
-    return Run(deliveries / (max(report["done_at"]) - started), counters, *cpu)
+    done = max(report["done_at"])
+    return Run(
+        deliveries / (done - started),
+        counters,
+        *cpu,
+        written=committed - started,
+        after_commit=done - committed,
+    )
 
 
 async def catch_up_rate(
@@ -434,7 +448,12 @@ async def main(args: argparse.Namespace) -> None:
     summary = []
     for live, catch_ups in rates:
         say(f"  {live.label:<50} {live.median:>12,.0f}/s              {live.cpu}")
-        say(f"    {live.every('/s')}; {live.served(behind * plan.listeners)}")
+        written = statistics.median(r.written for r in live.runs)
+        after = statistics.median(r.after_commit for r in live.runs)
+        say(
+            f"    {live.every('/s')}; {live.served(behind * plan.listeners)}; written in "
+            f"{written:.2f} s, the last delivery {after:.2f} s after the last COMMIT"
+        )
         for config in catch_ups:
             ratio = config.median / live.median
             window = config.runs[-1].window
