@@ -14,11 +14,15 @@ default settings but for ``window_bytes`` where said:
 
 * burst drain: ``--burst`` entries committed in ONE transaction
   (``publish_many``) reach ``--burst-listeners`` RFD 5 listeners (one item
-  per frame, no ``batch``). Their queues (``queue_size``, 4,096 items) cannot
-  take it, so they fall behind and catch up. Figure: seconds from the COMMIT
-  returning to the last listener having the last entry, against the same
-  burst to as many ``batch`` listeners (a separate publisher); with the
-  evictions (``counters.evictions``: must be 0) and how the RFD 5 listeners
+  per frame, no ``batch``). The tailer reads them 1,000 at a time
+  (``tail_batch``); a listener whose queue (``queue_size``, 4,096 items)
+  cannot take the next read falls behind and catches up from the window.
+  Whether the default queue overflows depends on how fast the listeners
+  read, so a third configuration gives them the smallest queue allowed (one
+  read): most of the burst then goes through catch-up. Figure: seconds from
+  the COMMIT returning to the last listener having the last entry, against
+  the same burst to as many ``batch`` listeners (a separate publisher); with
+  the evictions (``counters.evictions``: must be 0) and how the listeners
   were served (fellBehind, rejoined, caughtUpFromWindow/Feed).
 * catch-up rate: ``--listeners`` listeners register with ``since`` = a
   cursor from before ``--behind`` entries, which the publisher has already
@@ -29,8 +33,8 @@ default settings but for ``window_bytes`` where said:
   per transaction, by a connection in this process, as bench/fanout.py does),
   until the last one has the last entry. Live delivery cannot outrun the
   writer: the bench prints how long the writes took and how long after the
-  last COMMIT the last delivery came. Three windows: one large enough to hold every entry (everything from
-  memory), the default 64 MiB (at about 716 bytes an entry, see
+  last COMMIT the last delivery came. Three windows: one large enough to
+  hold every entry (everything from memory), the default 64 MiB (at about 716 bytes an entry, see
   ``entries.entry_bytes``, it holds about 93,000 entries, so the oldest few
   thousand come from the feed table), and ``--small-window-mib`` (most come
   from pages of the feed table, shared by listeners at nearby positions:
