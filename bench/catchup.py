@@ -28,7 +28,9 @@ default settings but for ``window_bytes`` where said:
   cursor from before ``--behind`` entries, which the publisher has already
   tailed, so they catch up all of them. Figure: deliveries/s = listeners x
   entries / (time the last one has the last entry - time the first
-  registration was sent), against the **live** rate: the same listeners
+  registration was sent; the later registrations wait behind the turns of
+  the listeners already catching up, and the bench prints when the last ack
+  came), against the **live** rate: the same listeners
   registered live while the same entries are written (``publish_many``, 1,000
   per transaction, by a connection in this process, as bench/fanout.py does),
   until the last one has the last entry. Live delivery cannot outrun the
