@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import time
 import uuid
@@ -41,8 +42,8 @@ from common import ClientFleet, cpu_seconds, database, raise_nofile, say, serve_
 from websockets.asyncio.server import ServerConnection, broadcast, serve
 
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish_many
-from changefeed.publisher.feed import FeedEntry
-from changefeed.schemas import Position, apply_schema
+from changefeed.publisher.feed import FeedEntry, FeedState
+from changefeed.schemas import ORIGIN, Position, apply_schema
 
 SCHEMA = "changefeed_bench"
 VM = ResourceConfig("vm", "/vms", ("nic", "alias"))
@@ -181,8 +182,12 @@ async def measure_publisher(
 
 
 def sample_frames(ids: list[str]) -> list[str]:
-    """Change items exactly as the publisher encodes them (same bytes on the wire)."""
+    """Change items exactly as the publisher encodes them (same bytes on the wire).
+
+    A publisher learns its feed's identity and cursor key from the database when
+    its tailer connects; this one, never started, is given a made-up feed's."""
     publisher = Publisher(PublisherConfig(dsn="postgresql://unused", resources=(VM,)))
+    publisher.identity.adopt(FeedState(uuid.uuid4(), os.urandom(32), ORIGIN, ORIGIN))
     now = datetime.now(UTC)
     return [
         publisher.broadcast.encode(FeedEntry(Position(10_000_000 + i, i), "vm", ("nic",), x, now))
