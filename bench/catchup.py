@@ -36,11 +36,12 @@ default settings but for ``window_bytes`` where said:
   until the last one has the last entry. Live delivery cannot outrun the
   writer: the bench prints how long the writes took and how long after the
   last COMMIT the last delivery came. Three windows: one large enough to
-  hold every entry (everything from memory), the default 64 MiB (at about 716 bytes an entry, see
-  ``entries.entry_bytes``, it holds about 93,000 entries, so the oldest few
-  thousand come from the feed table), and ``--small-window-mib`` (most come
-  from pages of the feed table, shared by listeners at nearby positions:
-  pageReads against pagesShared). ``batch`` listeners, and RFD 5 listeners
+  hold every entry (everything from memory); the default 64 MiB, which at
+  the memory ``entries.entry_bytes`` charges for one of these entries holds
+  fewer than 100,000 of them, so the oldest come from the feed table; and
+  ``--small-window-mib``, where most come from pages of the feed table,
+  shared by listeners at nearby positions (pageReads against pagesShared).
+  The bench prints how many entries each window held. ``batch`` listeners, and RFD 5 listeners
   against their own live rate unless ``--no-rfd5``. Target: catch-up >= 0.8x
   live.
 
