@@ -1,0 +1,34 @@
+"""Every benchmark still runs: its ``--quick`` mode, against the tests' PostgreSQL.
+
+The figures are not checked here (performance lives in bench/ and
+docs/performance.md); what is checked is that a change to the code did not
+leave a benchmark unable to run, which nothing else would notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "bench", ["bootstrap", "catchup", "checkpoint", "fanout", "latency", "listener", "publish"]
+)
+async def test_the_benchmark_runs(bench: str, dsn: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(BENCH / f"{bench}.py"), "--quick", "--dsn", dsn,
+        cwd=BENCH, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 240)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out.decode()[-3000:]
