@@ -406,7 +406,7 @@ class _Fleet:
             "ack": acks[0].decode() if acks else None,
         }
 
-    def reset(self, target: int, clients: int | None) -> None:
+    def reset(self, target: int, clients: int | None = None) -> None:
         live = [c for c in self.clients if c.transport and not c.transport.is_closing()]
         for client in self.clients:
             client.items = 0
