@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import random
 import re
@@ -28,7 +27,6 @@ from collections.abc import (
     Awaitable,
     Callable,
     Iterable,
-    Iterator,
 )
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +36,7 @@ import httpx
 import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
+from changefeed.collector import collector_paused
 from changefeed.logs import log_event
 from changefeed.schemas import Page, ProtocolError
 
@@ -240,32 +239,13 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:200]
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a page is decoded.
-
-    Decoding allocates thousands of containers that all live on as the page;
-    collections triggered meanwhile find no garbage, yet each traverses the
-    young objects again and the full ones the whole heap. The block must not
-    await: the pause covers this synchronous work only.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def _auth(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _decode_page(response: httpx.Response) -> Page:
     try:
-        with _collector_paused():
+        with collector_paused():
             return Page.decode(response.content)
     except ProtocolError as exc:
         raise PagingError(

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import os
 import sqlite3
@@ -45,6 +44,7 @@ from typing import Any
 
 import orjson
 
+from changefeed.collector import collector_paused
 from changefeed.schemas import ChangeKind
 
 from ._checkpoint import Checkpoint, JsonItems, MirrorCheckpoint
@@ -87,20 +87,6 @@ CREATE TABLE IF NOT EXISTS changefeed_checkpoint_change (
     PRIMARY KEY (name, controller, id)
 ) WITHOUT ROWID;
 """
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while one chunk is decoded: its thousands of
-    new containers all live on, and collections meanwhile would only traverse them."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 class SqliteCheckpointStore:
@@ -198,7 +184,7 @@ class SqliteCheckpointStore:
         """id -> JSON document, from the chunks and the changes on top of them."""
         items: dict[str, bytes] = {}
         for ids, body in chunks:
-            with _collector_paused():
+            with collector_paused():
                 keys = orjson.loads(ids)
                 documents = body.split(b"\n")
                 if len(keys) != len(documents):
