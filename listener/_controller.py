@@ -915,7 +915,7 @@ class Controller(Generic[T]):
 
 
 class _Sink:
-    """The controller's side of ``_listener.Sink``: what the listener's dispatch task
+    """The controller's side of ``_sink.Sink``: what the listener's dispatch task
     hands it. A separate object, so that these calls are not part of the
     controller's public face."""
 

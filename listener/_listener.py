@@ -1,29 +1,19 @@
 """The listener: registers on a publisher's /changefeeds websocket and yields its changes.
 
 The websockets / httpx adapter around the pure core (``_lifecycle``,
-``_backoff``, ``_buffer``). One background task runs the connection
-lifecycle (steps 1-4, one connection, are a ``_session.Session``, which
-reports back through ``_Reports`` at the end of this module; the back-off is
-here):
+``_backoff``, ``_buffer``). This module is the listener's face: its
+settings, ``start`` and ``close``, ``async for``, the status and metrics, how
+controllers attach to it, and where checkpoints come in. The work is done by
+its parts, each in its own module, on the state they share
+(``_listener_state``):
 
-1. CONNECTING: open the websocket (optional bearer token on the handshake)
-   and send the registration: RFD 5's v1 form for one change kind, the v2
-   form (``resources``) for several; with ``since`` when there is a cursor to
-   resume from, and ``batch: true``.
-2. REGISTERED: the ack says whether the publisher resumed from ``since``
-   (and, when it did not, why: the ack's ``reason``, logged and counted).
-3. BOOTSTRAPPING (``resumed: false``): page every change kind's bootstrap
-   route at once while every change item that arrives is buffered.
-4. LIVE: items flow from the socket into the buffer and from the buffer to
-   the application: ``async for event in listener``, or, when controllers
-   are attached, a dispatch task that hands each controller its resource's
-   events in batches.
-5. BACKING_OFF: any failure (a drop, a retryable close code, a missed pong,
-   an ack that never came, a failed page walk, a full buffer) clears the
-   buffer and waits a jittered, growing, capped delay (at least the
-   publisher's ``retryAfter``) before step 1. A failure retrying cannot heal
-   (bad_frame, unknown_resource, unauthorized, forbidden) stops the listener
-   with ``RegistrationRefused`` instead.
+* ``_connection``: one background task runs the connection lifecycle
+  (connect, register, bootstrap, live; after a failure, clear and back off);
+  one connection is a ``_session.Session``, which reports back through
+  ``_reports``;
+* ``_handout``: events go to the application in feed order: ``async for``,
+  or a dispatch task that hands each attached controller (``_sink.Sink``)
+  its resource's events.
 
 The socket is always read as fast as it delivers, whatever the application
 does: the buffer absorbs the difference, and when it cannot, the listener
@@ -35,11 +25,8 @@ nothing that was buffered and then cleared is lost.
 
 Several controllers share one listener (one connection per publisher per
 process, as client-go's shared informers): each attaches to one resource
-before the listener starts, and the listener starts once every attached
-controller runs. The dispatch task hands a controller only as many items as
-its work queue has room for (``max_pending``) and waits for room otherwise,
-so a controller that falls behind fills the buffer, which overflows (abort,
-clear, re-bootstrap of every change kind) rather than grow.
+before the listener starts, the listener starts once every attached
+controller runs, and it closes when the last one stops.
 
 With a checkpoint store (``_checkpointer``), the listener loads the last
 checkpoint before it first registers (its controllers start from their saved
@@ -60,96 +47,32 @@ import asyncio
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Self
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from prometheus_client import CollectorRegistry
 
-from changefeed.bootstrap import PagerProgress
 from changefeed.logs import log_event
-from changefeed.schemas import RESUME_REASONS, Ack, ChangeItem, ChangeKind, Registration
+from changefeed.schemas import ChangeKind
 
 from ._backoff import Backoff
 from ._buffer import Buffer, make_buffer
-from ._checkpoint import CheckpointStore, MirrorCheckpoint
+from ._checkpoint import CheckpointStore
 from ._checkpointer import Checkpointer
 from ._config import ListenerConfig
-from ._errors import (
-    BufferOverflow,
-    ListenerConfigError,
-    ListenerError,
-    PublisherClosed,
-    RegistrationRefused,
-    RetriesExhausted,
-    SessionError,
-)
-from ._events import BootstrapProgress, Event, ListenerStatus, Resynced
-from ._lifecycle import ConnectionState, Disposition, Lifecycle, disposition, retry_floor
+from ._connection import ConnectionLoop
+from ._errors import ListenerConfigError, ListenerError
+from ._events import Event, ListenerStatus, Resynced
+from ._handout import HandingOut
+from ._lifecycle import ConnectionState, Lifecycle
+from ._listener_state import S, log
 from ._metrics import Sample, register_listener
-from ._session import Session
+from ._sink import Sink
 
-__all__ = ["Listener", "Sink"]
-
-log = logging.getLogger("changefeed.listener")
-
-S = ConnectionState
-_LOW_WATER = 0.5  # the high-water event re-arms once the buffer drains below this
-
-
-class Sink(Protocol):
-    """What a controller attached to a listener receives (``Listener._attach``), and
-    what a checkpoint reads from it (``_checkpointer.MirrorSource``)."""
-
-    @property
-    def name(self) -> str:
-        """The controller's name (its mirror's key in a checkpoint)."""
-
-    @property
-    def resource(self) -> str:
-        """The resource it mirrors."""
-
-    def room(self) -> int:
-        """How many more change items it takes now (0 or less: none until ``wait_room``)."""
-
-    async def wait_room(self) -> None:
-        """Return once it takes items again (or has stopped)."""
-
-    def resynced(self, event: Resynced) -> None:
-        """A bootstrap of its resource."""
-
-    def changed(self, items: Sequence[ChangeItem]) -> None:
-        """Change items of its resource, in feed order (never more than ``room()``)."""
-
-    def stopped(self, error: BaseException | None) -> None:
-        """The listener stopped: closed (None), or for good with ``error``."""
-
-    def resumed(self) -> None:
-        """A connection resumed the cursor (no bootstrap)."""
-
-    def checkpoint_problem(self) -> str | None:
-        """Why its mirror cannot be checkpointed (None: it can)."""
-
-    def restore(self, part: MirrorCheckpoint) -> None:
-        """Start from a checkpoint's mirror."""
-
-    def track_changes(self) -> None:
-        """Count the ids a checkpoint saves again, from now on."""
-
-    def take_changed(self) -> set[str]:
-        """Ids changed since the last call."""
-
-    def has_changed(self) -> bool:
-        """Whether any id changed since ``take_changed``."""
-
-    def checkpoint_part(self, changed: set[str] | None) -> MirrorCheckpoint:
-        """Its part of a checkpoint taken now."""
-
-    def size(self) -> int:
-        """Resources in its mirror."""
+__all__ = ["Listener"]
 
 
 def _http_origin(ws_url: str) -> str:
@@ -178,22 +101,7 @@ def _change_kinds(
     return kinds
 
 
-def _runs(items: list[ChangeItem]) -> list[tuple[str, list[ChangeItem]]]:
-    """``items`` cut into runs of one resource each, in feed order."""
-    runs: list[tuple[str, list[ChangeItem]]] = []
-    current = ""
-    run: list[ChangeItem] = []
-    for item in items:
-        resource = item.change_kind.resource
-        if resource != current:
-            run = []
-            runs.append((resource, run))
-            current = resource
-        run.append(item)
-    return runs
-
-
-class Listener:
+class Listener(ConnectionLoop, HandingOut):
     """A change-feed listener for one or several change kinds (RFD 5's listener module).
 
     Use it as an async context manager and iterate it::
@@ -284,38 +192,10 @@ class Listener:
         self._cursor = cursor
         self._handed = cursor  # the cursor of the last event handed out
         self._position = cursor  # ... and of the last one the application is done with
-        self._checkpointer: Checkpointer | None = None
-        self._registered = asyncio.Event()  # the first ack named the routes
-        self._resumed_now = False  # the current connection resumed its cursor
-        self._routes: dict[str, str] = {}
-        self._progress: dict[str, BootstrapProgress] = {}
-        self._not_resumed: dict[str, int] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
-        self._resyncs: deque[Resynced] = deque()
-        self._staged: deque[ChangeItem] = deque()
-        self._staged_total = 0  # items ever staged for ``async for``
-        self._in_hand = 0  # items the dispatch task took and has not handed over yet
-        self._dispatched = 0  # items the dispatch task handed to controllers
-        self._sinks: dict[str, list[Sink]] = {}
+        super().__init__()
         self._attached = 0
         self._running: set[Sink] = set()
         self._dispatcher: asyncio.Task[None] | None = None
-        self._generation = 0
-        self._fatal: BaseException | None = None
-        self._high = False
-        self._bootstrapped_once = False
-        self._live_since: float | None = None
-        self.attempts = 0
-        self.registrations = 0
-        self.resumes = 0
-        self.bootstraps = 0
-        self.overflows = 0
-        self.aborts = 0
-        self.items_received = 0
-        self.frames_received = 0
-        self.last_error: str | None = None
-        self._peak = 0
         if checkpoint is not None:
             self._use_checkpoint(checkpoint)
         if registry is not None:
@@ -363,10 +243,6 @@ class Listener:
     def items_delivered(self) -> int:
         """Change items handed to the application (iteration or controllers)."""
         return self._staged_total - len(self._staged) + self._dispatched
-
-    def _held(self) -> int:
-        """Items received and not handed out: buffered, staged or in the dispatcher's hand."""
-        return len(self._buffer) + len(self._staged) + self._in_hand
 
     def status(self) -> ListenerStatus:
         """A snapshot of the listener's state and counters."""
@@ -548,94 +424,6 @@ class Listener:
         self._cursor = self._handed = item.cursor
         return item
 
-    # -- handing out --------------------------------------------------------------
-
-    async def _next_unit(self) -> Resynced | list[ChangeItem]:
-        """Wait for what goes out next: a ``Resynced``, or every item the buffer holds.
-
-        Raises:
-            StopAsyncIteration: the listener was closed.
-            RegistrationRefused, RetriesExhausted: it stopped for good.
-        """
-        while True:
-            if self._resyncs:
-                return self._resyncs.popleft()
-            if self._fatal is not None:
-                raise self._fatal
-            state = self._lifecycle.state
-            if state is S.STOPPED:
-                raise StopAsyncIteration
-            if state is S.LIVE and len(self._buffer):
-                generation = self._generation
-                taken = await self._buffer.take(self._buffer.capacity)
-                if generation == self._generation and taken:  # not cleared meanwhile
-                    return taken
-                continue
-            self._ready.clear()
-            await self._ready.wait()
-
-    async def _dispatch(self) -> None:
-        """Hand every attached controller its resource's events until the listener stops."""
-        ending: BaseException | None = None
-        try:
-            while True:
-                unit = await self._next_unit()
-                if isinstance(unit, Resynced):
-                    self._cursor = self._handed = unit.cursor
-                    for sink in self._sinks.get(unit.resource, ()):
-                        sink.resynced(unit)
-                    if not self._resyncs:  # every resource of the bootstrap is in
-                        self._position = unit.cursor
-                else:
-                    self._in_hand = len(unit)
-                    try:
-                        await self._hand_over(unit)
-                    finally:
-                        self._in_hand = 0
-        except StopAsyncIteration:
-            pass
-        except Exception as exc:
-            if exc is not self._fatal:  # a bug here: stop loudly rather than hang the controllers
-                log_event(
-                    log, "listener.dispatch_crashed", logging.ERROR, exc=exc, **self._fields()
-                )
-                self._stop_with(exc)
-                if self._task is not None:
-                    self._task.cancel()
-            ending = exc
-        self._stop_sinks(ending)
-
-    async def _hand_over(self, items: list[ChangeItem]) -> None:
-        """Hand ``items`` to their controllers in feed order, each chunk no larger than
-        its controller has room for; the cursor follows each chunk handed over."""
-        generation = self._generation
-        runs = _runs(items) if self._multi else [(self.resources[0], items)]
-        for resource, run in runs:
-            start, end = 0, len(run)
-            while start < end:
-                sinks = self._sinks.get(resource, ())
-                room = min((sink.room() for sink in sinks), default=end)
-                if room <= 0:
-                    full = next(sink for sink in sinks if sink.room() <= 0)
-                    await full.wait_room()
-                    if generation != self._generation:
-                        return  # the connection ended meanwhile: its items were dropped
-                    continue
-                chunk = run if start == 0 and room >= end else run[start : start + room]
-                for sink in sinks:
-                    sink.changed(chunk)
-                start += len(chunk)
-                self._in_hand -= len(chunk)
-                self._dispatched += len(chunk)
-                self._cursor = self._handed = self._position = chunk[-1].cursor
-
-    def _stop_sinks(self, error: BaseException | None) -> None:
-        if self._checkpointer is not None:  # while every mirror still follows the cursor
-            self._checkpointer.final("listener stopped")
-        for sinks in list(self._sinks.values()):
-            for sink in sinks:
-                sink.stopped(error)
-
     # -- controllers ---------------------------------------------------------------
 
     def _attach(self, resource: str, sink: Sink) -> None:
@@ -694,10 +482,6 @@ class Listener:
                 "its controller's name (give name=)",
             )
 
-    def _controllers(self) -> list[Sink]:
-        """The attached controllers, in the order they attached."""
-        return [sink for sinks in self._sinks.values() for sink in sinks]
-
     def _controller_stopping(self, sink: Sink) -> None:
         """An attached controller is about to stop taking events: the last checkpoint is
         taken now, while its mirror still follows the cursor."""
@@ -729,147 +513,7 @@ class Listener:
             if not self._running:
                 await self.close()
 
-    # -- the lifecycle task ----------------------------------------------------
-
-    async def _run(self) -> None:
-        try:
-            if self._checkpointer is not None:
-                cursor = await self._checkpointer.restore(self.config.resume)
-                self._cursor = self._handed = self._position = cursor
-            while True:
-                self._lifecycle.to(S.CONNECTING)
-                try:
-                    await self._connect().run()
-                except SessionError as exc:
-                    ending = exc
-                else:  # pragma: no cover - a session only ends by raising
-                    ending = PublisherClosed("session ended")
-                await self._after_session(ending)
-        except asyncio.CancelledError:
-            raise
-        except ListenerError as exc:
-            self._stop_with(exc)
-        except Exception as exc:  # a bug: stop loudly rather than spin
-            log_event(log, "listener.crashed", logging.ERROR, exc=exc, **self._fields())
-            self._stop_with(exc)
-
-    def _connect(self) -> Session:
-        """The next attempt's session (counted and logged here)."""
-        assert self._http is not None
-        since = self._cursor if self.config.resume else None
-        self.attempts += 1
-        log_event(log, "listener.connecting", **self._fields(), url=self.url, since=since)
-        registration = Registration(
-            self.instance,
-            self.service,
-            self.change_kinds,
-            since=since,
-            batch=self.config.batch,
-            multi=self._multi,
-        )
-        return Session(
-            _Reports(self),
-            url=self.url,
-            api_url=self.api_url,
-            registration=registration.encode(),
-            kinds=self.change_kinds,
-            multi=self._multi,
-            resuming=since is not None,
-            config=self.config,
-            http=self._http,
-            token=self._token,
-            name=self.name,
-            first_bootstrap=not self._bootstrapped_once,
-        )
-
-    def _check_water(self) -> None:
-        held = self._held()
-        self._peak = max(self._peak, held)
-        capacity = self._buffer.capacity
-        if not self._high and held >= capacity * self.config.high_water:
-            self._high = True
-            log_event(log, "listener.buffer.high", logging.WARNING, **self._fields())
-        elif self._high and held < capacity * _LOW_WATER:
-            self._high = False
-            log_event(log, "listener.buffer.normal", **self._fields())
-
-    # -- ending ------------------------------------------------------------------
-
-    def _stop_with(self, exc: BaseException) -> None:
-        self._fatal = exc
-        self.last_error = str(exc)
-        if self._lifecycle.can(S.STOPPED):
-            self._lifecycle.to(S.STOPPED)
-        self._ready.set()
-
-    async def _after_session(self, ending: SessionError) -> None:
-        """Classify how a connection ended, then clear, count, log and back off."""
-        self.aborts += 1
-        self.last_error = f"{type(ending).__name__}: {ending}"
-        self._live_since = None
-        close_code = getattr(ending, "close_code", None)
-        error_code = getattr(ending, "error_code", None)
-        http_status = getattr(ending, "status", None)
-        retry_after = getattr(ending, "retry_after", None)
-        verdict = disposition(close_code, error_code, http_status)
-        dropped = self._held()
-        await self._clear()
-        log_event(
-            log,
-            "listener.aborted",
-            logging.WARNING,
-            **self._fields(),
-            reason=self.last_error,
-            close_code=close_code,
-            error_code=error_code,
-            retry_after=retry_after,
-            cleared=dropped,
-            disposition=verdict.value,
-        )
-        if verdict is Disposition.STOP:
-            code = error_code or (f"http_{http_status}" if http_status else f"close_{close_code}")
-            raise RegistrationRefused(code, str(ending), close_code)
-        if verdict is Disposition.RETRY_FRESH or (
-            isinstance(ending, BufferOverflow) and self.config.resync_on_overflow
-        ):
-            self._cursor = None
-        was_reset = self._backoff.resets
-        delay = self._backoff.failure(self._clock(), retry_floor(retry_after))
-        limit = self.config.max_attempts
-        if limit is not None and self._backoff.failures >= limit:
-            raise RetriesExhausted(self._backoff.failures, self.last_error)
-        self._lifecycle.to(S.BACKING_OFF)
-        log_event(
-            log,
-            "listener.backoff",
-            logging.WARNING,
-            **self._fields(),
-            delay=round(delay, 4),
-            ceiling=round(self._backoff.ceiling, 4),
-            failures=self._backoff.failures,
-            reset=self._backoff.resets > was_reset,
-            resume=self._cursor is not None and self.config.resume,
-        )
-        await asyncio.sleep(delay)
-
-    async def _clear(self) -> None:
-        self._generation += 1
-        self._staged_total -= len(self._staged)
-        self._staged.clear()
-        self._resyncs.clear()
-        self._high = False
-        await self._buffer.clear()
-
     # -- logging --------------------------------------------------------------
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "listener": self.name,
-            "state": self.state.value,
-            "attempt": self.attempts,
-            "buffer": self._held(),
-            "capacity": self._buffer.capacity,
-        }
 
     def _on_transition(self, old: ConnectionState, new: ConnectionState) -> None:
         log_event(
@@ -883,96 +527,6 @@ class Listener:
         )
         if new is S.LIVE:
             log_event(log, "listener.live", **self._fields(), cursor=self._cursor)
-
-
-class _Reports:
-    """The listener's side of ``_session.SessionHost``: what a session reports
-    lands in the listener's state. A separate object, so that these calls are
-    not part of ``Listener``'s public face."""
-
-    __slots__ = ("_listener",)
-
-    def __init__(self, listener: Listener) -> None:
-        self._listener = listener
-
-    def log_fields(self) -> dict[str, Any]:
-        return self._listener._fields()
-
-    def registered(self, ack: Ack, routes: dict[str, str], resuming: bool) -> None:
-        listener = self._listener
-        listener.registrations += 1
-        listener._routes = routes
-        listener._registered.set()
-        listener._lifecycle.to(S.REGISTERED)
-        listener._resumed_now = ack.resumed and resuming
-        if ack.resumed:
-            listener.resumes += 1
-        elif resuming:
-            reason = ack.reason or "unknown"
-            listener._not_resumed[reason] = listener._not_resumed.get(reason, 0) + 1
-            log_event(
-                log,
-                "listener.not_resumed",
-                logging.WARNING,
-                **listener._fields(),
-                reason=reason,
-                explanation=RESUME_REASONS.get(reason, "the publisher gave no reason"),
-                count=listener._not_resumed[reason],
-            )
-
-    def bootstrapping(self) -> None:
-        listener = self._listener
-        listener._lifecycle.to(S.BOOTSTRAPPING)
-        listener._progress = {
-            resource: BootstrapProgress(resource, route)
-            for resource, route in listener._routes.items()
-        }
-
-    def bootstrap_progress(
-        self, resource: str, route: str, progress: PagerProgress, done: bool
-    ) -> None:
-        self._listener._progress[resource] = BootstrapProgress(
-            resource, route, progress.pages, progress.items, progress.elapsed, progress.rate, done
-        )
-
-    def bootstrapped(self, resyncs: list[Resynced]) -> None:
-        listener = self._listener
-        listener.bootstraps += 1
-        listener._bootstrapped_once = True
-        listener._resyncs.extend(resyncs)
-
-    def live(self) -> None:
-        listener = self._listener
-        listener._lifecycle.to(S.LIVE)
-        now = listener._clock()
-        listener._live_since = now
-        listener._backoff.healthy(now)
-        listener._ready.set()
-        if listener._resumed_now:
-            for sink in listener._controllers():
-                sink.resumed()
-
-    def frame_received(self) -> None:
-        self._listener.frames_received += 1
-
-    async def received(self, items: Sequence[ChangeItem]) -> None:
-        listener = self._listener
-        listener.items_received += len(items)
-        buffer = listener._buffer
-        held = listener._held()
-        if held + len(items) > buffer.capacity or not await buffer.put(items):
-            listener.overflows += 1
-            log_event(
-                log,
-                "listener.overflow",
-                logging.WARNING,
-                **listener._fields(),
-                incoming=len(items),
-                overflows=listener.overflows,
-            )
-            raise BufferOverflow(buffer.capacity, held, len(items))
-        listener._check_water()
-        listener._ready.set()
 
 
 class _Checkpointed:

@@ -1,11 +1,12 @@
 """One connection of a listener: connect, register, bootstrap while buffering, read frames.
 
 The websockets / httpx half of ``Listener`` (module ``_listener``). The
-lifecycle task makes one ``Session`` per attempt and runs it; a session only
-ends by raising ``SessionError``, and classifying that, clearing and backing
-off stay with the lifecycle task. A session owns nothing that outlives its
-connection: what it learns goes to its ``SessionHost`` (the listener), which
-keeps the counters, the buffer and the connection state.
+lifecycle task (``_connection``) makes one ``Session`` per attempt and runs
+it; a session only ends by raising ``SessionError``, and classifying that,
+clearing and backing off stay with the lifecycle task. A session owns nothing
+that outlives its connection: what it learns goes to its ``SessionHost`` (the
+listener's ``_reports.SessionReports``), which keeps the counters, the buffer
+and the connection state.
 
 A registration of several change kinds (v2) is answered with one bootstrap
 route per kind; when the publisher does not resume, every route is walked at
