@@ -38,10 +38,16 @@ This module's ``__all__`` is the whole public API; the ``_``-modules are
 internal. Pure code: ``_lifecycle`` (the connection state machine and what a
 failure means), ``_backoff``, ``_buffer``, ``_frames``, ``_workqueue`` and
 ``_mirror``, ``_checkpoint`` (what a checkpoint holds and the rules for
-using one); ``_listener`` (one connection in ``_session``, checkpoints in
-``_checkpointer``), ``_controller`` and ``_sqlite_store`` are the
-websockets / httpx / sqlite3 adapters around them; ``_metrics`` exposes both
-on a Prometheus registry. Every exception is a
+using one). The websockets / httpx / sqlite3 adapters around them:
+``_listener`` (its face; the state its parts share in ``_listener_state``,
+the connection loop in ``_connection``, one connection in ``_session``, what
+it reports in ``_reports``, the hand-out to the application in ``_handout``,
+what attached controllers receive in ``_sink``, checkpoints in
+``_checkpointer``), ``_controller`` (its face; the state its parts share in
+``_controller_state``, events in through ``_controller_sink``, bootstraps and
+resyncs in ``_resync``, the workers in ``_reconcile``, the mirror in
+checkpoints in ``_controller_checkpoint``) and ``_sqlite_store``;
+``_metrics`` exposes both on a Prometheus registry. Every exception is a
 ``ListenerError`` (tree in ``_errors``). See docs/listener.md.
 
 What the package must never do: block or slow the publisher (the socket is
