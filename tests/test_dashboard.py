@@ -23,9 +23,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import orjson
 import pytest
+from helpers import wait_until
 from playwright.async_api import Browser, Page, Route, async_playwright, expect
 from publisher_fixtures import (
     PublisherUnderTest,
@@ -39,6 +41,7 @@ from publisher_fixtures import (
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
+from changefeed.publisher import publish_many
 from changefeed.publisher.rates import RateHistory
 from changefeed.schemas import validate
 
@@ -236,7 +239,7 @@ async def _screenshot(
     readers = [asyncio.create_task(drain(ws)) for ws in listeners]
 
     # One that reads slower than the feed is written: it falls behind and catches up.
-    slow = await connect_not_reading(pub.ws_url)
+    slow = await connect_not_reading(pub.ws_url, ping_interval=None)
     await slow.send(registration(subs=[], instance="3e9b7c10-slow-1", service="docker"))
     listeners.append(slow)
 
@@ -255,6 +258,15 @@ async def _screenshot(
         entries = [("vm", ["alias"], f"shot-{step}-{i}") for i in range(count)]
         await write(pub.dsn, [*entries, ("network", ["subnet"], f"net-{step}")])
         await asyncio.sleep(tick)
+    # A last burst of big items: the slow one falls behind and shows its lag.
+    conn = await asyncpg.connect(pub.dsn)
+    try:
+        burst = [("vm", ["alias"], f"burst-{i}-{'x' * 800}") for i in range(20_000)]
+        await publish_many(conn, burst)  # 16 MB: more than the slow one's buffers hold
+    finally:
+        await conn.close()
+    await wait_until(lambda: pub.publisher.stats()["catchingUp"] > 0, timeout=60)
+    await asyncio.sleep(3)  # the page polls every second: let it show the lag (a picture)
     await page.screenshot(path=SCREENSHOT, full_page=True)
     for reader in readers:
         reader.cancel()
