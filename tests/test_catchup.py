@@ -242,3 +242,53 @@ async def test_a_listener_reading_slowly_behind_its_backlog_is_not_taken_for_dea
         dropped = [r for r in caplog.records if "keepalive" in str(getattr(r, "cf_fields", {}))]
         assert dropped == []
         await slow.close()
+
+
+async def test_stats_show_a_listeners_lag_growing_while_it_does_not_read_and_shrinking_when_it_does(
+    feed_dsn: str,
+) -> None:
+    ids = [f"lag-{i:05d}-{'x' * 500}" for i in range(16_000)]
+    async with running_publisher(feed_dsn, stall_timeout=120.0, queue_size=1000) as pub:
+        idle = await connect_not_reading(pub.ws_url, ping_interval=None)
+        await idle.send(registration(subs=[]))
+        await asyncio.wait_for(idle.recv(), 10)
+        (session,) = pub.publisher.registry
+
+        def lag() -> tuple[int, float]:
+            (row,) = pub.publisher.stats()["registrations"]
+            return row["lagEntries"], row["lagSeconds"] or 0.0
+
+        assert lag() == (0, 0.0)
+        writer = await asyncpg.connect(feed_dsn)
+        try:
+
+            async def publish(chunk: list[str], tailed: int) -> None:
+                await publish_many(writer, [("vm", [], x) for x in chunk])
+                await wait_until(lambda: pub.publisher.tailer.entries_total >= tailed)
+
+            # Enough to fill every buffer between the two: then nothing moves any more
+            # (the stall watch notes the last progress).
+            await publish(ids[:10_000], 10_000)
+            await wait_until(lambda: time.monotonic() - session.delivery.progress_at > 1.5, 30)
+            seen = [lag()]
+            for first in range(10_000, len(ids), 2000):
+                await publish(ids[first : first + 2000], first + 2000)
+                seen.append(lag())
+        finally:
+            await writer.close()
+        entries, seconds = [e for e, _ in seen], [s for _, s in seen]
+        assert entries == sorted(entries) and len(set(entries)) == len(entries), seen
+        assert seconds == sorted(seconds) and seconds[-1] > seconds[0] > 0, seen
+        # It reads: the lag shrinks, and is gone once it has everything.
+        received = 0
+        async with asyncio.timeout(60):
+            while received < len(ids) // 2:
+                await idle.recv()
+                received += 1
+            halfway = lag()
+            while received < len(ids):
+                await idle.recv()
+                received += 1
+        assert halfway[0] < entries[-1], (halfway, seen)
+        await wait_until(lambda: lag() == (0, 0.0), timeout=10)
+        await idle.close()
