@@ -1,6 +1,6 @@
 """Bootstrap walks: page latency by depth, and items/s beside a raw server-side cursor.
 
-    python bench/bootstrap.py [--dsn DSN] [--rows 200000] [--page 100] [--walk-limits 1000,5000]
+    python bench/bootstrap.py [--dsn DSN] [--rows 1000000] [--page 100] [--walk-limits 1000,5000]
 
 Two measurements against the example VM API (``changefeed.example.vmapi``),
 served by uvicorn in a child process (uvloop/httptools when installed, as in

@@ -1,6 +1,6 @@
 """Fan-out throughput: deliveries per second to 100 listeners, end to end, beside raw websockets.
 
-    python bench/fanout.py [--dsn DSN] [--quick] [--listeners 100] [--items 20000]
+    python bench/fanout.py [--dsn DSN] [--quick] [--listeners 100] [--items 10000] [--rounds 3]
 
 Five measurements in one run, with the same client fleet (another process,
 see bench/common.py) and the same number of ~200-byte change items:
