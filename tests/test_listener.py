@@ -365,6 +365,7 @@ async def test_unavailable_resumes_after_retry_after_and_cursor_expired_bootstra
     reason; ``cursor_expired`` (4011) drops the cursor."""
     registrations: list[tuple[dict[str, Any], float]] = []
     closed_at: list[float] = []
+    got: list[Any] = []
 
     def page(connection: ServerConnection, request: Any) -> Any:
         if request.path.startswith("/vms"):
@@ -391,7 +392,8 @@ async def test_unavailable_resumes_after_retry_after_and_cursor_expired_bootstra
         else:
             await ws.wait_closed()
             return
-        await asyncio.sleep(0.1)  # the listener hands the item out first
+        # The listener hands the item out first: its cursor is then the item's.
+        await wait_until(lambda: sum(isinstance(e, ChangeItem) for e in got) >= n, 10)
         await ws.send(error.encode())
         closed_at.append(time.monotonic())
         await ws.close(close, error.code)
@@ -400,7 +402,6 @@ async def test_unavailable_resumes_after_retry_after_and_cursor_expired_bootstra
         url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/changefeeds"
         with capture_events() as events:
             async with make_listener(url) as listener:
-                got: list[Any] = []
 
                 async def consume() -> None:
                     async for event in listener:
