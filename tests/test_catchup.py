@@ -201,8 +201,21 @@ async def test_listeners_resuming_from_the_feed_table_share_its_pages(feed_dsn: 
         since = await cursor_before(pub, missed, subs=[])
         stats = pub.publisher.stats()
         assert stats["window"]["entries"] < 1000  # most of what was missed is only in the table
+        reader = pub.publisher.reader
+        asked = reader.resume_facts
+        questions = 0
+
+        async def counted(conn: Any, position: Any) -> Any:
+            nonlocal questions
+            questions += 1
+            return await asked(conn, position)
+
+        reader.resume_facts = counted  # type: ignore[method-assign]
         await _resume_many(pub, since, 50, len(missed))
         counters = pub.publisher.stats()["counters"]
+        # The registrations asked about the same cursor together: asked once, or a few times.
+        print(f"resume facts asked {questions} times for 50 registrations")
+        assert questions <= 10, questions
     pages = len(missed) // 200
     print(f"\npage reads: {counters['pageReads']} for {pages} pages and 50 listeners")
     assert counters["caughtUpFromFeed"] >= 50 * 3000
