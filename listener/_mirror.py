@@ -3,7 +3,8 @@
 Like client-go's Store: ``replace`` swaps in a fresh bootstrap in one step
 (no reader ever sees half of an old and half of a new list) and reports what
 changed; ``put`` and ``delete`` apply the result of one fetch. Readers get a
-read-only live view (``view``).
+read-only live view (``view``): one object for the mirror's whole life, so a
+view taken before a checkpoint is loaded shows what was loaded.
 
 A mirror loaded from a checkpoint may hold its resources still encoded
 (``restore_encoded``: id -> JSON bytes): each is decoded the first time it is
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 __all__ = ["Change", "Mirror"]
@@ -44,8 +44,7 @@ class Mirror(Mapping[str, V]):
         self._items: dict[str, V] = {}
         self._encoded: dict[str, bytes] = {}  # loaded from a checkpoint, not read yet
         self._load: Callable[[bytes], V] | None = None
-        self._proxy = MappingProxyType(self._items)
-        self._lazy = _LazyView(self)
+        self._view = _View(self)
         self.replaces = 0
         """How many times a bootstrap replaced the whole store."""
         self.writes = 0
@@ -87,8 +86,8 @@ class Mirror(Mapping[str, V]):
         return value
 
     def view(self) -> Mapping[str, V]:
-        """A read-only live view of the store."""
-        return self._proxy if not self._encoded else self._lazy
+        """A read-only live view of the store (the same object every time)."""
+        return self._view
 
     @property
     def encoded(self) -> int:
@@ -169,8 +168,9 @@ class Mirror(Mapping[str, V]):
         return previous
 
 
-class _LazyView(Mapping[str, V]):
-    """The read-only view of a mirror that still holds encoded resources."""
+class _View(Mapping[str, V]):
+    """The read-only view of a mirror. Not a ``MappingProxyType`` of its dict: reads
+    go through the mirror, which decodes what a checkpoint left encoded."""
 
     __slots__ = ("_mirror",)
 

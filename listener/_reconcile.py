@@ -131,7 +131,7 @@ class Reconciling(ControllerState[T]):
         )
         self._fetching.difference_update(stale)
         failed: set[str] = set()
-        current = self._mirror.view().get
+        current = self._mirror.get
         decode = self._decode
         touched = self._touched
         for key in stale:

@@ -339,19 +339,29 @@ def test_a_mirror_restored_encoded_decodes_each_resource_when_first_read() -> No
         return dict(orjson.loads(raw))
 
     encoded = {"a": b'{"n":1}', "b": b'{"n":2}', "c": b'{"n":3}', "d": b'{"n":4}'}
+    view = mirror.view()  # taken before the restore: it shows what is restored
     mirror.restore_encoded(encoded, load)
-    view = mirror.view()
     assert len(mirror) == 4 and "a" in mirror and "z" not in mirror and not loads
+    assert len(view) == 4 and "d" in view and not loads
     assert view["a"] == {"n": 1} and mirror.get("b") == {"n": 2} and mirror.get("z") is None
     assert loads == [b'{"n":1}', b'{"n":2}'] and mirror.encoded == 2
     values, still = mirror.copy_parts()  # a checkpoint passes the encoded ones through
     assert values == {"a": {"n": 1}, "b": {"n": 2}} and set(still) == {"c", "d"}
     assert mirror.put("c", {"n": 30}) == {"n": 3} and mirror.delete("d") == {"n": 4}
     assert dict(view) == {"a": {"n": 1}, "b": {"n": 2}, "c": {"n": 30}} and not mirror.encoded
-    assert mirror.view() is not view and dict(mirror.view()) == dict(view)  # no longer lazy
+    assert mirror.view() is view  # one live view for the mirror's whole life
     mirror.restore_encoded({"x": b"1", "y": b"2"}, lambda raw: {"n": int(raw)})
     changes = mirror.replace({"x": {"n": 1}, "z": {"n": 9}})  # the old ones decoded to compare
     assert [(c.id, c.old, c.new) for c in changes] == [("z", None, {"n": 9}), ("y", {"n": 2}, None)]
+
+
+def test_a_mirror_view_taken_before_a_restore_shows_the_restored_resources() -> None:
+    mirror: Mirror[int] = Mirror()
+    view = mirror.view()
+    mirror.restore({"a": 1, "b": 2})
+    assert dict(view) == {"a": 1, "b": 2}
+    mirror.restore_encoded({"c": b"3"}, int)
+    assert dict(view) == {"c": 3} and view.get("a") is None
 
 
 # -- settings --------------------------------------------------------------------------------
