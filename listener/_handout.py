@@ -14,9 +14,12 @@ capacity (``_in_hand``).
 
 The cursor follows what is handed out, so a reconnect resumes after the
 last event the application got, and nothing that was buffered and then
-cleared is lost. For controllers, the position a checkpoint saves follows
-each chunk (their mirrors take it in the same step), and after a bootstrap
-only once the ``Resynced`` of every resource is in.
+cleared is lost. After a bootstrap it moves only with the last ``Resynced``
+(one per change kind): a reconnect before that bootstraps every change kind
+again rather than resume past the ``Resynced`` events not handed out yet.
+For controllers, the position a checkpoint saves follows each chunk (their
+mirrors take it in the same step), and after a bootstrap only once the
+``Resynced`` of every resource is in.
 
 It must never hand the application an item of a connection before that
 connection's ``Resynced`` events, nor anything a clear dropped meanwhile.
@@ -84,11 +87,11 @@ class HandingOut(ListenerState):
             while True:
                 unit = await self._next_unit()
                 if isinstance(unit, Resynced):
-                    self._cursor = self._handed = unit.cursor
+                    self._handed = unit.cursor
                     for sink in self._sinks.get(unit.resource, ()):
                         sink.resynced(unit)
                     if not self._resyncs:  # every resource of the bootstrap is in
-                        self._position = unit.cursor
+                        self._cursor = self._position = unit.cursor
                 else:
                     self._in_hand = len(unit)
                     try:

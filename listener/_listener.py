@@ -416,7 +416,9 @@ class Listener(ConnectionLoop, HandingOut):
             raise ListenerError(f"controllers are attached to listener {self.name}: not iterable")
         unit = await self._next_unit()
         if isinstance(unit, Resynced):
-            self._cursor = self._handed = unit.cursor
+            self._handed = unit.cursor
+            if not self._resyncs:  # a reconnect before the last one must bootstrap again
+                self._cursor = unit.cursor
             return unit
         self._staged_total += len(unit)
         staged.extend(unit)

@@ -11,7 +11,8 @@ every part goes through:
   dispatch task's hand. All three count against the buffer's capacity
   (``_held``), and the high-water warning is logged from that figure.
 * Three cursors: ``_cursor``, what a reconnect resumes from (that of the last
-  event handed out; None once a failure calls for a fresh bootstrap);
+  event handed out, or of a bootstrap's last ``Resynced`` once that is out;
+  None once a failure calls for a fresh bootstrap);
   ``_handed``, that of the last event handed out; and ``_position``, that of
   the last one the application is done with (what a checkpoint saves).
 * ``_clear`` drops everything held when a connection ends, and starts a new

@@ -44,6 +44,7 @@ from changefeed.listener import (
     Controller,
     Listener,
     ListenerConfig,
+    Resynced,
 )
 from changefeed.publisher.retention import trim_expired
 
@@ -208,6 +209,34 @@ async def test_one_failed_walk_aborts_the_bootstrap_of_every_resource(dsn: str) 
                 assert len(vms.mirror) == 5 and vms.stats().resyncs == 1
         finally:
             await conn.close()
+
+
+async def test_a_reconnect_between_the_resynced_events_bootstraps_every_kind_again(
+    dsn: str,
+) -> None:
+    """``async for`` on a listener of two change kinds: the connection drops after the
+    application took the first ``Resynced`` and before the second. The reconnect must
+    not resume past the second one (that resource would never be bootstrapped): it
+    bootstraps both again."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 3)
+        await create_servers(client, 2)
+        async with Proxy(api.port or 0) as proxy:
+            listener = shared_listener(proxy.ws_url)
+            async with listener:
+                first = await asyncio.wait_for(anext(listener), 20)
+                assert isinstance(first, Resynced) and first.resource == "vm"
+                proxy.cut()
+                await wait_until(lambda: listener.status().aborts >= 1, 10, message="abort")
+                resynced: dict[str, Resynced] = {}
+                async with asyncio.timeout(20):
+                    while "server" not in resynced:
+                        event = await anext(listener)
+                        if isinstance(event, Resynced):
+                            resynced[event.resource] = event
+                status = listener.status()
+    assert set(resynced) == {"vm", "server"} and len(resynced["server"].items) == 2
+    assert status.bootstraps == 2 and status.resumes == 0
 
 
 # -- I4 for a shared listener ---------------------------------------------------------
