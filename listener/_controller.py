@@ -81,7 +81,7 @@ class ControllerStats:
         resyncs: bootstraps applied to the mirror.
         periodic_resyncs: passes of ``resync_period`` over the mirror.
         mirror_items: resources in the mirror.
-        synced: the first bootstrap has been applied and its work finished.
+        synced: the first bootstrap has been applied and each id it queued processed once.
     """
 
     depth: int
@@ -253,11 +253,20 @@ class Controller(Intake[T], Reconciling[T]):
         self._sink: ControllerSink | None = None
         if isinstance(listener, Listener):
             assert resource is not None
-            self._sink = ControllerSink(self)
-            listener._attach(resource, self._sink)
-            if checkpoint is not None:
-                listener._use_checkpoint(checkpoint)
-        if registry is not None:
+            sink = ControllerSink(self)
+            listener._attach(resource, sink)
+            try:
+                if checkpoint is not None:
+                    listener._use_checkpoint(checkpoint)
+                if registry is not None:
+                    register_controller(registry, self)
+            except BaseException:
+                # A controller that does not exist must not keep the listener
+                # waiting for it to run.
+                listener._detach(sink)
+                raise
+            self._sink = sink
+        elif registry is not None:
             register_controller(registry, self)
 
     # -- public face -----------------------------------------------------------
@@ -269,7 +278,8 @@ class Controller(Intake[T], Reconciling[T]):
 
     @property
     def synced(self) -> bool:
-        """The first bootstrap has been applied and its work finished."""
+        """The first bootstrap has been applied and each id it queued processed once
+        (see ``wait_synced``)."""
         return self._synced.is_set()
 
     def stats(self) -> ControllerStats:
@@ -318,9 +328,12 @@ class Controller(Intake[T], Reconciling[T]):
         ]
 
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Wait until the first bootstrap is in the mirror and its callbacks have run, or,
-        for a mirror loaded from a checkpoint, until the listener resumed its cursor
-        and the ids loaded as pending have been fetched and called back.
+        """Wait until the first bootstrap is in the mirror and the callbacks it called
+        for have run, or, for a mirror loaded from a checkpoint, until the listener
+        resumed its cursor and the ids loaded as pending have been fetched and
+        called back. Changes that arrive meanwhile do not hold it back: each id
+        queued at that moment need only be processed once (a callback that keeps
+        failing does, until it succeeds).
 
         Raises:
             TimeoutError: not synced within ``timeout`` seconds.
@@ -380,8 +393,6 @@ class Controller(Intake[T], Reconciling[T]):
             self._ended.set()
             self._room.set()  # a dispatch task waiting for this controller's room goes on
             self.queue.shut_down()
-            if self._sync_task is not None:
-                helpers.append(self._sync_task)
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)

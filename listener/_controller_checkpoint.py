@@ -95,7 +95,8 @@ class Checkpointing(ControllerState[T]):
                     deleted.append(key)
                 else:
                     view[key] = value
-        pending = self._stale | self._fetching | seen.keys() | self._attempted.keys()
+        # A forced id is due a callback even when its state did not change.
+        pending = self._stale | self._fetching | seen.keys() | self._attempted.keys() | self._forced
         return MirrorCheckpoint(resource, JsonItems(view, encoded, self._encode), deleted, pending)
 
     def _take_touched(self) -> set[str]:

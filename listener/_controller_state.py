@@ -105,9 +105,12 @@ class ControllerState(Generic[T]):
         self._route: str | None = None
         self._synced = asyncio.Event()
         self._resynced_once = False
+        # The ids the first bootstrap (or resume) left to process; synced once each
+        # of them has been processed once (None: not in sync yet, nothing tracked).
+        self._unsynced: set[str] | None = None
+        self._unsynced_busy: set[str] = set()  # ... of which a worker held a stale fetch
         self._room = asyncio.Event()
         self._ended = asyncio.Event()
-        self._sync_task: asyncio.Task[None] | None = None
         self.items = 0
         self.fetches = 0
         self.fetch_requests = 0
@@ -117,6 +120,36 @@ class ControllerState(Generic[T]):
         self.reconcile_errors = 0
         self.resyncs = 0
         self.periodic_resyncs = 0
+
+    def _start_sync(self, busy: frozenset[str] = frozenset()) -> None:
+        """The first bootstrap (or resume) is in: synced once every id queued now has
+        been processed once. A snapshot, so that a steady stream of new changes does
+        not keep the controller from ever being synced. ``busy``: ids a worker holds
+        with a fetch that started before, queued again; their next completion is
+        that stale one and does not count."""
+        if self._resynced_once:
+            return
+        self._resynced_once = True
+        self._unsynced = self.queue.outstanding()
+        self._unsynced_busy = set(busy)
+        if not self._unsynced:
+            self._set_synced()
+
+    def _settled(self, key: str) -> None:
+        """``key`` was processed through (fetched if stale, called back if due)."""
+        unsynced = self._unsynced
+        if unsynced and key in unsynced:
+            if key in self._unsynced_busy:
+                self._unsynced_busy.discard(key)
+                return
+            unsynced.discard(key)
+            if not unsynced:
+                self._set_synced()
+
+    def _set_synced(self) -> None:
+        self._unsynced = None
+        self._synced.set()
+        log_event(log, "controller.synced", controller=self.name, items=len(self._mirror))
 
     def _decoded(self, key: str, obj: Any) -> T | Undecodable:
         """``obj`` as the application's type, or ``UNDECODABLE`` when ``decode`` refuses it."""

@@ -448,6 +448,17 @@ class Listener(ConnectionLoop, HandingOut):
         self._sinks[resource] = [*self._sinks.get(resource, ()), sink]
         self._attached += 1
 
+    def _detach(self, sink: Sink) -> None:
+        """Undo ``_attach`` (the controller's constructor failed after it)."""
+        for resource, sinks in list(self._sinks.items()):
+            if sink in sinks:
+                rest = [s for s in sinks if s is not sink]
+                if rest:
+                    self._sinks[resource] = rest
+                else:
+                    del self._sinks[resource]
+                self._attached -= 1
+
     def _use_checkpoint(self, store: CheckpointStore) -> None:
         """Keep checkpoints in ``store`` (``Listener(checkpoint=)``, ``Controller(checkpoint=)``).
 

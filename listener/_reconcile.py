@@ -86,8 +86,9 @@ class Reconciling(ControllerState[T]):
                 # nothing for the application
                 if retrying:
                     self._retry.forget(key)
-                continue
-            await self._notify(key)
+            elif not await self._notify(key):
+                continue  # retried later
+            self._settled(key)
 
     async def _refresh(self, stale: list[str]) -> set[str]:
         """Fetch ``stale`` ids into the mirror; return the ids whose fetch failed."""
@@ -161,7 +162,9 @@ class Reconciling(ControllerState[T]):
         self._forced.discard(key)
         self._retry.forget(key)
 
-    async def _notify(self, key: str) -> None:
+    async def _notify(self, key: str) -> bool:
+        """Call the application back for ``key`` if it is due; False: the callback
+        raised and is retried later."""
         new = self._mirror.get(key)
         forced = key in self._forced
         resync = forced or key in self._resyncing
@@ -177,7 +180,7 @@ class Reconciling(ControllerState[T]):
                     self._attempted.pop(key, None)
                     if not resync or (new is None and not absent_too):
                         self._done_with(key)
-                        return
+                        return True
                 else:
                     # A failed callback for this id may have applied part of its
                     # change, and the mirror is back where it was: undo from there.
@@ -185,7 +188,7 @@ class Reconciling(ControllerState[T]):
         elif new is None:  # a resync of an id deleted meanwhile: its delete went out
             if not absent_too:
                 self._done_with(key)
-                return
+                return True
             seen = old = None
         else:
             seen = old = new  # a periodic resync (or a forced id): old == new
@@ -207,7 +210,7 @@ class Reconciling(ControllerState[T]):
                 failures=self._retry.failures(key),
                 retry_in=round(delay, 4),
             )
-            return
+            return False
         self.reconciles += 1
         self._resyncing.discard(key)
         self._forced.discard(key)
@@ -221,6 +224,7 @@ class Reconciling(ControllerState[T]):
             self._seen[key] = new
         if self._touched is not None and seen != new:
             self._touched.add(key)  # what the application saw changed
+        return True
 
     async def _dispatch(self, key: str, old: T | None, new: T | None) -> None:
         if self._reconcile is not None:

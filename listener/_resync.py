@@ -8,13 +8,16 @@
   is fetched again with back-off.
 * A resume is, to a mirror loaded from a checkpoint, what a first bootstrap is
   to an empty one: the change items replayed for ``checkpoint_replay`` seconds
-  after it are called back even when unchanged (``_forced``).
+  after it are called back even when unchanged (``_forced``). When the
+  publisher cannot resume, the bootstrap calls back the difference from the
+  loaded mirror, like any other.
 * With ``resync_period``, every resource of the mirror goes through the work
   queue again once a period, and the application is called with ``old ==
   new`` (client-go's resync): a change the application dropped is handed to
   it again, without listing anything again.
-* The controller is synced once its first bootstrap (or resume) is in and the
-  work it queued is done.
+* The controller is synced once its first bootstrap (or resume) is in and
+  every id queued then has been processed once (``_start_sync``): ids that
+  change again meanwhile do not hold it back, so it syncs under steady load.
 
 This part only queues ids; the workers (``_reconcile``) fetch them and call
 the application back. It must never call the application itself, nor let a
@@ -66,9 +69,10 @@ class Resyncing(ControllerState[T]):
             self.queue.add(change.id)
         if self._touched is not None:
             self._touched.update(change.id for change in changes)
-        for busy in self.queue.processing:
-            self._stale.add(busy)
-            self.queue.add(busy)
+        busy = self.queue.processing
+        for key in busy:
+            self._stale.add(key)
+            self.queue.add(key)
         for key in refetch:
             self._stale.add(key)
             self.queue.add_rate_limited(key, self._retry.failure(key))
@@ -83,24 +87,16 @@ class Resyncing(ControllerState[T]):
             initial=event.initial,
             pending=self.queue.pending,
         )
-        if not self._resynced_once:
-            self._resynced_once = True
-            self._sync_task = asyncio.create_task(self._mark_synced())
+        self._start_sync(busy)
 
     def _resumed(self) -> None:
         """The listener resumed: for a mirror loaded from a checkpoint, this is what
         a first bootstrap is to an empty one; the change items replayed now are
         called back even when unchanged (see ``_forced``)."""
         if not self._resynced_once:
-            self._resynced_once = True
-            self._sync_task = asyncio.create_task(self._mark_synced())
+            self._start_sync()
             if self._restored and isinstance(self.listener, Listener):
                 self._replay_until = time.monotonic() + self.listener.config.checkpoint_replay
-
-    async def _mark_synced(self) -> None:
-        await self.queue.wait_idle()
-        self._synced.set()
-        log_event(log, "controller.synced", controller=self.name, items=len(self._mirror))
 
     async def _resync_every(self, period: float) -> None:
         await self._synced.wait()

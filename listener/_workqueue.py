@@ -86,6 +86,10 @@ class WorkQueue(Generic[K]):
         """Ids that still need processing: queued, requeued after processing, or delayed."""
         return len(self._dirty) + len(self._due)
 
+    def outstanding(self) -> set[K]:
+        """Every id that still needs processing or is being processed (a snapshot)."""
+        return self._dirty | self._due.keys() | self._processing
+
     def is_processing(self, key: K) -> bool:
         return key in self._processing
 

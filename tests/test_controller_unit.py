@@ -25,6 +25,7 @@ from changefeed.listener import (
     Listener,
     ListenerConfig,
     ListenerConfigError,
+    MirrorCheckpoint,
     RegistrationRefused,
     Resynced,
     SqliteCheckpointStore,
@@ -470,3 +471,76 @@ async def test_a_shared_listener_starts_once_every_attached_controller_runs() ->
         assert listener.state is ConnectionState.STOPPED  # the last one out closed it
     (waiting,) = events.named("listener.waiting_for_controllers")
     assert (waiting["running"], waiting["attached"]) == (1, 2)
+
+
+async def test_a_controller_whose_constructor_fails_does_not_keep_the_listener_waiting(
+    tmp_path: Path,
+) -> None:
+    """The failed controller never runs: the listener must start once the others do."""
+    listener = Listener(
+        "ws://127.0.0.1:9/changefeeds", instance="i", service="s",
+        change_kinds=[ChangeKind("vm"), ChangeKind("server")],
+        config=ListenerConfig(backoff=FAST_RETRY),
+        checkpoint=SqliteCheckpointStore(tmp_path / "a.sqlite"),
+    )  # fmt: skip
+    with pytest.raises(ListenerConfigError, match="another store"):
+        Controller(
+            listener, resource="vm", name="failed",
+            checkpoint=SqliteCheckpointStore(tmp_path / "b.sqlite"),
+        )  # fmt: skip
+    vms = Controller(listener, resource="vm")
+    servers = Controller(listener, resource="server")
+    async with vms, servers:
+        await wait_until(lambda: listener.status().attempts >= 1, 5, message="started")
+
+
+def restored(controller: Controller[Any], items: dict[str, Any], pending: Sequence[str]) -> None:
+    """Load ``items`` into the controller as a checkpoint would (its sink's ``restore``)."""
+    controller._restore(MirrorCheckpoint("vm", items, (), pending))
+
+
+async def test_a_forced_id_waiting_out_a_failed_callback_stays_pending_in_a_checkpoint() -> None:
+    """Restored as pending, fetched unchanged, its callback failed: a checkpoint taken
+    while it waits for the retry must still list it, or a restart never calls back."""
+    source, api, rec = Source(), Api({"x": vm("x")}), Recorder()
+    slow = BackoffPolicy(initial=60, maximum=60, jitter=0.0)
+    controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile, retry=slow)
+    restored(controller, {"x": vm("x")}, ["x"])
+    rec.fail_next = 1
+    async with controller:
+        await wait_until(lambda: controller.stats().reconcile_errors == 1, 5, message="failed")
+        assert "x" in controller._checkpoint_part(None).pending
+
+
+async def test_wait_synced_returns_while_new_changes_keep_the_queue_busy() -> None:
+    """Synced means: every id the first bootstrap queued was processed once. Changes
+    arriving faster than the callbacks keep the queue from ever going idle."""
+    source = Source()
+    api = Api({f"v{n}": vm(f"v{n}") for n in range(20)})
+    done: list[str] = []
+
+    async def reconcile(key: str, old: Any, new: Any) -> None:
+        await asyncio.sleep(0.005)
+        done.append(key)
+
+    controller = Controller(source, fetch=api.fetch, reconcile=reconcile, concurrency=1)
+    stop = asyncio.Event()
+
+    async def keep_changing() -> None:
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            api.data[f"new{n}"] = vm(f"new{n}")
+            source.send(change(f"new{n}"))
+            await asyncio.sleep(0.001)
+
+    async with controller:
+        source.send(resync([vm(f"v{n}") for n in range(20)]))
+        changing = asyncio.create_task(keep_changing())
+        try:
+            await controller.wait_synced(10)
+            assert controller.queue.pending > 0  # never idle, and synced all the same
+            assert {f"v{n}" for n in range(20)} <= set(done)
+        finally:
+            stop.set()
+            await changing
