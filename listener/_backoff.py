@@ -2,9 +2,11 @@
 
 The schedule is client-go's reflector back-off (800 ms doubling to 30 s, full
 jitter, reset after two healthy minutes); every number is a setting so tests
-can use small ones. The exponential ceiling comes from tenacity's
-``wait_exponential``; the jitter is drawn from an injectable ``random.Random``
-so that a seeded test is reproducible.
+can use small ones. The jitter is drawn from an injectable ``random.Random``
+so that a seeded test is reproducible. (The tailer's and the pager's retry
+loops are tenacity's; this schedule is not a retry loop: the connection loop
+sleeps it between registrations, and the controller's work queue holds an id
+back for it, so it is only the arithmetic.)
 
 ``Backoff`` is the schedule of one listener's re-registrations;
 ``ItemBackoff`` is the per-id schedule of the controller's failed fetches and
@@ -21,13 +23,9 @@ import random
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from tenacity import RetryCallState, Retrying, wait_exponential
-
 from ._errors import ListenerConfigError
 
 __all__ = ["DEFAULT_ITEM_BACKOFF", "Backoff", "BackoffPolicy", "ItemBackoff"]
-
-_RETRYING = Retrying()  # only to build the RetryCallState tenacity's wait strategies read
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +72,11 @@ class BackoffPolicy:
 
     def ceiling(self, failures: int) -> float:
         """The largest delay after ``failures`` consecutive failures (1 or more)."""
-        state = RetryCallState(_RETRYING, None, (), {})
-        state.attempt_number = max(1, failures)
-        wait = wait_exponential(multiplier=self.initial, max=self.maximum, exp_base=self.factor)
-        return float(wait(state))
+        exponent = max(1, failures) - 1
+        try:
+            return min(self.maximum, self.initial * self.factor**exponent)
+        except OverflowError:  # thousands of failures in a row: long past the cap
+            return self.maximum
 
     def delay(self, failures: int, rng: random.Random) -> tuple[float, float]:
         """A jittered delay after ``failures`` consecutive failures: ``(delay, ceiling)``."""
