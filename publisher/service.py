@@ -268,11 +268,6 @@ class Publisher:
         """Who may read what (bearer tokens, the authorizer)."""
         return self.sessions.auth
 
-    @property
-    def auth_required(self) -> bool:
-        """Whether requests need a bearer token (static tokens or an authorizer)."""
-        return self.auth.required
-
     async def authenticate(self, headers: Mapping[str, str]) -> frozenset[str] | None:
         """The resources a request's bearer token may read (``{"*"}``: all); None
         when it is missing or unknown.
