@@ -63,6 +63,11 @@ class ListenerConfig:
             stopped may have told the application of a state in between (a
             change and its undoing) after its last checkpoint. Keep it above
             the time the replay of the changes since a checkpoint takes.
+        checkpoint_load_timeout: seconds the checkpoint store's ``load`` may take
+            before the listener gives up on it (a ``CheckpointError`` naming the
+            store, logged) and bootstraps: a store that hangs must not keep the
+            listener from starting. Keep it above what loading the largest
+            checkpoint takes (about half a second per million resources from SQLite).
 
     Raises:
         ListenerConfigError: a value is out of range or the buffer kind is unknown.
@@ -87,6 +92,7 @@ class ListenerConfig:
     high_water: float = 0.8
     checkpoint_interval: float = 10.0
     checkpoint_replay: float = 60.0
+    checkpoint_load_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.buffer_kind not in BUFFER_KINDS:
@@ -110,6 +116,7 @@ class ListenerConfig:
             "http_timeout",
             "checkpoint_interval",
             "checkpoint_replay",
+            "checkpoint_load_timeout",
         ):
             if not getattr(self, key) > 0:
                 raise ListenerConfigError(key, f"must be > 0, got {getattr(self, key)!r}")

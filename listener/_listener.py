@@ -480,7 +480,11 @@ class Listener(ConnectionLoop, HandingOut):
             for sink in sinks:
                 self._check_checkpointable(sink)
         self._checkpointer = Checkpointer(
-            store, _Checkpointed(self), interval=self.config.checkpoint_interval, name=self.name
+            store,
+            _Checkpointed(self),
+            interval=self.config.checkpoint_interval,
+            load_timeout=self.config.checkpoint_load_timeout,
+            name=self.name,
         )
 
     def _check_checkpointable(self, sink: Sink) -> None:
