@@ -56,12 +56,13 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from changefeed.logs import log_event
-from changefeed.schemas import ChangeKind
+from changefeed.schemas import ChangeKind, Registration
 
 from ._backoff import Backoff
 from ._buffer import Buffer, make_buffer
 from ._checkpoint import CheckpointStore
 from ._checkpointer import Checkpointer
+from ._checks import check_change_kinds, check_registration
 from ._config import ListenerConfig
 from ._connection import ConnectionLoop
 from ._errors import ListenerConfigError, ListenerError
@@ -76,11 +77,29 @@ __all__ = ["Listener"]
 
 
 def _http_origin(ws_url: str) -> str:
-    parts = urlsplit(ws_url)
-    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme)
-    if scheme is None or not parts.netloc:
+    """The http(s) origin of a ws(s) URL.
+
+    Raises:
+        ListenerConfigError: ``url`` is not a ws:// or wss:// URL with a host.
+    """
+    parts = urlsplit(ws_url) if isinstance(ws_url, str) else None
+    scheme = None if parts is None else {"ws": "http", "wss": "https"}.get(parts.scheme)
+    if parts is None or scheme is None or not parts.hostname:
         raise ListenerConfigError("url", f"expected a ws:// or wss:// URL, got {ws_url!r}")
     return urlunsplit((scheme, parts.netloc, "/", "", ""))
+
+
+def _check_api_url(api_url: str) -> None:
+    """Bootstrap routes are resolved against ``api_url``: it must be an http(s) URL.
+
+    Raises:
+        ListenerConfigError: it is not.
+    """
+    parts = urlsplit(api_url) if isinstance(api_url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ListenerConfigError(
+            "api_url", f"expected an http:// or https:// URL, got {api_url!r}"
+        )
 
 
 def _change_kinds(
@@ -88,7 +107,10 @@ def _change_kinds(
 ) -> tuple[ChangeKind, ...]:
     if change_kind is not None and change_kinds:
         raise ListenerConfigError("change_kinds", "give change_kind or change_kinds, not both")
-    kinds = (change_kind,) if change_kind is not None else tuple(change_kinds)
+    if change_kind is not None:
+        kinds = check_change_kinds((change_kind,), "change_kind")
+    else:
+        kinds = check_change_kinds(tuple(change_kinds), "change_kinds")
     if not kinds:
         raise ListenerConfigError("change_kinds", "name at least one change kind")
     resources = [kind.resource for kind in kinds]
@@ -149,9 +171,13 @@ class Listener(ConnectionLoop, HandingOut):
         rng: random source of the back-off jitter (seed it in tests).
 
     Raises:
-        ListenerConfigError: the URL is not ws:// or wss://, no change kind or a
-            resource twice, a setting is out of range, or both ``cursor`` and
-            ``checkpoint`` (the checkpoint holds the cursor).
+        ListenerConfigError: the URL is not ws:// or wss:// (``api_url`` not
+            http:// or https://), no change kind or a resource twice, a setting
+            is out of range, a registration the publisher would refuse (an empty
+            ``instance`` or ``service``, a resource or sub-resource name the
+            registration schema does not allow, too many of them, a ``cursor``
+            too long), or both ``cursor`` and ``checkpoint`` (the checkpoint
+            holds the cursor).
     """
 
     def __init__(
@@ -173,14 +199,33 @@ class Listener(ConnectionLoop, HandingOut):
         name: str | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        if config is not None and not isinstance(config, ListenerConfig):
+            raise ListenerConfigError("config", f"must be a ListenerConfig, got {config!r}")
         self.config = config or ListenerConfig()
         self.url = url
-        self.api_url = api_url or _http_origin(url)
+        origin = _http_origin(url)
+        if api_url is not None:
+            _check_api_url(api_url)
+        self.api_url = api_url or origin
         self.instance = instance
         self.service = service
         self.change_kinds = _change_kinds(change_kind, change_kinds)
         self.resources = tuple(kind.resource for kind in self.change_kinds)
         self._multi = len(self.change_kinds) > 1
+        # What every attempt will send, checked now rather than refused by the publisher.
+        check_registration(
+            Registration(
+                instance,
+                service,
+                self.change_kinds,
+                since=cursor,
+                batch=self.config.batch,
+                multi=self._multi,
+            ),
+            "change_kind" if change_kind is not None else "change_kinds",
+        )
+        if buffer is not None and not isinstance(buffer, Buffer):
+            raise ListenerConfigError("buffer", f"must be a Buffer, got {buffer!r}")
         self.name = name or f"{service}:{'+'.join(self.resources)}"
         self._token = token
         self._http = http
