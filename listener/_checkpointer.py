@@ -44,10 +44,9 @@ from ._checkpoint import (
     plan_restore,
 )
 from ._errors import CheckpointError
+from ._log import log
 
 __all__ = ["CLOSE_WAIT", "CheckpointHost", "Checkpointer", "MirrorSource"]
-
-log = logging.getLogger("changefeed.listener")
 
 CLOSE_WAIT = 120.0
 """Seconds a stopping listener waits for its last checkpoint to be saved."""

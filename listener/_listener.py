@@ -71,6 +71,7 @@ from ._handout import HandingOut
 from ._lifecycle import ConnectionState, Lifecycle
 from ._listener_state import S, log
 from ._metrics import Sample, register_listener
+from ._session import bearer_headers
 from ._sink import Sink
 
 __all__ = ["Listener"]
@@ -375,9 +376,10 @@ class Listener(ConnectionLoop, HandingOut):
         if self._task is not None:
             return
         if self._http is None:
-            headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
             self._http = httpx.AsyncClient(
-                base_url=self.api_url, headers=headers, timeout=self.config.http_timeout
+                base_url=self.api_url,
+                headers=bearer_headers(self._token),
+                timeout=self.config.http_timeout,
             )
         self._task = asyncio.create_task(self._run(), name=f"changefeed-listener-{self.name}")
         if self._checkpointer is not None:
