@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import sys
@@ -54,6 +55,28 @@ def _dsn(args: argparse.Namespace) -> str:
     if not dsn:
         raise CommandError("a database is needed: pass --dsn DSN or set CHANGEFEED_DSN", 2)
     return dsn
+
+
+def _positive_int(text: str) -> int:
+    """An option's whole number of at least 1 (argparse refuses anything else, status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """An option's finite number of seconds above 0 (argparse refuses anything else)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -166,8 +189,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     listen.add_argument("--id-field", default="uuid", help="id field of bootstrap items")
     listen.add_argument("--token", help="bearer token")
-    listen.add_argument("--count", type=int, default=None, help="exit after this many items")
-    listen.add_argument("--duration", type=float, default=None, help="exit after this long")
+    listen.add_argument(
+        "--count", type=_positive_int, default=None, help="exit after this many items"
+    )
+    listen.add_argument(
+        "--duration", type=_positive_seconds, default=None, help="exit after this many seconds"
+    )
     listen.add_argument(
         "--status",
         action=argparse.BooleanOptionalAction,
@@ -176,10 +203,16 @@ def _parser() -> argparse.ArgumentParser:
         "(default: when stderr is a terminal)",
     )
     listen.add_argument(
-        "--status-interval", type=float, default=0.5, help="seconds between status lines"
+        "--status-interval",
+        type=_positive_seconds,
+        default=0.5,
+        help="seconds between status lines",
     )
     listen.add_argument(
-        "--page-limit", type=int, default=None, help="items per bootstrap page asked for"
+        "--page-limit",
+        type=_positive_int,
+        default=None,
+        help="items per bootstrap page asked for (default: the listener's)",
     )
 
     stats = command("stats", "Print a publisher's /changefeeds/stats readably.")

@@ -125,7 +125,7 @@ async def run_listen(args: argparse.Namespace) -> int:
     checkpoint = args.checkpoint
     if checkpoint and args.since:
         raise UsageError("give --since or --checkpoint, not both: the checkpoint keeps the cursor")
-    config = ListenerConfig(page_limit=args.page_limit) if args.page_limit else None
+    config = None if args.page_limit is None else ListenerConfig(page_limit=args.page_limit)
     listener = Listener(
         websocket_url(args.url),
         instance=str(uuid.uuid4()),

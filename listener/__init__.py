@@ -36,9 +36,10 @@ Or read the raw events (``Resynced`` after each bootstrap, then ``ChangeItem``):
 
 This module's ``__all__`` is the whole public API; the ``_``-modules are
 internal. Pure code: ``_lifecycle`` (the connection state machine and what a
-failure means), ``_backoff``, ``_buffer``, ``_frames``, ``_workqueue`` and
-``_mirror``, ``_checkpoint`` (what a checkpoint holds and the rules for
-using one). The websockets / httpx / sqlite3 adapters around them:
+failure means), ``_backoff``, ``_buffer``, ``_frames``, ``_checks`` (what a
+setting may be), ``_workqueue`` and ``_mirror``, ``_checkpoint`` (what a
+checkpoint holds and the rules for using one). The websockets / httpx /
+sqlite3 adapters around them:
 ``_listener`` (its face; the state its parts share in ``_listener_state``,
 the connection loop in ``_connection``, one connection in ``_session``, what
 it reports in ``_reports``, the hand-out to the application in ``_handout``,

@@ -23,6 +23,7 @@ import random
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from ._checks import check_seconds, is_number
 from ._errors import ListenerConfigError
 
 __all__ = ["DEFAULT_ITEM_BACKOFF", "Backoff", "BackoffPolicy", "ItemBackoff"]
@@ -55,19 +56,19 @@ class BackoffPolicy:
     reset_after: float = 120.0
 
     def __post_init__(self) -> None:
-        if not self.initial > 0:
-            raise ListenerConfigError("backoff.initial", f"must be > 0, got {self.initial!r}")
+        check_seconds("backoff.initial", self.initial)
+        check_seconds("backoff.maximum", self.maximum)
         if not self.maximum >= self.initial:
             raise ListenerConfigError(
                 "backoff.maximum", f"must be >= initial ({self.initial}), got {self.maximum!r}"
             )
-        if not self.factor >= 1:
+        if not (is_number(self.factor) and self.factor >= 1):
             raise ListenerConfigError("backoff.factor", f"must be >= 1, got {self.factor!r}")
-        if not 0 <= self.jitter <= 1:
+        if not (is_number(self.jitter) and 0 <= self.jitter <= 1):
             raise ListenerConfigError("backoff.jitter", f"must be in [0, 1], got {self.jitter!r}")
-        if not self.reset_after >= 0:
+        if not (is_number(self.reset_after) and self.reset_after >= 0):
             raise ListenerConfigError(
-                "backoff.reset_after", f"must be >= 0, got {self.reset_after!r}"
+                "backoff.reset_after", f"must be a finite number >= 0, got {self.reset_after!r}"
             )
 
     def ceiling(self, failures: int) -> float:

@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 
 from changefeed.schemas import ChangeItem
 
+from ._checks import check_count
 from ._errors import ListenerConfigError
 
 __all__ = [
@@ -69,12 +70,11 @@ class MemoryBuffer:
         capacity: the most items it holds (at least 1).
 
     Raises:
-        ListenerConfigError: capacity below 1.
+        ListenerConfigError: a capacity that is not a whole number of at least 1.
     """
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ListenerConfigError("buffer_size", f"must be at least 1, got {capacity!r}")
+        check_count("buffer_size", capacity)
         self._capacity = capacity
         self._items: deque[ChangeItem] = deque()
         self.peak = 0

@@ -44,10 +44,9 @@ from ._checkpoint import (
     plan_restore,
 )
 from ._errors import CheckpointError
+from ._log import log
 
 __all__ = ["CLOSE_WAIT", "CheckpointHost", "Checkpointer", "MirrorSource"]
-
-log = logging.getLogger("changefeed.listener")
 
 CLOSE_WAIT = 120.0
 """Seconds a stopping listener waits for its last checkpoint to be saved."""
@@ -102,15 +101,23 @@ class Checkpointer:
         store: where they are kept.
         host: the listener: its cursor, change kinds and controllers.
         interval: seconds between periodic saves.
+        load_timeout: seconds the store's ``load`` may take.
         name: the listener's name, for log events.
     """
 
     def __init__(
-        self, store: CheckpointStore, host: CheckpointHost, *, interval: float, name: str
+        self,
+        store: CheckpointStore,
+        host: CheckpointHost,
+        *,
+        interval: float,
+        load_timeout: float,
+        name: str,
     ) -> None:
         self.store = store
         self._host = host
         self._interval = interval
+        self._load_timeout = load_timeout
         self._name = name
         self._restored = asyncio.Event()
         self._frozen = False
@@ -138,8 +145,9 @@ class Checkpointer:
 
     async def restore(self, resume: bool) -> str | None:
         """Load the checkpoint and hand the controllers their mirrors; return the cursor
-        to register with (None: bootstrap). A checkpoint that cannot be read is
-        logged and the listener bootstraps: it is a saving, never a requirement.
+        to register with (None: bootstrap). A checkpoint that cannot be read, or
+        not within ``load_timeout``, is logged and the listener bootstraps: it is
+        a saving, never a requirement.
 
         Args:
             resume: the listener resumes at all (``ListenerConfig.resume``).
@@ -148,7 +156,7 @@ class Checkpointer:
         sources = self._host.checkpoint_sources()
         log_event(log, "listener.checkpoint.loading", listener=self._name)
         try:
-            checkpoint = await self.store.load()
+            checkpoint = await self._load()
         except Exception as exc:
             checkpoint = None
             self._update(last_error=f"load: {type(exc).__name__}: {exc}")
@@ -195,6 +203,25 @@ class Checkpointer:
             )
         self._restored.set()
         return plan.cursor
+
+    async def _load(self) -> Checkpoint | None:
+        """The store's checkpoint, within ``load_timeout``.
+
+        Raises:
+            CheckpointError: the store did not answer in time.
+            Exception: what the store's ``load`` raised.
+        """
+        deadline = asyncio.timeout(self._load_timeout)
+        try:
+            async with deadline:
+                return await self.store.load()
+        except TimeoutError:
+            if not deadline.expired():  # the store's own timeout: its error, as it said it
+                raise
+            raise CheckpointError(
+                f"{self.store!r}: load did not finish within {self._load_timeout:g}s"
+                " (ListenerConfig.checkpoint_load_timeout)"
+            ) from None
 
     # -- saving ----------------------------------------------------------------
 

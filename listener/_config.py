@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ._backoff import BackoffPolicy
 from ._buffer import BUFFER_KINDS
+from ._checks import check_count, check_flag, check_seconds, is_number
 from ._errors import ListenerConfigError
 
 __all__ = ["ListenerConfig"]
@@ -63,9 +64,18 @@ class ListenerConfig:
             stopped may have told the application of a state in between (a
             change and its undoing) after its last checkpoint. Keep it above
             the time the replay of the changes since a checkpoint takes.
+        checkpoint_load_timeout: seconds the checkpoint store's ``load`` may take
+            before the listener gives up on it (a ``CheckpointError`` naming the
+            store, logged) and bootstraps: a store that hangs must not keep the
+            listener from starting. Keep it above what loading the largest
+            checkpoint takes (about half a second per million resources from SQLite).
+
+    Every count is a whole number of at least 1, every number of seconds a
+    finite number above 0, every flag a bool.
 
     Raises:
-        ListenerConfigError: a value is out of range or the buffer kind is unknown.
+        ListenerConfigError: a value is of another type or out of range, or the
+            buffer kind is unknown.
     """
 
     buffer_kind: str = "memory"
@@ -87,22 +97,23 @@ class ListenerConfig:
     high_water: float = 0.8
     checkpoint_interval: float = 10.0
     checkpoint_replay: float = 60.0
+    checkpoint_load_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.buffer_kind not in BUFFER_KINDS:
+        if not (isinstance(self.buffer_kind, str) and self.buffer_kind in BUFFER_KINDS):
             known = ", ".join(sorted(BUFFER_KINDS))
             raise ListenerConfigError(
                 "buffer_kind", f"unknown kind {self.buffer_kind!r} (known: {known})"
             )
+        if not isinstance(self.backoff, BackoffPolicy):
+            raise ListenerConfigError("backoff", f"must be a BackoffPolicy, got {self.backoff!r}")
+        for key in ("resume", "resync_on_overflow", "batch"):
+            check_flag(key, getattr(self, key))
         for key in ("buffer_size", "page_limit", "page_attempts", "max_frame_bytes"):
-            if getattr(self, key) < 1:
-                raise ListenerConfigError(key, f"must be at least 1, got {getattr(self, key)!r}")
-        if self.max_attempts is not None and self.max_attempts < 1:
-            raise ListenerConfigError("max_attempts", "must be at least 1 (or None)")
+            check_count(key, getattr(self, key))
+        check_count("max_attempts", self.max_attempts, optional=True)
         for key in ("ping_interval", "ping_timeout"):
-            value = getattr(self, key)
-            if value is not None and not value > 0:
-                raise ListenerConfigError(key, f"must be > 0 (or None), got {value!r}")
+            check_seconds(key, getattr(self, key), optional=True)
         for key in (
             "open_timeout",
             "ack_timeout",
@@ -110,8 +121,8 @@ class ListenerConfig:
             "http_timeout",
             "checkpoint_interval",
             "checkpoint_replay",
+            "checkpoint_load_timeout",
         ):
-            if not getattr(self, key) > 0:
-                raise ListenerConfigError(key, f"must be > 0, got {getattr(self, key)!r}")
-        if not 0 < self.high_water <= 1:
+            check_seconds(key, getattr(self, key))
+        if not (is_number(self.high_water) and 0 < self.high_water <= 1):
             raise ListenerConfigError("high_water", f"must be in (0, 1], got {self.high_water!r}")

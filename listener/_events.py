@@ -99,7 +99,7 @@ class ListenerStatus:
         attempts: connection attempts since start.
         failures: consecutive failed attempts (the back-off exponent).
         registrations: acks received.
-        resumes: registrations answered ``resumed: true``.
+        resumes: registrations that sent ``since`` and were answered ``resumed: true``.
         bootstraps: bootstrap walks completed.
         buffer_size: items held, waiting for the application.
         buffer_capacity: the most items the buffer holds.

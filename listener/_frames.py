@@ -41,16 +41,7 @@ def error_frame(raw: str | bytes) -> ErrorFrame | None:
     """
     if b'"error"' not in (raw.encode() if isinstance(raw, str) else raw)[:32]:
         return None
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    if not (isinstance(doc, dict) and "error" in doc):
-        return None
-    try:
-        return ErrorFrame.from_json(doc)
-    except ProtocolError as exc:
-        raise BadPublisherFrame(f"malformed error frame: {exc.message}") from None
+    return _as_error_frame(_json_or_none(raw))
 
 
 def decode_frame(raw: str | bytes) -> list[ChangeItem] | ErrorFrame:
@@ -68,18 +59,34 @@ def decode_frame(raw: str | bytes) -> list[ChangeItem] | ErrorFrame:
 
 def _refused(raw: str | bytes) -> list[ChangeItem] | ErrorFrame:
     """What the fast pass refused: the error frame, or the validator's verdict."""
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        doc = None
-    if isinstance(doc, dict) and "error" in doc:
-        try:
-            return ErrorFrame.from_json(doc)
-        except ProtocolError as exc:
-            raise BadPublisherFrame(f"malformed error frame: {exc.message}") from None
+    error = _as_error_frame(_json_or_none(raw))
+    if error is not None:
+        return error
     try:
         # The schema is the authority: should it accept what msgspec refused,
         # its items are taken.
         return decode_change_frame(raw)
     except ProtocolError as exc:
         raise BadPublisherFrame(f"bad change frame ({exc.code}): {exc.message}") from None
+
+
+def _json_or_none(raw: str | bytes) -> object:
+    """``raw`` decoded as JSON, None when it is not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _as_error_frame(doc: object) -> ErrorFrame | None:
+    """``doc`` as the publisher's error frame; None when it is no object with ``error``.
+
+    Raises:
+        BadPublisherFrame: it has an ``error`` member but not the error frame's shape.
+    """
+    if not (isinstance(doc, dict) and "error" in doc):
+        return None
+    try:
+        return ErrorFrame.from_json(doc)
+    except ProtocolError as exc:
+        raise BadPublisherFrame(f"malformed error frame: {exc.message}") from None

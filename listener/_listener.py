@@ -56,12 +56,13 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from changefeed.logs import log_event
-from changefeed.schemas import ChangeKind
+from changefeed.schemas import ChangeKind, Registration
 
 from ._backoff import Backoff
 from ._buffer import Buffer, make_buffer
 from ._checkpoint import CheckpointStore
 from ._checkpointer import Checkpointer
+from ._checks import check_change_kinds, check_registration
 from ._config import ListenerConfig
 from ._connection import ConnectionLoop
 from ._errors import ListenerConfigError, ListenerError
@@ -70,17 +71,36 @@ from ._handout import HandingOut
 from ._lifecycle import ConnectionState, Lifecycle
 from ._listener_state import S, log
 from ._metrics import Sample, register_listener
+from ._session import bearer_headers
 from ._sink import Sink
 
 __all__ = ["Listener"]
 
 
 def _http_origin(ws_url: str) -> str:
-    parts = urlsplit(ws_url)
-    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme)
-    if scheme is None or not parts.netloc:
+    """The http(s) origin of a ws(s) URL.
+
+    Raises:
+        ListenerConfigError: ``url`` is not a ws:// or wss:// URL with a host.
+    """
+    parts = urlsplit(ws_url) if isinstance(ws_url, str) else None
+    scheme = None if parts is None else {"ws": "http", "wss": "https"}.get(parts.scheme)
+    if parts is None or scheme is None or not parts.hostname:
         raise ListenerConfigError("url", f"expected a ws:// or wss:// URL, got {ws_url!r}")
     return urlunsplit((scheme, parts.netloc, "/", "", ""))
+
+
+def _check_api_url(api_url: str) -> None:
+    """Bootstrap routes are resolved against ``api_url``: it must be an http(s) URL.
+
+    Raises:
+        ListenerConfigError: it is not.
+    """
+    parts = urlsplit(api_url) if isinstance(api_url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ListenerConfigError(
+            "api_url", f"expected an http:// or https:// URL, got {api_url!r}"
+        )
 
 
 def _change_kinds(
@@ -88,7 +108,10 @@ def _change_kinds(
 ) -> tuple[ChangeKind, ...]:
     if change_kind is not None and change_kinds:
         raise ListenerConfigError("change_kinds", "give change_kind or change_kinds, not both")
-    kinds = (change_kind,) if change_kind is not None else tuple(change_kinds)
+    if change_kind is not None:
+        kinds = check_change_kinds((change_kind,), "change_kind")
+    else:
+        kinds = check_change_kinds(tuple(change_kinds), "change_kinds")
     if not kinds:
         raise ListenerConfigError("change_kinds", "name at least one change kind")
     resources = [kind.resource for kind in kinds]
@@ -149,9 +172,13 @@ class Listener(ConnectionLoop, HandingOut):
         rng: random source of the back-off jitter (seed it in tests).
 
     Raises:
-        ListenerConfigError: the URL is not ws:// or wss://, no change kind or a
-            resource twice, a setting is out of range, or both ``cursor`` and
-            ``checkpoint`` (the checkpoint holds the cursor).
+        ListenerConfigError: the URL is not ws:// or wss:// (``api_url`` not
+            http:// or https://), no change kind or a resource twice, a setting
+            is out of range, a registration the publisher would refuse (an empty
+            ``instance`` or ``service``, a resource or sub-resource name the
+            registration schema does not allow, too many of them, a ``cursor``
+            too long), or both ``cursor`` and ``checkpoint`` (the checkpoint
+            holds the cursor).
     """
 
     def __init__(
@@ -173,14 +200,33 @@ class Listener(ConnectionLoop, HandingOut):
         name: str | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        if config is not None and not isinstance(config, ListenerConfig):
+            raise ListenerConfigError("config", f"must be a ListenerConfig, got {config!r}")
         self.config = config or ListenerConfig()
         self.url = url
-        self.api_url = api_url or _http_origin(url)
+        origin = _http_origin(url)
+        if api_url is not None:
+            _check_api_url(api_url)
+        self.api_url = api_url or origin
         self.instance = instance
         self.service = service
         self.change_kinds = _change_kinds(change_kind, change_kinds)
         self.resources = tuple(kind.resource for kind in self.change_kinds)
         self._multi = len(self.change_kinds) > 1
+        # What every attempt will send, checked now rather than refused by the publisher.
+        check_registration(
+            Registration(
+                instance,
+                service,
+                self.change_kinds,
+                since=cursor,
+                batch=self.config.batch,
+                multi=self._multi,
+            ),
+            "change_kind" if change_kind is not None else "change_kinds",
+        )
+        if buffer is not None and not isinstance(buffer, Buffer):
+            raise ListenerConfigError("buffer", f"must be a Buffer, got {buffer!r}")
         self.name = name or f"{service}:{'+'.join(self.resources)}"
         self._token = token
         self._http = http
@@ -330,9 +376,10 @@ class Listener(ConnectionLoop, HandingOut):
         if self._task is not None:
             return
         if self._http is None:
-            headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
             self._http = httpx.AsyncClient(
-                base_url=self.api_url, headers=headers, timeout=self.config.http_timeout
+                base_url=self.api_url,
+                headers=bearer_headers(self._token),
+                timeout=self.config.http_timeout,
             )
         self._task = asyncio.create_task(self._run(), name=f"changefeed-listener-{self.name}")
         if self._checkpointer is not None:
@@ -480,7 +527,11 @@ class Listener(ConnectionLoop, HandingOut):
             for sink in sinks:
                 self._check_checkpointable(sink)
         self._checkpointer = Checkpointer(
-            store, _Checkpointed(self), interval=self.config.checkpoint_interval, name=self.name
+            store,
+            _Checkpointed(self),
+            interval=self.config.checkpoint_interval,
+            load_timeout=self.config.checkpoint_load_timeout,
+            name=self.name,
         )
 
     def _check_checkpointable(self, sink: Sink) -> None:

@@ -43,12 +43,10 @@ from ._checkpointer import Checkpointer
 from ._config import ListenerConfig
 from ._events import BootstrapProgress, Resynced
 from ._lifecycle import ConnectionState, Lifecycle
+from ._log import log
 from ._sink import Sink
 
 __all__ = ["ListenerState", "S", "log"]
-
-# The listener's logger: its events keep one logger name, whichever part logs them.
-log = logging.getLogger("changefeed.listener")
 
 S = ConnectionState
 _LOW_WATER = 0.5  # the high-water event re-arms once the buffer drains below this

@@ -53,7 +53,7 @@ _LISTENER: tuple[_Spec, ...] = (
     ),
     ("changefeed_listener_connection_attempts", "counter", "Connection attempts"),
     ("changefeed_listener_registrations", "counter", "Acks received"),
-    ("changefeed_listener_resumes", "counter", "Registrations answered resumed=true"),
+    ("changefeed_listener_resumes", "counter", "Registrations with since answered resumed=true"),
     ("changefeed_listener_bootstraps", "counter", "Bootstrap walks completed"),
     ("changefeed_listener_aborts", "counter", "Connections that ended (any reason)"),
     ("changefeed_listener_overflows", "counter", "Buffer overflows (each one an abort)"),

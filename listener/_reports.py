@@ -49,8 +49,11 @@ class SessionReports:
         listener._routes = routes
         listener._registered.set()
         listener._lifecycle.to(S.REGISTERED)
+        # A resume is an ack that resumed the ``since`` this registration sent; an ack
+        # that says ``resumed`` to a registration without one resumed nothing (the
+        # session bootstraps), so it is not counted.
         listener._resumed_now = ack.resumed and resuming
-        if ack.resumed:
+        if listener._resumed_now:
             listener.resumes += 1
         elif resuming:
             reason = ack.reason or "unknown"

@@ -40,11 +40,9 @@ from ._errors import (
 )
 from ._events import Resynced
 from ._frames import decode_frame, error_frame
+from ._log import log
 
-__all__ = ["Session", "SessionHost", "bootstrap_routes"]
-
-# The listener's logger: its events keep one logger name, whichever module logs them.
-log = logging.getLogger("changefeed.listener")
+__all__ = ["Session", "SessionHost", "bearer_headers", "bootstrap_routes"]
 
 
 class SessionHost(Protocol):
@@ -100,6 +98,12 @@ def bootstrap_routes(
     if missing:
         raise BadPublisherFrame(f"the ack names no bootstrap route for {', '.join(missing)}")
     return {kind.resource: urljoin(api_url, named[kind.resource]) for kind in kinds}
+
+
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """The ``Authorization`` header of ``token`` (none without one): on the websocket
+    handshake and on the HTTP client the listener creates."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _closed(exc: ConnectionClosed) -> PublisherClosed:
@@ -165,11 +169,10 @@ class Session:
     async def run(self) -> None:
         """Connect and serve until the connection ends; always raises ``SessionError``."""
         config = self._config
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
         try:
             async with connect(
                 self._url,
-                additional_headers=headers,
+                additional_headers=bearer_headers(self._token),
                 open_timeout=config.open_timeout,
                 ping_interval=config.ping_interval,
                 ping_timeout=config.ping_timeout,

@@ -15,7 +15,14 @@ different ``name``s):
   for a million objects to be built.
 * ``changefeed_checkpoint_change``: what incremental saves changed since,
   one row per id (NULL: deleted), replaced in place, so it never holds an id
-  twice; loading applies it on top of the chunks. A whole save empties it.
+  twice; loading applies it on top of the chunks. A whole save empties it,
+  and so does an incremental save that finds a controller's change rows
+  past ``FOLD_RATIO`` of its chunks: it folds them into new chunks in the
+  same transaction. A listener decides on whole saves by its own count of
+  changes, which starts again at each restart, so without the fold a service
+  restarted often would only ever add rows (every id created and deleted
+  since stays, as a row or a tombstone): the fold keeps the file about the
+  size of the mirrors, however many saves and restarts there were.
 
 Every save is one transaction, so a process killed at any moment (SIGKILL
 included) leaves the previous checkpoint or the new one, never a mix; the
@@ -50,10 +57,20 @@ from changefeed.schemas import ChangeKind
 from ._checkpoint import Checkpoint, JsonItems, MirrorCheckpoint
 from ._errors import CheckpointError
 
-__all__ = ["FORMAT_VERSION", "SqliteCheckpointStore"]
+__all__ = ["FOLD_FLOOR", "FOLD_RATIO", "FORMAT_VERSION", "SqliteCheckpointStore"]
 
 FORMAT_VERSION = 1
 """The layout's version; a file of another version is refused, not guessed at."""
+
+FOLD_RATIO = 0.25
+"""An incremental save folds a controller's change rows into its chunks once they
+outnumber this fraction of the resources the chunks hold: the file then holds at
+most about that much beside one copy of the mirror, and a fold (a rewrite of the
+mirror) comes at most once per that many changed ids."""
+
+FOLD_FLOOR = 1_000
+"""... but never for fewer change rows than this (a small mirror is not rewritten
+at every save)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS changefeed_checkpoint (
@@ -185,17 +202,9 @@ class SqliteCheckpointStore:
         items: dict[str, bytes] = {}
         for ids, body in chunks:
             with collector_paused():
-                keys = orjson.loads(ids)
-                documents = body.split(b"\n")
-                if len(keys) != len(documents):
-                    raise ValueError(f"a chunk of {len(keys)} ids holds {len(documents)} items")
-                items.update(zip(keys, documents, strict=True))
+                _add_chunk(items, ids, body)
             await asyncio.sleep(0)  # the loop runs between chunks
-        for key, item in changes:
-            if item is None:
-                items.pop(key, None)
-            else:
-                items[key] = item
+        _apply_changes(items, changes)
         return items
 
     def _read(
@@ -245,7 +254,8 @@ class SqliteCheckpointStore:
 
         Raises:
             CheckpointError: an incremental checkpoint whose ``base`` this file does
-                not hold (another listener wrote under the same name).
+                not hold (another listener wrote under the same name), or whose fold
+                finds a chunk that does not decode.
             sqlite3.Error: the file cannot be written (disk full, read-only, ...).
         """
         await asyncio.to_thread(self._write, checkpoint)
@@ -291,12 +301,18 @@ class SqliteCheckpointStore:
                 " VALUES (?, ?, ?, ?)",
                 (name, controller, part.resource, orjson.dumps(sorted(part.pending))),
             )
-            for seq, (ids, documents) in enumerate(_chunks(part.items, self.chunk_items)):
-                conn.execute(
-                    "INSERT INTO changefeed_checkpoint_chunk"
-                    " (name, controller, seq, ids, items) VALUES (?, ?, ?, ?, ?)",
-                    (name, controller, seq, orjson.dumps(ids), b"\n".join(documents)),
-                )
+            self._write_chunks(conn, controller, part.items)
+
+    def _write_chunks(
+        self, conn: sqlite3.Connection, controller: str, items: Mapping[str, Any]
+    ) -> None:
+        """``items`` as the controller's chunks (it has none when this is called)."""
+        for seq, (ids, documents) in enumerate(_chunks(items, self.chunk_items)):
+            conn.execute(
+                "INSERT INTO changefeed_checkpoint_chunk"
+                " (name, controller, seq, ids, items) VALUES (?, ?, ?, ?, ?)",
+                (self.name, controller, seq, orjson.dumps(ids), b"\n".join(documents)),
+            )
 
     def _write_changes(self, conn: sqlite3.Connection, checkpoint: Checkpoint) -> None:
         name = self.name
@@ -332,6 +348,92 @@ class SqliteCheckpointStore:
                 " DO UPDATE SET item = excluded.item",
                 rows,
             )
+            self._fold_when_due(conn, controller)
+
+    def _fold_when_due(self, conn: sqlite3.Connection, controller: str) -> None:
+        """Rewrite the controller's chunks with its change rows applied, and drop those
+        rows, once there are more of them than ``FOLD_RATIO`` of the chunks' resources
+        (``FOLD_FLOOR`` at least). Part of the save's transaction: a save that is
+        killed leaves the file as it was."""
+        key = (self.name, controller)
+        (changes,) = conn.execute(
+            "SELECT count(*) FROM changefeed_checkpoint_change WHERE name = ? AND controller = ?",
+            key,
+        ).fetchone()
+        if changes <= FOLD_FLOOR:
+            return
+        items: dict[str, bytes] = {}
+        try:
+            if changes <= FOLD_RATIO * _chunked_items(conn, key):
+                return
+            for ids, body in conn.execute(
+                "SELECT ids, items FROM changefeed_checkpoint_chunk"
+                " WHERE name = ? AND controller = ? ORDER BY seq",
+                key,
+            ):
+                _add_chunk(items, ids, body)
+        except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+            # As a save that does not go on top of the file: the listener's next one is whole.
+            raise CheckpointError(
+                f"{self.path}: checkpoint {self.name!r}, controller {controller!r}: {exc}"
+            ) from exc
+        _apply_changes(
+            items,
+            conn.execute(
+                "SELECT id, item FROM changefeed_checkpoint_change"
+                " WHERE name = ? AND controller = ?",
+                key,
+            ).fetchall(),
+        )
+        for table in ("chunk", "change"):
+            conn.execute(
+                f"DELETE FROM changefeed_checkpoint_{table} WHERE name = ? AND controller = ?",
+                key,
+            )
+        self._write_chunks(conn, controller, JsonItems(encoded=items))
+
+
+def _chunked_items(conn: sqlite3.Connection, key: tuple[str, str]) -> int:
+    """Resources in one controller's chunks. A save cuts them to one size, all but the
+    last: the first and the last tell, without reading the others."""
+    count, first, last = conn.execute(
+        "SELECT count(*), min(seq), max(seq) FROM changefeed_checkpoint_chunk"
+        " WHERE name = ? AND controller = ?",
+        key,
+    ).fetchone()
+    if not count:
+        return 0
+    sizes = [
+        len(orjson.loads(ids))
+        for (ids,) in conn.execute(
+            "SELECT ids FROM changefeed_checkpoint_chunk"
+            " WHERE name = ? AND controller = ? AND seq IN (?, ?)",
+            (*key, first, last),
+        )
+    ]
+    return int((count - 1) * max(sizes) + min(sizes))
+
+
+def _add_chunk(items: dict[str, bytes], ids: bytes, body: bytes) -> None:
+    """Add one chunk's resources to ``items`` (id -> JSON document).
+
+    Raises:
+        ValueError: the chunk holds another number of documents than ids.
+    """
+    keys = orjson.loads(ids)
+    documents = body.split(b"\n")
+    if len(keys) != len(documents):
+        raise ValueError(f"a chunk of {len(keys)} ids holds {len(documents)} items")
+    items.update(zip(keys, documents, strict=True))
+
+
+def _apply_changes(items: dict[str, bytes], changes: list[tuple[str, bytes | None]]) -> None:
+    """Apply change rows to ``items``: a document replaces the id's, None deletes it."""
+    for key, item in changes:
+        if item is None:
+            items.pop(key, None)
+        else:
+            items[key] = item
 
 
 def _encoded(items: Mapping[str, Any]) -> Iterator[tuple[str, bytes]]:

@@ -13,11 +13,19 @@ from typing import Any
 
 import orjson
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
+from jsonschema.exceptions import ValidationError, best_match
 
 from .errors import ProtocolError
 
-__all__ = ["MESSAGE_LIMIT", "SCHEMA_NAMES", "bounded", "load_schema", "parse_json", "validate"]
+__all__ = [
+    "MESSAGE_LIMIT",
+    "SCHEMA_NAMES",
+    "bounded",
+    "load_schema",
+    "parse_json",
+    "schema_error",
+    "validate",
+]
 
 MESSAGE_LIMIT = 300
 """Characters of an error message at most: a message repeats the offending input,
@@ -51,13 +59,19 @@ def parse_json(data: str | bytes, what: str) -> Any:
         raise ProtocolError("bad_frame", bounded(f"{what} is not valid JSON: {exc}")) from None
 
 
+def schema_error(name: str, document: Any) -> ValidationError | None:
+    """What ``document`` breaks of schema ``name`` first (None: nothing)."""
+    error: ValidationError | None = best_match(_validator(name).iter_errors(document))
+    return error
+
+
 def validate(name: str, document: Any, code: str = "bad_frame") -> None:
     """Check ``document`` against schema ``name``.
 
     Raises:
         ProtocolError: with ``code``, naming the first offending field.
     """
-    error = best_match(_validator(name).iter_errors(document))
+    error = schema_error(name, document)
     if error is None:
         return
     where = "/".join(str(p) for p in error.absolute_path) or "(document)"

@@ -116,6 +116,11 @@ def test_default_item_backoff() -> None:
         ({"factor": 0.5}, "backoff.factor"),
         ({"jitter": 1.5}, "backoff.jitter"),
         ({"reset_after": -1}, "backoff.reset_after"),
+        ({"initial": float("inf"), "maximum": float("inf")}, "backoff.initial"),
+        ({"maximum": float("inf")}, "backoff.maximum"),
+        ({"factor": float("nan")}, "backoff.factor"),
+        ({"jitter": True}, "backoff.jitter"),
+        ({"reset_after": float("nan")}, "backoff.reset_after"),
     ],
 )
 def test_policy_refuses_bad_values(kwargs: dict[str, float], key: str) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import random
 from collections.abc import AsyncIterator, Mapping
@@ -476,6 +477,53 @@ async def test_failed_saves_lose_nothing_and_an_unreadable_checkpoint_bootstraps
         )
         # Bootstrapped from nothing: every VM is an add.
         assert len(again.calls["vm"]) == len(await api_state(dsn))
+
+
+class HangingStore:
+    """An application's store whose ``load`` never returns (its database hangs); its saves
+    are kept in memory."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+        self.saved: list[Checkpoint] = []
+
+    def __repr__(self) -> str:
+        return "HangingStore(app-db)"
+
+    async def load(self) -> Checkpoint | None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+    async def save(self, checkpoint: Checkpoint) -> None:
+        self.saved.append(checkpoint)
+
+
+async def test_a_store_whose_load_hangs_is_given_up_on_and_the_listener_bootstraps(
+    dsn: str,
+) -> None:
+    store = HangingStore()
+    config = dataclasses.replace(CONFIG, checkpoint_load_timeout=0.3)
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 3)
+        service = Service(api.ws_url, store, config=config)
+        with capture_events() as events:
+            async with service.running():
+                await service.vms.wait_synced(15)
+                await asyncio.wait_for(store.cancelled.wait(), 5)
+                assert await service.listener.save_checkpoint()
+    assert len(events.named("listener.checkpoint.load_failed")) == 1
+    status = service.listener.status()
+    assert status.bootstraps == 1 and status.checkpoint is not None
+    assert not status.checkpoint.loaded
+    error = str(status.checkpoint.last_error)
+    assert error.startswith("load: CheckpointError: HangingStore(app-db): "), error
+    assert "within 0.3s" in error and "checkpoint_load_timeout" in error
+    assert store.saved and store.saved[0].whole  # nothing loaded: the first save is whole
+    assert len(service.calls["vm"]) == 3
 
 
 def _example_store_module() -> ModuleType:

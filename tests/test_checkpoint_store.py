@@ -4,6 +4,7 @@ on a real file, including processes killed with SIGKILL in the middle of their s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import sqlite3
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from changefeed.listener import (
@@ -227,3 +229,64 @@ async def test_a_writer_killed_at_any_moment_leaves_one_whole_checkpoint(
         assert dict(loaded.mirrors["vms"].items) == expected(n, items)
         assert set(loaded.mirrors["vms"].pending) == {f"i{n % items}"}
         last_loaded = n
+
+
+def stored_rows(path: Path) -> tuple[int, int]:
+    """(resources in the chunks, change rows) the file holds, over every checkpoint."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        chunked = sum(
+            len(orjson.loads(ids))
+            for (ids,) in conn.execute("SELECT ids FROM changefeed_checkpoint_chunk")
+        )
+        (changes,) = conn.execute("SELECT count(*) FROM changefeed_checkpoint_change").fetchone()
+    return chunked, changes
+
+
+async def test_restarts_that_save_only_incrementally_keep_the_file_proportional_to_the_mirror(
+    tmp_path: Path,
+) -> None:
+    """A listener restarted often never reaches its own whole-save threshold (its count
+    of changes starts again at each start): 60 restarts, each loading the file and
+    saving once, incrementally, while the fleet churns (ids created and deleted) and
+    some resources change. The store folds its change rows into its chunks as they
+    grow: what the file holds stays about the mirror's size, and loads the latest state."""
+    path, size, churn = tmp_path / "cp.sqlite", 4000, 100
+
+    def vm(k: int, alias: str) -> dict[str, Any]:
+        return {"uuid": f"vm-{k}", "alias": alias, "nics": []}
+
+    mirror = {f"vm-{k}": vm(k, "a0") for k in range(size)}
+    store = SqliteCheckpointStore(path, chunk_items=500)
+    await store.save(Checkpoint("c1", (VM,), {"vms": MirrorCheckpoint("vm", mirror)}, sequence=1))
+    first_size = store.size_on_disk()
+    assert stored_rows(path) == (size, 0)
+    created, folds, last_changes = size, 0, 0
+    for restart in range(2, 62):
+        store = SqliteCheckpointStore(path, chunk_items=500)  # a new process
+        loaded = await store.load()
+        assert loaded is not None and loaded.sequence == restart - 1
+        assert dict(loaded.mirrors["vms"].items) == mirror
+        gone = sorted(mirror, key=lambda key: int(key[3:]))[:churn]
+        for key in gone:
+            del mirror[key]
+        changed = {f"vm-{k}": vm(k, "new") for k in range(created, created + churn)}
+        created += churn
+        for key in sorted(mirror)[restart : restart + 2 * churn : 2]:
+            changed[key] = {**mirror[key], "alias": f"a{restart}"}
+        mirror.update(changed)
+        part = MirrorCheckpoint("vm", changed, gone, {key for key in changed if key < "vm-2"})
+        await store.save(
+            Checkpoint(
+                f"c{restart}", (VM,), {"vms": part}, whole=False, sequence=restart, base=restart - 1
+            )
+        )
+        chunked, changes = stored_rows(path)
+        assert chunked + changes <= 1.6 * size, (restart, chunked, changes)
+        folds += changes < last_changes
+        last_changes = changes
+    assert folds >= 3 and len(mirror) == size
+    assert store.size_on_disk() <= 2 * first_size, (store.size_on_disk(), first_size)
+    loaded = await SqliteCheckpointStore(path).load()
+    assert loaded is not None and loaded.cursor == "c61" and loaded.sequence == 61
+    assert dict(loaded.mirrors["vms"].items) == mirror
+    assert set(loaded.mirrors["vms"].pending) == set(part.pending)

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -87,6 +88,37 @@ def test_a_usage_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[st
     status = main(["listen", "http://127.0.0.1:9", "--resource", "vm", "--resource", "vm"])
     assert status == 2
     assert capsys.readouterr().err.strip() == "changefeed listen: --resource vm given twice"
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--page-limit", "0"),
+        ("--page-limit", "-5"),
+        ("--page-limit", "2.5"),
+        ("--count", "0"),
+        ("--count", "-1"),
+        ("--duration", "0"),
+        ("--duration", "-3"),
+        ("--duration", "nan"),
+        ("--status-interval", "0"),  # a status line as fast as the loop turns
+        ("--status-interval", "inf"),
+    ],
+)
+def test_numeric_options_refuse_nonsense_as_usage_errors(option: str, value: str) -> None:
+    """Refused by the parser, before anything connects: status 2 and a line naming the
+    option (``--page-limit 0`` used to ask for the default page size instead). A child
+    process with a deadline: a command that took the value would listen on."""
+    result = subprocess.run(
+        [CHANGEFEED, "listen", "http://127.0.0.1:9", "--resource", "vm", option, value],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2, result
+    assert f"argument {option}: must be " in result.stderr and repr(value) in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 async def test_listen_status_shows_the_bootstrap_rising(dsn: str) -> None:

@@ -317,6 +317,52 @@ async def test_a_publisher_that_stops_answering_pings_is_detected_in_bounded_tim
     assert aborted["close_code"] in (None, 1006, 1011)
 
 
+async def test_resumes_count_only_registrations_that_sent_since_and_were_resumed() -> None:
+    """A scripted publisher that answers ``resumed: true`` to every registration, one
+    without ``since`` too: that first one is a bootstrap (nothing was resumed), not a
+    resume; after a restart of the publisher (1001) the registration with the cursor
+    is the one resume."""
+    registrations: list[dict[str, Any]] = []
+    got: list[Any] = []
+
+    def page(connection: ServerConnection, request: Any) -> Any:
+        if request.path.startswith("/vms"):
+            return connection.respond(HTTPStatus.OK, '{"items": [], "next": null}')
+        return None
+
+    async def handler(ws: ServerConnection) -> None:
+        registration = orjson.loads(await ws.recv())
+        registrations.append(registration)
+        ack = {"bootstrapRoute": "/vms", "cursor": "c0", "resumed": True}
+        await ws.send(orjson.dumps(ack).decode())
+        if len(registrations) == 1:
+            await ws.send(ChangeItem(VM, "vm-1", "c1", "2026-11-21T23:00:00.000Z").encode())
+            await wait_until(lambda: any(isinstance(e, ChangeItem) for e in got), 10)
+            await ws.close(CloseCode.GOING_AWAY, "restarting")
+            return
+        await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0, process_request=page) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/changefeeds"
+        async with make_listener(url) as listener:
+
+            async def consume() -> None:
+                async for event in listener:
+                    got.append(event)
+
+            consumer = asyncio.create_task(consume())
+            try:
+                await wait_until(lambda: len(registrations) >= 2, 10, message="second")
+                await wait_until(lambda: listener.state is ConnectionState.LIVE, 10)
+                status = listener.status()
+            finally:
+                consumer.cancel()
+                await asyncio.gather(consumer, return_exceptions=True)
+    assert "since" not in registrations[0] and registrations[1]["since"] == "c1"
+    assert isinstance(got[0], Resynced)  # the first registration bootstrapped
+    assert (status.registrations, status.bootstraps, status.resumes) == (2, 1, 1)
+
+
 async def seed_vms(dsn: str, count: int) -> None:
     """``count`` VMs written straight into the API's table (a bootstrap needs no feed)."""
     conn = await asyncpg.connect(dsn)

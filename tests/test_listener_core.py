@@ -377,6 +377,28 @@ def test_a_mirror_view_taken_before_a_restore_shows_the_restored_resources() -> 
         ({"max_attempts": 0}, "max_attempts"),
         ({"high_water": 0}, "high_water"),
         ({"page_limit": 0}, "page_limit"),
+        # A NaN capacity would never overflow: the buffer would grow without bound.
+        ({"buffer_size": float("nan")}, "buffer_size"),
+        ({"buffer_size": 2.5}, "buffer_size"),
+        ({"buffer_size": True}, "buffer_size"),
+        ({"buffer_size": "100"}, "buffer_size"),
+        ({"buffer_kind": ["memory"]}, "buffer_kind"),
+        ({"page_limit": -5}, "page_limit"),
+        ({"page_attempts": float("nan")}, "page_attempts"),
+        ({"max_frame_bytes": 0}, "max_frame_bytes"),
+        ({"max_attempts": 1.5}, "max_attempts"),
+        ({"ping_timeout": float("inf")}, "ping_timeout"),
+        ({"open_timeout": -1}, "open_timeout"),
+        ({"close_timeout": float("nan")}, "close_timeout"),
+        ({"http_timeout": "10"}, "http_timeout"),
+        ({"checkpoint_interval": 0}, "checkpoint_interval"),
+        ({"checkpoint_replay": float("inf")}, "checkpoint_replay"),
+        ({"checkpoint_load_timeout": 0}, "checkpoint_load_timeout"),
+        ({"high_water": float("nan")}, "high_water"),
+        ({"resume": "no"}, "resume"),
+        ({"batch": 1}, "batch"),
+        ({"resync_on_overflow": None}, "resync_on_overflow"),
+        ({"backoff": {"initial": 1}}, "backoff"),
     ],
 )
 def test_config_refuses_bad_values(kwargs: dict[str, object], key: str) -> None:
@@ -393,3 +415,62 @@ def test_listener_refuses_a_non_websocket_url() -> None:
             service="s",
             change_kind=ChangeKind("vm"),
         )
+
+
+LISTENER = {
+    "url": "ws://127.0.0.1:1/changefeeds",
+    "instance": "de1aac97-6f85-4ba9-b51e-514f48a6a46c",
+    "service": "tcns",
+    "change_kind": ChangeKind("vm", ("nic",)),
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "says"),
+    [
+        ({"url": "http://127.0.0.1:1/changefeeds", "api_url": "http://127.0.0.1:1/"}, "url", "ws://"),
+        ({"url": "ws:///changefeeds"}, "url", "ws://"),
+        ({"api_url": "ftp://127.0.0.1/"}, "api_url", "http://"),
+        ({"instance": ""}, "instance", "non-empty"),
+        ({"service": ""}, "service", "non-empty"),
+        ({"service": "x" * 257}, "service", "at most 256 characters, got 257"),
+        ({"change_kind": ChangeKind("")}, "change_kind.resource", "non-empty"),
+        ({"change_kind": ChangeKind("vm nic")}, "change_kind.resource", "does not match"),
+        ({"change_kind": ChangeKind("vm", ("nic", ""))},
+         "change_kind.sub_resources[1]", "non-empty"),
+        ({"change_kind": ChangeKind("vm", "nic")}, "change_kind.sub_resources", "tuple of names"),
+        ({"change_kind": ChangeKind("vm", tuple(f"s{n}" for n in range(33)))},
+         "change_kind.sub_resources", "at most 32 allowed, got 33"),
+        ({"change_kind": "vm"}, "change_kind", "must be a ChangeKind"),
+        ({"change_kind": None, "change_kinds": []}, "change_kinds", "at least one"),
+        ({"change_kind": None, "change_kinds": [ChangeKind("vm"), ChangeKind("vm", ("nic",))]},
+         "change_kinds", "named twice"),
+        ({"change_kind": None, "change_kinds": [ChangeKind("vm"), ChangeKind("server", ("",))]},
+         "change_kinds[1].sub_resources[0]", "non-empty"),
+        ({"change_kind": None, "change_kinds": [ChangeKind(f"r{n}") for n in range(33)]},
+         "change_kinds", "at most 32 allowed, got 33"),
+        ({"change_kinds": [ChangeKind("server")]}, "change_kinds", "not both"),
+        ({"cursor": ""}, "cursor", "non-empty"),
+        ({"cursor": "c" * 129}, "cursor", "at most 128 characters"),
+        ({"config": {"buffer_size": 10}}, "config", "must be a ListenerConfig"),
+        ({"buffer": [1, 2]}, "buffer", "must be a Buffer"),
+    ],
+)  # fmt: skip
+def test_listener_refuses_what_the_publisher_or_the_connection_loop_would_refuse_later(
+    changes: dict[str, object], key: str, says: str
+) -> None:
+    """Each setting a registration, a connection or the buffer could not work with is
+    refused by the constructor, named, instead of failing inside the connection loop
+    (a registration the publisher refuses ends the listener with RegistrationRefused)."""
+    kwargs = {**LISTENER, **changes}
+    url = kwargs.pop("url")
+    with pytest.raises(ListenerConfigError) as info:
+        listener_pkg.Listener(url, **kwargs)  # type: ignore[arg-type]
+    assert info.value.key == key and says in str(info.value), str(info.value)
+
+
+def test_listener_takes_sub_resources_as_a_list_and_keeps_them_as_a_tuple() -> None:
+    kwargs = {**LISTENER, "change_kind": ChangeKind("vm", ["nic", "alias"])}  # type: ignore[arg-type]
+    url = kwargs.pop("url")
+    listener = listener_pkg.Listener(url, **kwargs)  # type: ignore[arg-type]
+    assert listener.change_kinds == (ChangeKind("vm", ("nic", "alias")),)
