@@ -79,6 +79,28 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _positive_rate(text: str) -> float:
+    """An option's finite rate above 0, per second."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 (a free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="changefeed",
@@ -119,12 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--duration",
-        type=float,
+        type=_positive_seconds,
         default=None,
         help="stop after this many seconds (default: until Ctrl-C)",
     )
-    demo.add_argument("--port", type=int, default=0, help="API port (default: a free one)")
-    demo.add_argument("--rate", type=float, default=5.0, help="VM writes per second")
+    demo.add_argument("--port", type=_port, default=0, help="API port (default: a free one)")
+    demo.add_argument("--rate", type=_positive_rate, default=5.0, help="VM writes per second")
     demo.add_argument("--data-dir", help="embedded PostgreSQL data directory")
 
     api = command(
@@ -132,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     api.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
     api.add_argument("--host", default="127.0.0.1")
-    api.add_argument("--port", type=int, default=8080)
+    api.add_argument("--port", type=_port, default=8080)
     api.add_argument(
         "--token",
         action="append",
@@ -141,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     api.add_argument(
         "--header-timeout",
-        type=float,
+        type=_positive_seconds,
         default=None,
         metavar="SECONDS",
         help="close an HTTP connection whose request head has not arrived by then "
@@ -155,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", required=True, help="TOML config file (docs/config.md)")
     serve.add_argument("--host", default=None, help="override [server] host")
-    serve.add_argument("--port", type=int, default=None, help="override [server] port")
+    serve.add_argument("--port", type=_port, default=None, help="override [server] port")
 
     listen = command(
         "listen",
@@ -242,10 +264,13 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument("--jdbc-jar", default=None, help="PostgreSQL JDBC driver jar")
     compact.add_argument("--dry-run", action="store_true", help="report, change nothing")
     compact.add_argument(
-        "--batch-size", type=int, default=5000, help="entries per apply transaction"
+        "--batch-size", type=_positive_int, default=5000, help="entries per apply transaction"
     )
     compact.add_argument(
-        "--partitions", type=int, default=None, help="read partitions (default: one per 64 MiB)"
+        "--partitions",
+        type=_positive_int,
+        default=None,
+        help="read partitions (default: one per 64 MiB)",
     )
     compact.add_argument(
         "--progress",

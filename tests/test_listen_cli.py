@@ -121,6 +121,26 @@ def test_numeric_options_refuse_nonsense_as_usage_errors(option: str, value: str
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--rate", "0"],
+        ["demo", "--duration", "-1"],
+        ["demo", "--port", "70000"],
+        ["example-api", "--port", "-1"],
+        ["example-api", "--header-timeout", "0"],
+        ["compact", "--batch-size", "0"],
+        ["compact", "--partitions", "-2"],
+    ],
+)
+def test_other_commands_refuse_nonsense_numbers_as_usage_errors(args: list[str]) -> None:
+    result = subprocess.run(
+        [CHANGEFEED, *args], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.returncode == 2, result
+    assert f"argument {args[1]}: must be " in result.stderr and "Traceback" not in result.stderr
+
+
 async def test_listen_status_shows_the_bootstrap_rising(dsn: str) -> None:
     """3,000 VMs in pages of 10: the status line on stderr shows the route's item
     count rising during the bootstrap."""
