@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry
 
 from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
 from ._checkpoint import CheckpointStore
+from ._checks import check_count, check_seconds
 from ._controller_sink import ControllerSink, Intake
 from ._controller_state import T
 from ._errors import ListenerConfigError, ListenerError
@@ -207,10 +208,10 @@ class Controller(Intake[T], Reconciling[T]):
             ("fetch_attempts", fetch_attempts),
             ("max_pending", max_pending),
         ):
-            if value < 1:
-                raise ListenerConfigError(setting, f"must be at least 1, got {value!r}")
-        if resync_period is not None and not resync_period > 0:
-            raise ListenerConfigError("resync_period", f"must be > 0, got {resync_period!r}")
+            check_count(setting, value)
+        check_seconds("resync_period", resync_period, optional=True)
+        if retry is not None and not isinstance(retry, BackoffPolicy):
+            raise ListenerConfigError("retry", f"must be a BackoffPolicy, got {retry!r}")
         shared = isinstance(listener, Listener)
         if fetch is None and not shared:
             raise ListenerConfigError("fetch", "is required when the source is not a Listener")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -323,6 +324,15 @@ def test_configuration_errors() -> None:
         Controller(resuming)
     with pytest.raises(ListenerConfigError, match="resync_period"):
         Controller(source, fetch=api.fetch, resync_period=0)
+    for setting, bad in (
+        ("concurrency", math.nan),  # a NaN slipped past ``< 1``
+        ("fetch_batch", 2.5),
+        ("max_pending", True),
+        ("resync_period", math.inf),
+        ("retry", 0.5),
+    ):
+        with pytest.raises(ListenerConfigError, match=f"^{setting}: "):
+            Controller(source, fetch=api.fetch, **{setting: bad})
     two = Listener(
         "ws://127.0.0.1:9/changefeeds", instance="i", service="s",
         change_kinds=[ChangeKind("vm"), ChangeKind("server")],
