@@ -30,7 +30,7 @@ from .errors import (
     WalkRefused,
 )
 from .keyset import BatchRequest, Filter, KeysetQuery, PageRequest, quote_identifier
-from .pager import Pager, PagerProgress, RetryPolicy, fetch_many, fetch_one
+from .pager import Pager, PagerProgress, RetryPolicy, bearer_headers, fetch_many, fetch_one
 from .route import (
     DB_UNAVAILABLE,
     BootstrapRoute,
@@ -62,6 +62,7 @@ __all__ = [
     "RetryPolicy",
     "WalkRefused",
     "WalkTable",
+    "bearer_headers",
     "encode_json",
     "error_response",
     "fetch_many",

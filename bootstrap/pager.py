@@ -42,7 +42,7 @@ from changefeed.schemas import Page, ProtocolError
 
 from .errors import BootstrapConfigError, PagingError
 
-__all__ = ["Pager", "PagerProgress", "RetryPolicy", "fetch_many", "fetch_one"]
+__all__ = ["Pager", "PagerProgress", "RetryPolicy", "bearer_headers", "fetch_many", "fetch_one"]
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,9 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:200]
 
 
-def _auth(token: str | None) -> dict[str, str]:
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """The ``Authorization`` header of a bearer ``token`` (none without one): what
+    every client of a publisher sends (pager, listener handshake, CLI)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
@@ -302,7 +304,7 @@ class Pager:
         self.policy = RetryPolicy(max_attempts=max_attempts, max_wait=max_wait)
         self.on_progress = on_progress
         self.prefetch = prefetch
-        self._headers = _auth(token)
+        self._headers = bearer_headers(token)
         self.progress = PagerProgress()
         self.retries = 0
         """Attempts retried during the current walk (failures and busy answers)."""
@@ -433,7 +435,7 @@ async def fetch_one(
     response = await _get(
         client,
         _item_url(route, id),
-        headers=_auth(token),
+        headers=bearer_headers(token),
         policy=RetryPolicy(max_attempts=max_attempts, max_wait=max_wait),
         allow_404=True,
     )
@@ -487,7 +489,7 @@ async def fetch_many(
     for start in range(0, len(wanted), chunk):
         part = wanted[start : start + chunk]
         url = httpx.URL(route).copy_set_param("ids", ",".join(part))
-        response = await _get(client, url, headers=_auth(token), policy=policy)
+        response = await _get(client, url, headers=bearer_headers(token), policy=policy)
         asked = set(part)
         for item in _decode_page(response).items:
             item_id = _item_id(item, id_field)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from changefeed import __version__
+from changefeed.bootstrap import bearer_headers
 from changefeed.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -305,7 +306,7 @@ async def _db_init(args: argparse.Namespace) -> int:
 async def _stats(args: argparse.Namespace) -> int:
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    headers = bearer_headers(args.token)
     url = args.url.rstrip("/") + "/changefeeds/stats"
     try:
         async with httpx.AsyncClient(timeout=10, headers=headers) as client:

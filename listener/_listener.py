@@ -55,6 +55,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from prometheus_client import CollectorRegistry
 
+from changefeed.bootstrap import bearer_headers
 from changefeed.logs import log_event
 from changefeed.schemas import ChangeKind, Registration
 
@@ -71,7 +72,6 @@ from ._handout import HandingOut
 from ._lifecycle import ConnectionState, Lifecycle
 from ._listener_state import S, log
 from ._metrics import Sample, register_listener
-from ._session import bearer_headers
 from ._sink import Sink
 
 __all__ = ["Listener"]

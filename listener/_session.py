@@ -26,7 +26,7 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from changefeed.bootstrap import BootstrapError, Pager, PagerProgress
+from changefeed.bootstrap import BootstrapError, Pager, PagerProgress, bearer_headers
 from changefeed.logs import log_event
 from changefeed.schemas import Ack, ChangeItem, ChangeKind, ErrorFrame, ProtocolError
 
@@ -42,7 +42,7 @@ from ._events import Resynced
 from ._frames import decode_frame, error_frame
 from ._log import log
 
-__all__ = ["Session", "SessionHost", "bearer_headers", "bootstrap_routes"]
+__all__ = ["Session", "SessionHost", "bootstrap_routes"]
 
 
 class SessionHost(Protocol):
@@ -98,12 +98,6 @@ def bootstrap_routes(
     if missing:
         raise BadPublisherFrame(f"the ack names no bootstrap route for {', '.join(missing)}")
     return {kind.resource: urljoin(api_url, named[kind.resource]) for kind in kinds}
-
-
-def bearer_headers(token: str | None) -> dict[str, str]:
-    """The ``Authorization`` header of ``token`` (none without one): on the websocket
-    handshake and on the HTTP client the listener creates."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _closed(exc: ConnectionClosed) -> PublisherClosed:
