@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from changefeed import __version__
 from changefeed.bootstrap import bearer_headers
@@ -58,48 +58,33 @@ def _dsn(args: argparse.Namespace) -> str:
     return dsn
 
 
-def _positive_int(text: str) -> int:
-    """An option's whole number of at least 1 (argparse refuses anything else, status 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
-    return value
+_N = TypeVar("_N", int, float)
 
 
-def _positive_seconds(text: str) -> float:
-    """An option's finite number of seconds above 0 (argparse refuses anything else)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
-    return value
+def _checked(
+    parse: Callable[[str], _N], valid: Callable[[_N], bool], what: str
+) -> Callable[[str], _N]:
+    """An argparse ``type``: ``parse`` the text and refuse it unless ``valid`` (argparse
+    then exits with status 2, naming the option and saying it ``must be {what}``)."""
+
+    def convert(text: str) -> _N:
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not valid(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return convert
 
 
-def _positive_rate(text: str) -> float:
-    """An option's finite rate above 0, per second."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    """A TCP port, 0 (a free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
-    return value
+_positive_int = _checked(int, lambda n: n >= 1, "a whole number of at least 1")
+_positive_seconds = _checked(
+    float, lambda x: math.isfinite(x) and x > 0, "a number of seconds above 0"
+)
+_positive_rate = _checked(float, lambda x: math.isfinite(x) and x > 0, "a number above 0")
+_port = _checked(int, lambda n: 0 <= n <= 65535, "a port from 0 to 65535")
 
 
 def _parser() -> argparse.ArgumentParser:
