@@ -109,6 +109,9 @@ class ControllerState(Generic[T]):
         # of them has been processed once (None: not in sync yet, nothing tracked).
         self._unsynced: set[str] | None = None
         self._unsynced_busy: set[str] = set()  # ... of which a worker held a stale fetch
+        # Ids a worker still holds (the rest of its batch is under way) that it has
+        # already processed through: no stale completion of theirs is still to come.
+        self._through: set[str] = set()
         self._room = asyncio.Event()
         self._ended = asyncio.Event()
         self.items = 0
