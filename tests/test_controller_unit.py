@@ -584,3 +584,30 @@ async def test_wait_synced_when_a_first_bootstrap_finds_an_id_settled_in_its_bat
         gate.set()
         await controller.wait_idle(5)
         await controller.wait_synced(5)  # hangs: the first id stays in the snapshot for ever
+
+
+async def test_wait_synced_when_a_resume_finds_an_id_settled_in_its_batch() -> None:
+    """The same on a resume: restored pending ids processed (with the application's own
+    ``fetch``, before the listener is even registered), one of a batch already called
+    back when the listener resumes; the snapshot must not wait for it again."""
+    source = Source()
+    api = Api({"k1": vm("k1", "b"), "k2": vm("k2", "b")})
+    gate = asyncio.Event()
+    holding = asyncio.Event()
+    calls: list[str] = []
+
+    async def reconcile(key: str, old: Any, new: Any) -> None:
+        if calls and not gate.is_set():  # the batch's second id: hold its callback
+            holding.set()
+            await gate.wait()
+        calls.append(key)
+
+    controller = Controller(source, fetch=api.fetch, reconcile=reconcile, concurrency=1)
+    restored(controller, {"k1": vm("k1", "a"), "k2": vm("k2", "a")}, ["k1", "k2"])
+    async with controller:
+        await asyncio.wait_for(holding.wait(), 5)  # one called back, the other's under way
+        assert len(calls) == 1 and controller.queue.processing == {"k1", "k2"}
+        controller._resumed()  # what the listener's sink does when the ack resumed
+        gate.set()
+        await controller.wait_idle(5)
+        await controller.wait_synced(5)  # hangs: the first id stays in the snapshot for ever
