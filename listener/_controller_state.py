@@ -133,8 +133,11 @@ class ControllerState(Generic[T]):
         if self._resynced_once:
             return
         self._resynced_once = True
-        self._unsynced = self.queue.outstanding()
-        self._unsynced_busy = set(busy)
+        # An id a worker holds but is already through with (the rest of its batch is
+        # under way) has nothing to come unless it is queued again.
+        through = self._through
+        self._unsynced = self.queue.queued() | (self.queue.processing - through)
+        self._unsynced_busy = set(busy) - through
         if not self._unsynced:
             self._set_synced()
 

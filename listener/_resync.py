@@ -87,9 +87,7 @@ class Resyncing(ControllerState[T]):
             initial=event.initial,
             pending=self.queue.pending,
         )
-        # Ids of a batch whose worker is done with them already have no stale
-        # completion to come: their next one counts.
-        self._start_sync(busy - self._through)
+        self._start_sync(busy)
 
     def _resumed(self) -> None:
         """The listener resumed: for a mirror loaded from a checkpoint, this is what
