@@ -109,6 +109,9 @@ class ControllerState(Generic[T]):
         # of them has been processed once (None: not in sync yet, nothing tracked).
         self._unsynced: set[str] | None = None
         self._unsynced_busy: set[str] = set()  # ... of which a worker held a stale fetch
+        # Ids a worker still holds (the rest of its batch is under way) that it has
+        # already processed through: no stale completion of theirs is still to come.
+        self._through: set[str] = set()
         self._room = asyncio.Event()
         self._ended = asyncio.Event()
         self.items = 0
@@ -130,8 +133,11 @@ class ControllerState(Generic[T]):
         if self._resynced_once:
             return
         self._resynced_once = True
-        self._unsynced = self.queue.outstanding()
-        self._unsynced_busy = set(busy)
+        # An id a worker holds but is already through with (the rest of its batch is
+        # under way) has nothing to come unless it is queued again.
+        through = self._through
+        self._unsynced = self.queue.queued() | (self.queue.processing - through)
+        self._unsynced_busy = set(busy) - through
         if not self._unsynced:
             self._set_synced()
 

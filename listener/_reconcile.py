@@ -70,6 +70,7 @@ class Reconciling(ControllerState[T]):
                     self._stale.add(key)
                     queue.add_rate_limited(key, self._retry.failure(key))
             finally:
+                self._through.difference_update(ids)
                 queue.done_many(ids)
                 if queue.pending < self.max_pending:
                     self._room.set()
@@ -89,6 +90,7 @@ class Reconciling(ControllerState[T]):
             elif not await self._notify(key):
                 continue  # retried later
             self._settled(key)
+            self._through.add(key)
 
     async def _refresh(self, stale: list[str]) -> set[str]:
         """Fetch ``stale`` ids into the mirror; return the ids whose fetch failed."""

@@ -263,6 +263,15 @@ class Session:
                     f"bootstrap walk of {resource} failed: {failure}", failure.status
                 ) from None
             if failure is not None:  # e.g. httpx.InvalidURL: still this session's failure
+                # Not one the pager expects (possibly a bug): its traceback goes to the log.
+                log_event(
+                    log,
+                    "listener.bootstrap.crashed",
+                    logging.ERROR,
+                    exc=failure,
+                    **self._host.log_fields(),
+                    resource=resource,
+                )
                 raise BootstrapFailed(f"bootstrap walk of {resource} failed: {failure!r}") from None
         resyncs = []
         for resource, walk in walks.items():

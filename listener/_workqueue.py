@@ -90,6 +90,10 @@ class WorkQueue(Generic[K]):
         """Every id that still needs processing or is being processed (a snapshot)."""
         return self._dirty | self._due.keys() | self._processing
 
+    def queued(self) -> set[K]:
+        """Every id that still needs processing (queued, requeued or delayed; a snapshot)."""
+        return self._dirty | self._due.keys()
+
     def is_processing(self, key: K) -> bool:
         return key in self._processing
 

@@ -4,6 +4,7 @@ PostgreSQL, real websockets; connection loss through a real TCP proxy."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from datetime import timedelta
@@ -477,3 +478,40 @@ async def test_unavailable_resumes_after_retry_after_and_cursor_expired_bootstra
         not_resumed["reason"] == "too_far_behind" and "replay_limit" in not_resumed["explanation"]
     )
     assert events.named("listener.backoff")[0]["delay"] >= 0.4
+
+
+async def test_an_unexpected_error_in_a_bootstrap_walk_is_logged_with_its_traceback() -> None:
+    """A walk that fails with something else than a BootstrapError (a bug, in the
+    pager or an injected transport) is retried like a failed walk; its traceback
+    must reach a log line, or the bug can only be guessed at from its repr."""
+    registrations: list[dict[str, Any]] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        registrations.append(orjson.loads(await ws.recv()))
+        ack = {"bootstrapRoute": "/vms", "cursor": "c0", "resumed": False}
+        await ws.send(orjson.dumps(ack).decode())
+        await ws.wait_closed()
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("a bug in the transport")
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(broken))
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep(logging.DEBUG)
+    logging.getLogger("changefeed").addHandler(keep)
+    try:
+        async with serve(handler, "127.0.0.1", 0) as server:
+            url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/changefeeds"
+            async with make_listener(url, http=http) as listener:
+                await wait_until(lambda: listener.status().aborts >= 1, 10, message="abort")
+    finally:
+        logging.getLogger("changefeed").removeHandler(keep)
+        await http.aclose()
+    assert "RuntimeError" in (listener.status().last_error or "")
+    tracebacks = [r for r in records if r.exc_info and isinstance(r.exc_info[1], RuntimeError)]
+    assert tracebacks, [(r.getMessage(), r.exc_info) for r in records if r.levelno >= 30]
