@@ -419,3 +419,7 @@ class Controller(Intake[T], Reconciling[T]):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            if self._sink is not None and isinstance(self.listener, Listener):
+                # Also when the task was cancelled before ``run`` began: the listener
+                # must not wait for this controller to start.
+                await self.listener._controller_done(self._sink)

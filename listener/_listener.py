@@ -555,6 +555,9 @@ class Listener(ConnectionLoop, HandingOut):
     def _controller_running(self, sink: Sink) -> None:
         """An attached controller runs; the listener starts once all of them do."""
         self._running.add(sink)
+        self._start_when_all_run()
+
+    def _start_when_all_run(self) -> None:
         if len(self._running) >= self._attached:
             self.start()
         else:
@@ -567,15 +570,19 @@ class Listener(ConnectionLoop, HandingOut):
             )
 
     async def _controller_done(self, sink: Sink) -> None:
-        """An attached controller stopped: it gets nothing more; the last one running
-        closes the listener."""
+        """An attached controller stopped: it gets nothing more, and the listener no
+        longer waits for it to start; once started, the last one running closes it."""
         for resource, sinks in list(self._sinks.items()):
             if sink in sinks:
                 self._sinks[resource] = [s for s in sinks if s is not sink]
+                self._attached -= 1
+        started = self._task is not None or self.state is not S.IDLE
         if sink in self._running:
             self._running.discard(sink)
-            if not self._running:
+            if not self._running and started:
                 await self.close()
+        elif self._running and not started:
+            self._start_when_all_run()  # it may have been the one the others waited for
 
     # -- logging --------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from test_listener_support import (
     api_servers,
     api_state,
     burst,
+    capture_events,
     create_vms,
 )
 
@@ -146,6 +147,31 @@ async def test_two_controllers_share_one_listener_on_one_connection(dsn: str) ->
             assert status.registrations >= 2 and status.resumes >= 1 and status.bootstraps == 1
     assert set(called["vm"]) <= {*vm_ids, late} and set(called["server"]) <= set(server_ids)
     assert called["vm"] and called["server"] and sorted(called["vm"]) == sorted(called["vm-too"])
+    assert listener.state is ConnectionState.STOPPED  # the last controller closed it
+
+
+async def test_a_controller_that_stops_before_the_listener_starts_does_not_hold_up_the_others(
+    dsn: str,
+) -> None:
+    """The listener waits for every attached controller to run. One that stops before
+    the others run is no longer waited for, and the listener stays open for them."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 5)
+        await create_servers(client, 3)
+        listener = shared_listener(api.ws_url)
+        early = Controller(listener, resource="vm", name="early")
+        vms = Controller(listener, resource="vm")
+        servers = Controller(listener, resource="server")
+        async with early:
+            pass  # stopped before its task ever ran
+        with capture_events() as events:
+            async with vms:
+                await wait_until(lambda: events.named("listener.waiting_for_controllers"), 5)
+        assert events.named("listener.waiting_for_controllers")[0]["attached"] == 2
+        assert listener.state is ConnectionState.IDLE  # it never started
+        async with servers:
+            await servers.wait_synced(20)
+            assert dict(servers.mirror) == await api_servers(dsn)
     assert listener.state is ConnectionState.STOPPED  # the last controller closed it
 
 
