@@ -40,6 +40,16 @@ from changefeed.publisher import Publisher, PublisherConfig, publish
 from changefeed.schemas import ERROR_CLOSE_CODES, apply_schema, validate
 
 
+# The publisher's thread (and the websocket clients' keepalive threads) draw from
+# the global ``random`` (websockets' keepalive ping payloads, among others) while
+# hypothesis draws an example in this thread; hypothesis reads that as a strategy
+# using ``random`` (its check compares the global state before and after a draw).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Do not use the `random` module inside strategies"
+    ":hypothesis.errors.HypothesisDeprecationWarning"
+)
+
+
 class ThreadedPublisher:
     """A publisher on uvicorn, on an event loop in its own thread."""
 
