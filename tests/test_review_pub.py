@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import asyncpg
+import httpx
 from helpers import wait_until
 from publisher_fixtures import receive_items, register, registration, running_publisher, write
 
@@ -71,3 +72,15 @@ async def test_a_tailer_reconnect_on_a_fully_trimmed_feed_keeps_its_listeners(
         (item,) = await receive_items(ws, 1)
         assert item.get("changedResourceId") == "after", item
         await ws.close()
+
+
+async def test_a_stats_limit_of_non_decimal_digits_is_a_400_not_a_500(feed_dsn: str) -> None:
+    """``?limit=²`` passes ``str.isdigit`` but not ``int()``: a malformed query
+    parameter must get the protocol's 400 ``bad_request`` (I6), not an internal error."""
+    async with (
+        running_publisher(feed_dsn) as pub,
+        httpx.AsyncClient(base_url=pub.server.url) as http,
+    ):
+        response = await http.get("/changefeeds/stats", params={"limit": "\u00b2"})
+        assert response.status_code == 400, response.status_code
+        assert response.json()["error"]["code"] == "bad_request"
