@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
+from typing import Any
 
 import asyncpg
 import httpx
+import orjson
+import pytest
 from helpers import wait_until
 from publisher_fixtures import receive_items, register, registration, running_publisher, write
+from websockets.exceptions import ConnectionClosed
 
 from changefeed.publisher.retention import trim_expired
+from changefeed.schemas import CloseCode
 
 
 async def _trim_everything(dsn: str) -> None:
@@ -84,3 +90,34 @@ async def test_a_stats_limit_of_non_decimal_digits_is_a_400_not_a_500(feed_dsn: 
         response = await http.get("/changefeeds/stats", params={"limit": "\u00b2"})
         assert response.status_code == 400, response.status_code
         assert response.json()["error"]["code"] == "bad_request"
+
+
+async def test_every_unavailable_close_carries_retry_after(feed_dsn: str) -> None:
+    """4010 tells the listener when to come back: "the error frame carries
+    ``retryAfter``" (docs/fanout.md, close codes). The 4010 a publisher sends its
+    listeners when it recovers from a batch that failed to reach them (or when its
+    tailer gave up: ``Sessions.resume_all``) must carry it too, like every other."""
+    async with running_publisher(feed_dsn, poll_interval=0.05) as pub:
+        ws, _ = await register(pub.ws_url, registration(subs=[]))
+        fanout = pub.publisher.broadcast.fanout
+        original = fanout.dispatch
+        calls = {"n": 0}
+
+        def fails_once(chunk: Any, start: int) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("a programming error, once")
+            return original(chunk, start)
+
+        fanout.dispatch = fails_once  # type: ignore[method-assign]
+        await write(feed_dsn, [("vm", [], "lost")])
+        errors: list[dict[str, Any]] = []
+        with pytest.raises(ConnectionClosed) as closed:
+            async with asyncio.timeout(30):
+                while True:
+                    doc = orjson.loads(await ws.recv())
+                    if isinstance(doc, dict) and "error" in doc:
+                        errors.append(doc["error"])
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == CloseCode.UNAVAILABLE
+        assert [e["code"] for e in errors] == ["unavailable"]
+        assert "retryAfter" in errors[0], errors[0]
