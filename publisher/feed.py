@@ -322,7 +322,7 @@ class FeedReader:
             " (SELECT s.low_water_txid::text::bigint, s.low_water_id, NULL::timestamptz"
             f" FROM {q}.feed_state s"
             " WHERE s.low_water_txid < pg_snapshot_xmin(pg_current_snapshot()))"
-            ") h ORDER BY txid DESC, id DESC LIMIT 1"
+            ") h ORDER BY txid DESC, id DESC, published IS NULL LIMIT 1"
         )
         # Everything a resume from ($1, $2) needs to know, in one snapshot.
         self._resume_facts = (
