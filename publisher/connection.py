@@ -294,7 +294,9 @@ class _Connection:
             session.close(Closing(1011, None, f"internal error: {exc!r}"))
         why = session.closing
         if why is not None:
-            error = ErrorFrame(why.error_code, why.message) if why.error_code else None
+            error = (
+                ErrorFrame(why.error_code, why.message, why.retry_after) if why.error_code else None
+            )
             await self._close(why.close_code, error)
 
     async def _send_loop(self, session: Session, direct: _DirectSender | None) -> None:

@@ -38,6 +38,8 @@ class Closing:
     close_code: int
     error_code: str | None
     message: str
+    retry_after: float | None = None
+    """Seconds the listener should wait before registering again (with ``unavailable``)."""
 
 
 class Delivery:

@@ -310,10 +310,19 @@ class FeedReader:
             " s.compacted_through_id AS ct_id"
         )
         self._state = f"SELECT {state} FROM {q}.feed_state s"
+        # The newest final entry, or the low-water mark when that is later (every
+        # entry up to it trimmed: a quiet feed past max_age). The mark only once no
+        # transaction older than it is open, so that no entry below it commits late.
         self._head_entry = (
-            f"SELECT f.txid::text::bigint AS txid, f.id, f.published FROM {q}.feed f"
+            "SELECT txid, id, published FROM ("
+            f"(SELECT f.txid::text::bigint AS txid, f.id, f.published FROM {q}.feed f"
             " WHERE f.txid < pg_snapshot_xmin(pg_current_snapshot())"
-            " ORDER BY f.txid DESC, f.id DESC LIMIT 1"
+            " ORDER BY f.txid DESC, f.id DESC LIMIT 1)"
+            " UNION ALL"
+            " (SELECT s.low_water_txid::text::bigint, s.low_water_id, NULL::timestamptz"
+            f" FROM {q}.feed_state s"
+            " WHERE s.low_water_txid < pg_snapshot_xmin(pg_current_snapshot()))"
+            ") h ORDER BY txid DESC, id DESC, published IS NULL LIMIT 1"
         )
         # Everything a resume from ($1, $2) needs to know, in one snapshot.
         self._resume_facts = (
@@ -372,11 +381,15 @@ class FeedReader:
         return _state(row)
 
     async def head_entry(self, conn: PgConnection) -> tuple[Position, int]:
-        """The newest final entry's position and stamp ((ORIGIN, 0) for an empty feed)."""
+        """The feed's head: the newest final entry's position and stamp, or the
+        low-water mark and 0 when every entry up to it was trimmed ((ORIGIN, 0) for a
+        feed never written)."""
         row = await conn.fetchrow(self._head_entry)
         if row is None:
             return ORIGIN, 0
-        return Position(row["txid"], row["id"]), stamp_of(row["published"])
+        published = row["published"]
+        stamp = 0 if published is None else stamp_of(published)
+        return Position(row["txid"], row["id"]), stamp
 
     async def resume_facts(self, conn: PgConnection, position: Position) -> ResumeFacts:
         """What the feed says about a resume from ``position``, in one snapshot."""

@@ -155,7 +155,7 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         limit: int | None = None
         if "limit" in query:
             text = query["limit"]
-            if not text.isdigit() or not 0 <= int(text) <= _STATS_LIMIT_MAX:
+            if not (text.isascii() and text.isdigit()) or not 0 <= int(text) <= _STATS_LIMIT_MAX:
                 return bad_request(f"limit must be an integer from 0 to {_STATS_LIMIT_MAX}")
             limit = int(text)
         if "resource" in query:

@@ -371,7 +371,7 @@ class Sessions:
         """Close every listener with 4010: each registers again and resumes from its
         cursor (with this instance or another)."""
         for session in list(self.registry):
-            session.close(Closing(ERROR_CLOSE_CODES["unavailable"], "unavailable", why))
+            session.close(Closing(ERROR_CLOSE_CODES["unavailable"], "unavailable", why, 1.0))
 
     async def evict_stalled(self) -> None:
         """Close the listeners that made no progress for ``stall_timeout`` (only those)."""
