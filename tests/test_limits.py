@@ -263,6 +263,7 @@ async def test_http_query_parameters_are_validated(feed_dsn: str) -> None:
             "/changefeeds?x=1",
             "/changefeeds/stats?limit=-1",
             "/changefeeds/stats?limit=abc",
+            "/changefeeds/stats?limit=%C2%B2",  # '²': str.isdigit, but not int()
             "/changefeeds/stats?limit=1&limit=2",
             "/changefeeds/stats?resource=disk",
             "/changefeeds/stats?service=" + "s" * 300,
