@@ -39,7 +39,6 @@ from websockets.sync.client import ClientConnection, connect
 from changefeed.publisher import Publisher, PublisherConfig, publish
 from changefeed.schemas import ERROR_CLOSE_CODES, apply_schema, validate
 
-
 # The publisher's thread (and the websocket clients' keepalive threads) draw from
 # the global ``random`` (websockets' keepalive ping payloads, among others) while
 # hypothesis draws an example in this thread; hypothesis reads that as a strategy
