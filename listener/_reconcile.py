@@ -243,7 +243,9 @@ class Reconciling(ControllerState[T]):
     async def _default_fetch(self, ids: Sequence[str]) -> Mapping[str, Any]:
         listener = self.listener
         assert isinstance(listener, Listener) and self.resource is not None
-        route = self._route or listener.routes.get(self.resource)
+        # The latest ack's route: a resumed reconnect may name another than the
+        # last bootstrap's, and the old one may answer 404, which reads as a delete.
+        route = listener.routes.get(self.resource) or self._route
         if route is None:
             # Ids loaded from a checkpoint as pending are fetched from the route
             # the first ack names.

@@ -30,6 +30,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from changefeed.listener import (
     BackoffPolicy,
     ConnectionState,
+    Controller,
     Listener,
     ListenerConfig,
     RegistrationRefused,
@@ -515,3 +516,50 @@ async def test_an_unexpected_error_in_a_bootstrap_walk_is_logged_with_its_traceb
     assert "RuntimeError" in (listener.status().last_error or "")
     tracebacks = [r for r in records if r.exc_info and isinstance(r.exc_info[1], RuntimeError)]
     assert tracebacks, [(r.getMessage(), r.exc_info) for r in records if r.levelno >= 30]
+
+
+async def test_a_controller_fetches_from_the_route_the_latest_ack_names() -> None:
+    """An API that moved its route between two publisher restarts: after a resumed
+    reconnect, the default fetch must ask the route the new ack names. The old one
+    answers 404, which the controller would take for a delete."""
+    registrations: list[dict[str, Any]] = []
+    paths: list[str] = []
+    vm = {"uuid": "vm-1", "alias": "before"}
+
+    def http(connection: ServerConnection, request: Any) -> Any:
+        if not request.path.startswith(("/old/", "/new/")):
+            return None  # the websocket
+        paths.append(request.path)
+        if request.path.startswith("/old/vms?"):
+            page = {"items": [vm], "next": None}
+            return connection.respond(HTTPStatus.OK, orjson.dumps(page).decode())
+        if request.path == "/new/vms/vm-1":
+            return connection.respond(HTTPStatus.OK, orjson.dumps(vm).decode())
+        return connection.respond(HTTPStatus.NOT_FOUND, '{"error": "not here"}')
+
+    async def handler(ws: ServerConnection) -> None:
+        registrations.append(orjson.loads(await ws.recv()))
+        first = len(registrations) == 1
+        route = "/old/vms" if first else "/new/vms"
+        ack = {"bootstrapRoute": route, "cursor": f"c{len(registrations)}", "resumed": not first}
+        await ws.send(orjson.dumps(ack).decode())
+        if first:
+            await wait_until(lambda: bool(controller.mirror), 10, message="bootstrapped")
+            await ws.close(CloseCode.GOING_AWAY, "restarting")
+            return
+        vm["alias"] = "after"
+        await ws.send(ChangeItem(VM, "vm-1", "c3", "2026-11-21T23:00:00.000Z").encode())
+        await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0, process_request=http) as server:
+        port = server.sockets[0].getsockname()[1]
+        listener = make_listener(f"ws://127.0.0.1:{port}/changefeeds")
+        controller = Controller(listener)
+        async with controller:
+            await wait_until(
+                lambda: dict(controller.mirror).get("vm-1", {}).get("alias") == "after",
+                10,
+                message="fetched from the new route",
+            )
+    assert registrations[1].get("since") == "c1"
+    assert "/old/vms/vm-1" not in paths
