@@ -86,10 +86,6 @@ class WorkQueue(Generic[K]):
         """Ids that still need processing: queued, requeued after processing, or delayed."""
         return len(self._dirty) + len(self._due)
 
-    def outstanding(self) -> set[K]:
-        """Every id that still needs processing or is being processed (a snapshot)."""
-        return self._dirty | self._due.keys() | self._processing
-
     def queued(self) -> set[K]:
         """Every id that still needs processing (queued, requeued or delayed; a snapshot)."""
         return self._dirty | self._due.keys()
