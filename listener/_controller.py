@@ -54,6 +54,7 @@ from ._handlers import (
     ReconcileHandler,
     UpdateHandler,
 )
+from ._lifecycle import ConnectionState
 from ._listener import Listener
 from ._metrics import Sample, register_controller
 from ._reconcile import Reconciling
@@ -218,8 +219,10 @@ class Controller(Intake[T], Reconciling[T]):
         if checkpoint is not None and not shared:
             raise ListenerConfigError("checkpoint", "is kept by a Listener: give it one")
         if isinstance(listener, Listener):
-            if listener.cursor is not None:
+            if listener.cursor is not None and listener.state is ConnectionState.IDLE:
                 # The mirror starts empty: resuming would skip the bootstrap that fills it.
+                # (A listener past IDLE has a cursor of its own: _attach refuses it as
+                # started.)
                 raise ListenerConfigError(
                     "listener.cursor",
                     "a controller's listener must bootstrap: pass no saved cursor",

@@ -45,6 +45,7 @@ from changefeed.listener import (
     Controller,
     Listener,
     ListenerConfig,
+    ListenerConfigError,
     Resynced,
 )
 from changefeed.publisher.retention import trim_expired
@@ -173,6 +174,30 @@ async def test_a_controller_that_stops_before_the_listener_starts_does_not_hold_
             await servers.wait_synced(20)
             assert dict(servers.mirror) == await api_servers(dsn)
     assert listener.state is ConnectionState.STOPPED  # the last controller closed it
+
+
+async def test_a_controller_joining_a_listener_that_has_bootstrapped_is_told_it_started(
+    dsn: str,
+) -> None:
+    """Once the listener has a cursor of its own (from its bootstrap), a late
+    Controller is refused because the listener started, not as if the application had
+    passed a saved cursor (it passed none)."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 2)
+        listener = shared_listener(api.ws_url)
+        vms = Controller(listener, resource="vm")
+        servers = Controller(listener, resource="server")
+        async with vms, servers:
+            await vms.wait_synced(20)
+            assert listener.cursor is not None
+            for resource in ("vm", "server"):
+                with pytest.raises(ListenerConfigError) as refused:
+                    Controller(listener, resource=resource, name=f"late-{resource}")
+                assert refused.value.key == "listener", refused.value
+                assert "before the listener starts" in str(refused.value)
+    assert listener.state is ConnectionState.STOPPED
+    with pytest.raises(ListenerConfigError, match="before the listener starts"):
+        Controller(listener, resource="vm", name="after")
 
 
 async def test_a_cursor_that_cannot_be_resumed_rebootstraps_every_controller(dsn: str) -> None:
