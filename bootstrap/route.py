@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from changefeed.logs import log_event
 from changefeed.schemas import ErrorFrame, PgConnection
+from changefeed.schemas.validation import bounded
 
 from .admission import Admission
 from .errors import PageRequestError, WalkRefused
@@ -84,8 +85,13 @@ def encode_json(document: Any) -> bytes:
 def error_response(
     status: int, code: str, message: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    """An HTTP error with the protocol's error body ``{"error": {"code", "message"}}``."""
-    return JSONResponse(ErrorFrame(code, message).to_json(), status_code=status, headers=headers)
+    """An HTTP error with the protocol's error body ``{"error": {"code", "message"}}``.
+
+    The message is ``bounded``: it may quote what the request sent (a value, a key,
+    a header, a query parameter), and an answer never echoes 60 KB of it back.
+    """
+    frame = ErrorFrame(code, bounded(message))
+    return JSONResponse(frame.to_json(), status_code=status, headers=headers)
 
 
 def unavailable_response(exc: BaseException, retry_after: int = 1) -> JSONResponse:

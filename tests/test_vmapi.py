@@ -29,6 +29,7 @@ from changefeed.example.vmapi import (
     parse_create,
     parse_patch,
 )
+from changefeed.schemas.validation import MESSAGE_LIMIT
 
 NICS = [{"ip": "10.0.0.1"}]
 
@@ -377,6 +378,31 @@ async def test_writes_take_only_json_so_a_browser_form_cannot_make_them(dsn: str
         # The token is checked first: no hint about the API to an unauthenticated caller.
         response = await client.post("/vms", content=body, headers={"content-type": "text/plain"})
         assert response.status_code == 401
+
+
+async def test_refusals_echo_a_bounded_part_of_the_input(dsn: str) -> None:
+    """A 60 KB value, key, header or query parameter is refused without being sent
+    back whole in the error body (at most MESSAGE_LIMIT characters of message)."""
+    huge = "q" * 60_000
+    async with vmapi(dsn) as (client, _):
+        vm = (await client.post("/vms", json={"alias": "a", "nics": NICS})).json()
+        json_bodies = [
+            ("POST", "/vms", {"alias": "a", "nics": [{"ip": huge}]}),
+            ("POST", "/vms", {"alias": "a", "nics": [], huge: 1}),
+            ("PATCH", f"/vms/{vm['uuid']}", {"server_uuid": huge}),
+            ("POST", "/servers", {"hostname": "h", "ram": 1, "datacenter": "x", "status": huge}),
+        ]
+        refusals = [await client.request(m, path, json=body) for m, path, body in json_bodies]
+        refusals += [
+            await client.get(f"/vms?limit={'9' * 6_000}"),
+            await client.get(f"/vms/{'q' * 6_000}"),
+            await client.get(f"/vms?{'q' * 6_000}=1"),
+            await client.post("/vms", content=b"{}", headers={"content-type": "text/" + huge}),
+        ]
+        for response in refusals:
+            assert response.status_code in (400, 415), response.text[:200]
+            message = response.json()["error"]["message"]
+            assert len(message) <= MESSAGE_LIMIT, (response.request.url, len(message))
 
 
 async def test_a_vm_points_at_its_server_and_a_migration_is_its_own_change(dsn: str) -> None:
