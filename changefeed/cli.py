@@ -152,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=None,
         metavar="SECONDS",
-        help="close an HTTP connection whose request head has not arrived by then "
+        help="close an HTTP connection whose request head has not arrived by then, "
+        "or whose request body stops arriving for as long "
         "(default: that of [server] header_timeout, docs/config.md)",
     )
 

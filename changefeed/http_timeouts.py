@@ -1,5 +1,5 @@
-"""A deadline for an HTTP request's head, for uvicorn: connections that send nothing,
-or half a request, are closed.
+"""Deadlines for an HTTP request's head and body, for uvicorn: connections that send
+nothing, or half a request, are closed.
 
 uvicorn (0.54, both its httptools and its h11 protocols) has one timer on an
 HTTP connection, ``timeout_keep_alive``: it is armed only when a response has
@@ -20,10 +20,18 @@ Timeout`` and closed; one that sent nothing is closed without a word, as an
 idle keep-alive connection is. An idle keep-alive connection still goes after
 ``timeout_keep_alive`` (5 s by default) when that comes first.
 
-The deadline covers the head only. A websocket upgrade cancels it with its
-headers, before the connection becomes a websocket: registered listeners are
-never touched (the publisher's own ``registration_timeout`` covers a websocket
-that never registers). A request body is the app's to read, with its limits.
+A request body has a deadline of the same length, as an idle one (nginx's
+``client_body_timeout``): armed when the head is in, restarted by each part of
+the body that arrives, cancelled once it is all in. A body that stops
+arriving is answered ``408`` (unless the app already answered) and closed; a
+slow one that keeps coming is served. It does not run while the server is the
+one waiting: reading paused because the app has not taken what came, or a
+client waiting for ``100 Continue``.
+
+A websocket upgrade cancels the head's deadline with its headers, before the
+connection becomes a websocket: registered listeners are never touched (the
+publisher's own ``registration_timeout`` covers a websocket that never
+registers).
 
 Use it as uvicorn's ``http`` setting: ``uvicorn.Config(app,
 http=head_timeout_protocol(15.0))``.
@@ -37,6 +45,7 @@ import logging
 from typing import Any, ClassVar
 
 import h11
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -52,25 +61,33 @@ DEFAULT_HEAD_TIMEOUT: float = ServerConfig().header_timeout
 far above any real client's, even over a slow link, and short enough that idle
 sockets cannot pile up by the thousand."""
 
-_TIMEOUT_MESSAGE = b"the request head did not arrive in time\n"
-_REQUEST_TIMEOUT = (
-    b"HTTP/1.1 408 Request Timeout\r\n"
-    b"content-type: text/plain; charset=utf-8\r\n"
-    b"content-length: %d\r\n"
-    b"connection: close\r\n"
-    b"\r\n%s" % (len(_TIMEOUT_MESSAGE), _TIMEOUT_MESSAGE)
-)
+
+def _request_timeout(message: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\n"
+        b"content-type: text/plain; charset=utf-8\r\n"
+        b"content-length: %d\r\n"
+        b"connection: close\r\n"
+        b"\r\n%s" % (len(message), message)
+    )
+
+
+_REQUEST_TIMEOUT = _request_timeout(b"the request head did not arrive in time\n")
+_BODY_TIMEOUT = _request_timeout(b"the request body stopped arriving\n")
 
 
 class _HeadDeadline:
-    """The deadline's state and what happens when it passes (shared by both protocols)."""
+    """The deadlines' state and what happens when one passes (shared by both protocols)."""
 
     head_timeout: ClassVar[float] = DEFAULT_HEAD_TIMEOUT
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     client: tuple[str, int] | None
+    flow: FlowControl
+    cycle: Any  # uvicorn's RequestResponseCycle of the request under way (None before one)
     _head_timer: asyncio.TimerHandle | None = None
     _head_started = False
+    _body_timer: asyncio.TimerHandle | None = None
 
     def _arm_head_deadline(self) -> None:
         """Start the deadline, unless it is running: bytes never extend it."""
@@ -107,6 +124,47 @@ class _HeadDeadline:
             transport.write(_REQUEST_TIMEOUT)
         transport.close()
 
+    def _arm_body_deadline(self) -> None:
+        """(Re)start the body's deadline: each part of the body that arrives restarts it."""
+        self._cancel_body_deadline()
+        if not self.transport.is_closing():
+            self._body_timer = self.loop.call_later(self.head_timeout, self._body_deadline_passed)
+
+    def _cancel_body_deadline(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_deadline_passed(self) -> None:
+        self._body_timer = None
+        transport = self.transport
+        protocol: object = transport.get_protocol()
+        if transport.is_closing() or protocol is not self:
+            return
+        cycle = self.cycle
+        if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
+            # The server is the one waiting (the app has not taken the body so far,
+            # or has not asked for it): not the peer's delay.
+            self._arm_body_deadline()
+            return
+        client = self.client
+        log_event(
+            log,
+            "http.body_timeout",
+            logging.INFO,
+            peer=f"{client[0]}:{client[1]}" if client else "",
+            timeout=self.head_timeout,
+        )
+        answered = cycle is None or cycle.response_started
+        if cycle is not None:
+            # Whatever the app sends from now on goes nowhere (not after the 408), and
+            # its next receive() is a disconnect.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if not answered:
+            transport.write(_BODY_TIMEOUT)
+        transport.close()
+
 
 class _HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
     """uvicorn's httptools protocol with the request head's deadline."""
@@ -122,6 +180,16 @@ class _HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_head_deadline()
         super().on_headers_complete()
+        self._arm_body_deadline()  # a request without a body completes at once
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if self._body_timer is not None:
+            self._arm_body_deadline()
+
+    def on_message_complete(self) -> None:
+        self._cancel_body_deadline()
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         # A queued (pipelined) request already has its whole head: it runs next.
@@ -132,6 +200,7 @@ class _HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
+        self._cancel_body_deadline()
         super().connection_lost(exc)
 
 
@@ -156,13 +225,19 @@ class _H11HeadDeadline(_HeadDeadline, H11Protocol):
         self._follow_h11_state()
 
     def _follow_h11_state(self) -> None:
-        if self.conn.their_state is h11.IDLE:
+        state = self.conn.their_state
+        if state is h11.IDLE:
             self._arm_head_deadline()
         else:  # a request head arrived (or an upgrade, or an error that closes)
             self._cancel_head_deadline()
+        if state is h11.SEND_BODY:
+            self._arm_body_deadline()  # its head, or more of its body, arrived
+        else:
+            self._cancel_body_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
+        self._cancel_body_deadline()
         super().connection_lost(exc)
 
 

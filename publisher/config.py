@@ -280,7 +280,8 @@ class ServerConfig:
         metadata=_doc(
             "An HTTP connection whose request line and headers have not all arrived this long "
             "after it was accepted (or after its previous response) is closed, with 408 if it "
-            "sent part of them. Websockets, once upgraded, are not affected.",
+            "sent part of them; so is one whose request body stops arriving for this long. "
+            "Websockets, once upgraded, are not affected.",
             "seconds",
         ),
     )

@@ -1,9 +1,9 @@
-"""The request head's deadline (changefeed.http_timeouts) on real uvicorn servers on
-127.0.0.1, for both of uvicorn's HTTP protocols, with raw sockets.
+"""The request head's and body's deadlines (changefeed.http_timeouts) on real uvicorn
+servers on 127.0.0.1, for both of uvicorn's HTTP protocols, with raw sockets.
 
-Plain uvicorn never closes a connection that sends nothing or half a request:
-each of the first three tests fails without the deadline (the bounded wait
-for the server to close the socket runs out).
+Plain uvicorn never closes a connection that sends nothing or half a request
+(half its head, or half its body): each of the tests of those fails without
+the deadlines (the bounded wait for the server to close the socket runs out).
 """
 
 from __future__ import annotations
@@ -108,9 +108,23 @@ async def test_the_next_request_on_a_kept_alive_connection_has_its_own_deadline(
 
 
 @pytest.mark.parametrize("http", PROTOCOLS)
+async def test_a_request_body_that_stops_arriving_gets_408_and_is_closed(http: str) -> None:
+    async with serving(0.5, http) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            writer.write(b'{"alias"')  # 8 of its 100 bytes, and no more
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data.startswith(b"HTTP/1.1 408 "), data
+        assert data.endswith(b"the request body stopped arriving\n"), data
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
 async def test_a_slow_but_complete_request_is_served(http: str) -> None:
-    # The head trickles in well within its deadline; the body, which the deadline
-    # does not cover, takes longer than the deadline.
+    # The head trickles in well within its deadline; the body takes longer than the
+    # deadline in all, but no pause between two of its parts is that long.
     timeout = 3.0
     async with serving(timeout, http) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -201,6 +215,17 @@ async def test_changefeed_example_api_takes_the_deadline_from_its_flag(
         finally:
             writer.close()
         assert data == b""
+        # Half a body: a write whose head is whole and whose body stops.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                b"POST /vms HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"alias"'
+            )
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data.startswith(b"HTTP/1.1 408 "), data
 
 
 def test_example_api_refuses_a_header_timeout_that_is_not_positive() -> None:
