@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 import asyncpg
 
 from changefeed.logs import log_event
-from changefeed.schemas import ERROR_CLOSE_CODES, Ack, Cursor, Position
+from changefeed.schemas import ERROR_CLOSE_CODES, Ack, Cursor
 
 from .auth import BearerAuth
 from .catchup import Catchup
@@ -25,7 +25,7 @@ from .config import PublisherConfig
 from .counters import Counters, timestamp
 from .delivery import Closing, Delivery
 from .fanout import Fanout
-from .feed import DB_ERRORS, FeedReader, ResumeFacts
+from .feed import DB_ERRORS, FeedReader
 from .host import Admitted
 from .identity import FeedIdentity
 from .registration import (
@@ -38,6 +38,7 @@ from .registration import (
     read_cursor,
 )
 from .registry import Registry, Session
+from .resume_queries import ResumeQueries
 from .stall import stalled
 from .tailer import Tailer
 from .window import Window
@@ -87,16 +88,13 @@ class Sessions:
         self._fanout = fanout
         self._catchup = catchup
         self._tailer = tailer
-        self._reader = reader
-        self._pool = pool
+        self._resume_queries = ResumeQueries(reader, pool, _READY_TIMEOUT)
         self.registry = Registry()
         self.draining = False
         self.direct_writes: bool | None = None
         """Whether connections get direct writes (known from the first one)."""
         self._empty = asyncio.Event()
         self._empty.set()
-        self._asking: dict[Position, asyncio.Future[ResumeFacts]] = {}
-        """Resume facts being asked for, by position (see _resume_facts)."""
 
     @property
     def config(self) -> PublisherConfig:
@@ -203,7 +201,7 @@ class Sessions:
         feed_id = self._identity.feed_id
         assert feed_id is not None
         try:
-            facts = await self._resume_facts(cursor.position)
+            facts = await self._resume_queries.facts(cursor.position)
         except DB_ERRORS as exc:
             log_event(log, "resume.unavailable", logging.WARNING, exc=exc, peer=peer)
             return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
@@ -215,29 +213,6 @@ class Sessions:
             replay_limit=self._config.replay_limit,
         )
         return (cursor if resumed else None), reason
-
-    async def _resume_facts(self, position: Position) -> ResumeFacts:
-        """The feed's facts about ``position``, asked once for all the registrations
-        that ask at the same time: listeners reconnecting together after an outage
-        or a failover mostly resume from the same few cursors."""
-        asked = self._asking.get(position)
-        if asked is None:
-            asked = self._asking[position] = asyncio.ensure_future(self._ask(position))
-            asked.add_done_callback(self._asked)
-        return await asyncio.shield(asked)
-
-    def _asked(self, asked: asyncio.Future[ResumeFacts]) -> None:
-        for position, future in list(self._asking.items()):
-            if future is asked:
-                del self._asking[position]
-        if not asked.cancelled():
-            asked.exception()  # retrieved: every registration that asked has it too
-
-    async def _ask(self, position: Position) -> ResumeFacts:
-        async with self._pool().acquire(timeout=_READY_TIMEOUT) as conn:
-            # Bounded: an embedding API's pool may have no statement timeout.
-            async with asyncio.timeout(_READY_TIMEOUT):
-                return await self._reader.resume_facts(conn, position)
 
     def _admit(
         self, request: Request, since: Cursor | None, reason: str | None, peer: str
