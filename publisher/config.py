@@ -289,10 +289,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError("server.port", f"must be 1-65535, got {self.port}")
-        if not self.header_timeout > 0:
-            raise ConfigError(
-                "server.header_timeout", f"must be positive, got {self.header_timeout}"
-            )
+        for key in ("header_timeout", "ping_interval", "ping_timeout"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"server.{key}", f"must be positive, got {getattr(self, key)}")
 
 
 _DURATION_KEYS = {
@@ -309,6 +308,16 @@ _DURATION_KEYS = {
     "ping_timeout",
     "drain_grace",
     "header_timeout",
+}
+_POSITIVE_DURATIONS = {
+    # 0 would trim every entry, spin a loop, or close every listener at once; the
+    # other durations take 0 (send at once, do not wait, report at once).
+    "max_age",
+    "retention_interval",
+    "poll_interval",
+    "window_max_age",
+    "registration_timeout",
+    "stall_timeout",
 }
 _POSITIVE_INTS = {
     "tail_batch",
@@ -330,6 +339,9 @@ def _check(config: PublisherConfig, source: str | None) -> None:
     for key in _POSITIVE_INTS:
         if getattr(config, key) < 1:
             raise ConfigError(f"publisher.{key}", "must be at least 1", source)
+    for key in _POSITIVE_DURATIONS:
+        if not getattr(config, key) > 0:
+            raise ConfigError(f"publisher.{key}", "must be more than 0 seconds", source)
     if config.cursor_key is not None and len(config.cursor_key) < 16:
         raise ConfigError(
             "publisher.cursor_key",

@@ -108,6 +108,11 @@ def test_every_key_refuses_a_wrong_value_naming_file_and_key(
         ('[[resources]]\nname = "vm"\n', "resources[0].bootstrap_route"),
         ("[server]\nport = 70000\n", "server.port"),
         ('[server]\nheader_timeout = "0s"\n', "server.header_timeout"),
+        ('[publisher]\nstall_timeout = "0s"\n', "publisher.stall_timeout"),
+        ("[publisher]\npoll_interval = 0\n", "publisher.poll_interval"),
+        ("[publisher]\nregistration_timeout = 0\n", "publisher.registration_timeout"),
+        ("[publisher]\nmax_age = 0\n", "publisher.max_age"),
+        ("[server]\nping_interval = 0\n", "server.ping_interval"),
         ("not toml ===", "(file)"),
     ],
 )
