@@ -5,7 +5,10 @@ advisory lock, so only one publisher instance trims at a time and no batch
 holds locks long enough to stall writers or tailers. The feed's low-water mark
 (the oldest resumable position) rises in the same transaction as each delete,
 so a cursor older than what is held is answered with ``resumed: false``,
-never with a silent gap. Switch it off (``retention = false``) when the Spark
+never with a silent gap. Only entries below the snapshot horizon (every
+transaction before them has ended) are trimmed: the tailers read nothing
+above it, so an entry committed behind a transaction held open for longer
+than ``max_age`` is kept until they have had it. Switch it off (``retention = false``) when the Spark
 job owns garbage collection.
 """
 
@@ -37,6 +40,7 @@ async def trim_batch(
             WITH doomed AS (
                 SELECT txid, id FROM {q}.feed
                 WHERE published < statement_timestamp() - $1::interval
+                  AND txid < pg_snapshot_xmin(pg_current_snapshot())
                 ORDER BY published LIMIT $2
             ), deleted AS (
                 DELETE FROM {q}.feed f USING doomed d

@@ -350,6 +350,36 @@ async def test_cursor_older_than_the_low_water_mark_is_not_resumed(feed_dsn: str
         await ws.close()
 
 
+async def test_retention_keeps_entries_the_tailer_cannot_read_yet(feed_dsn: str) -> None:
+    """A transaction held open for longer than max_age holds the tailer's horizon;
+    entries committed behind it, aged past max_age meanwhile, are not trimmed
+    before the tailer has read them (that would be a silent gap for every live
+    listener)."""
+    from datetime import timedelta
+
+    from changefeed.publisher import publish
+    from changefeed.publisher.retention import trim_expired
+
+    async with running_publisher(feed_dsn) as pub:
+        ws, _ = await register(pub.ws_url, registration(subs=[]))
+        long = await asyncpg.connect(feed_dsn)
+        conn = await asyncpg.connect(feed_dsn)
+        try:
+            tx = long.transaction()
+            await tx.start()
+            await publish(long, "vm", [], "long")
+            await write(feed_dsn, [("vm", [], "behind-1"), ("vm", [], "behind-2")])
+            await conn.execute("UPDATE changefeed.feed SET published = now() - interval '2 days'")
+            assert await trim_expired(conn, "changefeed", timedelta(days=1)) == 0
+            await tx.commit()
+        finally:
+            await long.close()
+            await conn.close()
+        got = await receive_items(ws, 3)
+        assert [i["changedResourceId"] for i in got] == ["long", "behind-1", "behind-2"]
+        await ws.close()
+
+
 async def test_entries_committed_out_of_order_are_not_skipped(feed_dsn: str) -> None:
     """Invariant I1 in miniature: A appends first and commits last."""
     async with running_publisher(feed_dsn) as pub:
