@@ -8,8 +8,8 @@ so a cursor older than what is held is answered with ``resumed: false``,
 never with a silent gap. Only entries below the snapshot horizon (every
 transaction before them has ended) are trimmed: the tailers read nothing
 above it, so an entry committed behind a transaction held open for longer
-than ``max_age`` is kept until they have had it. Switch it off (``retention = false``) when the Spark
-job owns garbage collection.
+than ``max_age`` is kept until they have had it. Switch it off
+(``retention = false``) when the Spark job owns garbage collection.
 """
 
 from __future__ import annotations
