@@ -104,25 +104,24 @@ class _HeadDeadline:
         if self._head_timer is not None:
             self._head_started = True
 
+    def _still_ours(self) -> bool:
+        # Once handed to a websocket protocol, the transport is not this one's to close.
+        protocol: object = self.transport.get_protocol()
+        return not self.transport.is_closing() and protocol is self
+
+    def _log_timeout(self, event: str, **fields: bool) -> None:
+        client = self.client
+        peer = f"{client[0]}:{client[1]}" if client else ""
+        log_event(log, event, logging.INFO, peer=peer, timeout=self.head_timeout, **fields)
+
     def _head_deadline_passed(self) -> None:
         self._head_timer = None
-        transport = self.transport
-        # Once handed to a websocket protocol, the transport is not this one's to close.
-        protocol: object = transport.get_protocol()
-        if transport.is_closing() or protocol is not self:
+        if not self._still_ours():
             return
-        client = self.client
-        log_event(
-            log,
-            "http.head_timeout",
-            logging.INFO,
-            peer=f"{client[0]}:{client[1]}" if client else "",
-            partial=self._head_started,
-            timeout=self.head_timeout,
-        )
+        self._log_timeout("http.head_timeout", partial=self._head_started)
         if self._head_started:
-            transport.write(_REQUEST_TIMEOUT)
-        transport.close()
+            self.transport.write(_REQUEST_TIMEOUT)
+        self.transport.close()
 
     def _arm_body_deadline(self) -> None:
         """(Re)start the body's deadline: each part of the body that arrives restarts it."""
@@ -137,9 +136,7 @@ class _HeadDeadline:
 
     def _body_deadline_passed(self) -> None:
         self._body_timer = None
-        transport = self.transport
-        protocol: object = transport.get_protocol()
-        if transport.is_closing() or protocol is not self:
+        if not self._still_ours():
             return
         cycle = self.cycle
         if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
@@ -147,14 +144,7 @@ class _HeadDeadline:
             # or has not asked for it): not the peer's delay.
             self._arm_body_deadline()
             return
-        client = self.client
-        log_event(
-            log,
-            "http.body_timeout",
-            logging.INFO,
-            peer=f"{client[0]}:{client[1]}" if client else "",
-            timeout=self.head_timeout,
-        )
+        self._log_timeout("http.body_timeout")
         answered = cycle is None or cycle.response_started
         if cycle is not None:
             # Whatever the app sends from now on goes nowhere (not after the 408), and
@@ -162,8 +152,8 @@ class _HeadDeadline:
             cycle.disconnected = True
             cycle.message_event.set()
         if not answered:
-            transport.write(_BODY_TIMEOUT)
-        transport.close()
+            self.transport.write(_BODY_TIMEOUT)
+        self.transport.close()
 
 
 class _HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
