@@ -109,10 +109,10 @@ class _HeadDeadline:
         protocol: object = self.transport.get_protocol()
         return not self.transport.is_closing() and protocol is self
 
-    def _log_timeout(self, event: str, **fields: bool) -> None:
+    def _log_timeout(self, event: str, *, partial: bool) -> None:
         client = self.client
         peer = f"{client[0]}:{client[1]}" if client else ""
-        log_event(log, event, logging.INFO, peer=peer, timeout=self.head_timeout, **fields)
+        log_event(log, event, logging.INFO, peer=peer, partial=partial, timeout=self.head_timeout)
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None
@@ -144,7 +144,7 @@ class _HeadDeadline:
             # or has not asked for it): not the peer's delay.
             self._arm_body_deadline()
             return
-        self._log_timeout("http.body_timeout")
+        self._log_timeout("http.body_timeout", partial=True)
         answered = cycle is None or cycle.response_started
         if cycle is not None:
             # Whatever the app sends from now on goes nowhere (not after the 408), and
