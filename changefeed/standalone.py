@@ -40,7 +40,13 @@ async def check_database(dsn: str, source: str | None, *, schema: str | None = N
     except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
         raise ConfigError("publisher.dsn", f"database unreachable: {exc}", source) from None
     try:
-        if schema is not None and await schema_version(conn, schema) == 0:
+        try:
+            version = await schema_version(conn, schema) if schema is not None else None
+        except asyncpg.PostgresError as exc:  # e.g. a role without the grants of roles.sql
+            raise ConfigError(
+                "publisher.dsn", f"cannot read the feed schema's version: {exc}", source
+            ) from None
+        if version == 0:
             raise ConfigError(
                 "publisher.create_schema",
                 f"is false and the feed schema {schema!r} does not exist: run "

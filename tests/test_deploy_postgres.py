@@ -24,6 +24,7 @@ from test_deploy_support import DEPLOY
 
 from changefeed.embedded import EmbeddedPostgres, temporary
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, install_trigger
+from changefeed.standalone import check_database
 
 SETTING = re.compile(r"^\s*([a-z_]+)\s*=\s*('(?:[^']*)'|[^#\s]+)\s*(?:#.*)?$")
 
@@ -125,6 +126,8 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
     finally:
         await owner.close()
 
+    # What `changefeed serve` checks first, as the role it runs as.
+    await check_database(as_role(owner_dsn, "changefeed_publisher"), None, schema="changefeed")
     publisher = Publisher(
         PublisherConfig(
             dsn=as_role(owner_dsn, "changefeed_publisher"),

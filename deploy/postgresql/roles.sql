@@ -35,6 +35,8 @@ GRANT USAGE ON SCHEMA changefeed TO changefeed_publisher, changefeed_writer;
 -- Tail, resume (read), retention (delete old entries, raise the low-water mark).
 GRANT SELECT, DELETE ON changefeed.feed TO changefeed_publisher;
 GRANT SELECT, UPDATE ON changefeed.feed_state TO changefeed_publisher;
+-- `changefeed serve` checks at start-up that the schema is there (its version).
+GRANT SELECT ON changefeed.schema_migrations TO changefeed_publisher;
 -- Without it pg_stat_activity hides other roles' transactions, and
 -- changefeed_oldest_open_transaction_seconds would always read 0.
 GRANT pg_read_all_stats TO changefeed_publisher;
