@@ -82,7 +82,14 @@ _BORROWED = (
 """Attributes of uvicorn's websockets-sansio protocol that FanoutWebSocketProtocol
 reads or writes: private to uvicorn, so checked once (``direct_writes_unsupported``)."""
 
-_OVERRIDDEN = ("handle_connect", "handle_parser_exception", "keepalive_timeout", "run_asgi", "send")
+_OVERRIDDEN = (
+    "data_received",
+    "handle_connect",
+    "handle_parser_exception",
+    "keepalive_timeout",
+    "run_asgi",
+    "send",
+)
 
 
 @functools.cache
@@ -164,9 +171,30 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     refused like one over the publisher's ``max_frame_bytes`` (error frame, then
     4006); a listener that stops answering pings is reported to the app as such,
     at once; a handshake refused with an HTTP response (401) is not logged as an
-    error; and a connection whose app is done is dropped once its close
+    error; a handshake websockets cannot parse is answered (431) and closed, not
+    left open for good; and a connection whose app is done is dropped once its close
     handshake had its time, even when the peer stopped reading (``run_asgi``).
     """
+
+    def data_received(self, data: bytes) -> None:
+        """A handshake websockets cannot parse is answered and closed.
+
+        httptools hands over any head with ``Upgrade: websocket`` (which ends its
+        head deadline, changefeed.http_timeouts); websockets then refuses what it
+        cannot parse (a header line over 8 KiB, too many headers: 431; anything
+        else: no answer) without raising an event. uvicorn writes nothing and
+        closes nothing then, so the socket would be held for good by a peer that
+        never even sent a token. Its answer is written and the connection closed.
+        """
+        super().data_received(data)
+        if (
+            direct_writes_unsupported() is None
+            and self.conn.handshake_exc is not None
+            and not self.handshake_complete
+            and not self.transport.is_closing()
+        ):
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.transport.close()
 
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from helpers import free_port
+from helpers import free_port, wait_until
 from servers import RunningServer, serve_app
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -226,6 +226,41 @@ async def test_changefeed_example_api_takes_the_deadline_from_its_flag(
         finally:
             writer.close()
         assert data.startswith(b"HTTP/1.1 408 "), data
+
+
+async def test_a_write_whose_client_goes_away_mid_body_is_no_error(
+    dsn: str, tmp_path: Path
+) -> None:
+    """Half a body, then the body deadline (408): the write's read of its body
+    ends with ClientDisconnect (as it does when the client closes mid-body),
+    which is the client's doing, not the server's. It is logged as
+    ``vmapi.client_gone``, never as an error with a traceback (any client could
+    fill the log with those)."""
+    port = free_port()
+    args = ["example-api", "--dsn", dsn, "--port", str(port), "--header-timeout", "0.5"]
+    api = ChangefeedServer("example-api", args, port, tmp_path)
+    half = (
+        b"POST /vms HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"alias"'
+    )
+    async with stopping(api):
+        api.start()
+        await api.wait_ready()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(half)
+            data, _ = await closed_after(reader, 0.5 + CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data.startswith(b"HTTP/1.1 408 "), data
+        await wait_until(
+            lambda: '"event":"vmapi.client_gone"' in api.log(limit=1_000_000),
+            timeout=CLOSE_BOUND,
+            message=f"the vmapi.client_gone line\n{api.log()}",
+        )
+        log = api.log(limit=1_000_000)
+        assert '"level":"error"' not in log, log
+        assert "Traceback" not in log, log
 
 
 def test_example_api_refuses_a_header_timeout_that_is_not_positive() -> None:

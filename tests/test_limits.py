@@ -210,6 +210,38 @@ async def test_a_frame_over_the_servers_own_limit_gets_the_same_refusal(feed_dsn
         await good.close()
 
 
+@pytest.mark.parametrize(
+    "padding",
+    [
+        b"X-Pad: " + b"x" * 9000 + b"\r\n",  # a header line websockets will not read
+        b"".join(b"X-Pad-%d: x\r\n" % n for n in range(200)),  # too many headers
+    ],
+    ids=["long-line", "many-headers"],
+)
+async def test_a_handshake_websockets_cannot_parse_is_answered_and_closed(
+    feed_dsn: str, padding: bytes
+) -> None:
+    """httptools takes such a head and hands it to the websocket protocol, which
+    ends the head's deadline; websockets refuses it without an event, and uvicorn
+    would neither answer nor close: a peer without a token would hold the socket
+    for good. FanoutWebSocketProtocol writes websockets' answer and closes."""
+    async with running_publisher(feed_dsn) as pub:
+        good, _ = await register(pub.ws_url, registration(subs=["nic"]))
+        reader, writer = await asyncio.open_connection("127.0.0.1", pub.server.port)
+        try:
+            writer.write(
+                b"GET /changefeeds HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Sec-WebSocket-Version: 13\r\n" + padding + b"\r\n"
+            )
+            answer = await asyncio.wait_for(reader.read(), 10)  # read() returns at EOF only
+        finally:
+            writer.close()
+        assert answer.startswith(b"HTTP/1.1 431 "), answer
+        await still_serving(pub, good, "after-unparsable-handshake")
+        await good.close()
+
+
 async def test_a_binary_registration_is_a_bad_frame(feed_dsn: str) -> None:
     async with running_publisher(feed_dsn) as pub:
         ws = await connect(pub.ws_url)

@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncpg
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from changefeed.bootstrap import DB_UNAVAILABLE, encode_json, error_response, unavailable_response
@@ -201,6 +201,12 @@ def guard(handler: Handler, refuse_unauthorized: Authorizer) -> Handler:
             return refused
         try:
             return await handler(request)
+        except ClientDisconnect:
+            # The client went away mid-body, or stopped sending it and the server's
+            # body deadline closed the connection (changefeed.http_timeouts, which
+            # has answered 408). Nothing was written; nobody is left to answer.
+            log_event(log, "vmapi.client_gone", route=request.url.path)
+            return Response(status_code=400)
         except InvalidBody as exc:
             return error_response(400, "bad_request", str(exc))
         except Refused as exc:
