@@ -69,6 +69,7 @@ def tune_collector() -> None:
 _BORROWED = (
     "config",
     "conn",
+    "frames",
     "close_sent",
     "close_timeout",
     "disconnected",
@@ -89,6 +90,7 @@ _OVERRIDDEN = (
     "keepalive_timeout",
     "run_asgi",
     "send",
+    "send_receive_event_to_app",
 )
 
 
@@ -119,6 +121,14 @@ def direct_writes_unsupported() -> str | None:
     if missing:
         return f"uvicorn {uvicorn.__version__} lacks {', '.join(sorted(set(missing)))}"
     return None
+
+
+def _is_utf8(parts: list[bytes]) -> bool:
+    try:
+        (parts[0] if len(parts) == 1 else b"".join(parts)).decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 async def _no_app(scope: Any, receive: Any, send: Any) -> None:  # pragma: no cover - never run
@@ -169,7 +179,8 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
 
     What else a publisher needs from its server: a frame over ``ws_max_size`` is
     refused like one over the publisher's ``max_frame_bytes`` (error frame, then
-    4006); a listener that stops answering pings is reported to the app as such,
+    4006), and a text frame that is not UTF-8 like any other bad frame (error
+    frame, then 4000); a listener that stops answering pings is reported to the app as such,
     at once; a handshake refused with an HTTP response (401) is not logged as an
     error; a handshake websockets cannot parse is answered (431) and closed, not
     left open for good; and a connection whose app is done is dropped once its close
@@ -225,9 +236,30 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             super().handle_parser_exception()
             return
         self.conn.data_to_send()  # websockets' own close (1009): replaced below
-        reason = Disconnect.FRAME_TOO_LARGE.value
-        code = ERROR_CLOSE_CODES[reason]
         message = f"frame exceeds the server's limit of {self.config.ws_max_size} bytes"
+        self._refuse_frame(Disconnect.FRAME_TOO_LARGE, message)
+
+    def send_receive_event_to_app(self) -> None:
+        """A text message that is not UTF-8 is a bad frame: the publisher's refusal
+        (error frame ``bad_frame``, then 4000), as for any other bad frame, instead
+        of uvicorn's error log with a traceback for each one and a bare 1007."""
+        if (
+            direct_writes_unsupported() is None
+            and getattr(self, "curr_msg_data_type", None) == "text"
+            and self.handshake_complete
+            and not self.close_sent
+            and not _is_utf8(self.frames)
+        ):
+            self.frames = []
+            self._refuse_frame(Disconnect.BAD_FRAME, "a text frame must be UTF-8")
+            return
+        super().send_receive_event_to_app()
+
+    def _refuse_frame(self, cause: Disconnect, message: str) -> None:
+        """Send the publisher's error frame for ``cause`` and its close code, tell the
+        app why, and close."""
+        reason = cause.value
+        code = ERROR_CLOSE_CODES[reason]
         error = ErrorFrame(reason, message).encode().encode()
         close = Close(code, reason).serialize()
         self.transport.write(
@@ -238,7 +270,7 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             "type": "websocket.disconnect",
             "code": code,
             "reason": reason,
-            DISCONNECT_CAUSE: Disconnect.FRAME_TOO_LARGE,
+            DISCONNECT_CAUSE: cause,
         }
         self.queue.put_nowait(disconnect)
         self.close_sent = True

@@ -81,6 +81,8 @@ def _server_closing(message: Message) -> Closing | None:
         return Closing(code, "frame_too_large", "frame exceeds the server's size limit")
     if cause is Disconnect.KEEPALIVE_TIMEOUT:
         return Closing(code, None, "no answer to pings (keepalive timeout)")
+    if cause is Disconnect.BAD_FRAME:
+        return Closing(code, "bad_frame", "a text frame that is not UTF-8")
     return None
 
 
@@ -397,6 +399,8 @@ class _Connection:
                 self._gone = True
                 closing = _server_closing(message)
                 code = int(message.get("code", 1005))
+                if closing is not None and closing.error_code is not None:
+                    self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
                 session.close(closing or Closing(code, None, "closed by listener"))
                 return
             data: Any = message.get("text")
@@ -405,9 +409,9 @@ class _Connection:
             elif len(data) * 4 > max_frame_bytes:
                 data = data.encode()  # the limit is in bytes; UTF-8 takes up to 4 a character
             if len(data) > max_frame_bytes:
-                session.close(
-                    Closing(4006, "frame_too_large", f"frame exceeds {max_frame_bytes} bytes")
-                )
+                why = f"frame exceeds {max_frame_bytes} bytes"
+                self.host.refused("frame_too_large", "websocket", self.peer, why)
+                session.close(Closing(4006, "frame_too_large", why))
                 return
             # Anything else (RFD 5 listeners send "heartbeat") needs no answer.
 

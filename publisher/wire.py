@@ -49,6 +49,9 @@ class Disconnect(Enum):
     (``frame_too_large``) and closed with 4006."""
     KEEPALIVE_TIMEOUT = "keepalive_timeout"
     """The listener stopped answering pings."""
+    BAD_FRAME = "bad_frame"
+    """A text frame that is not UTF-8: it sent the publisher's error frame
+    (``bad_frame``) and closed with 4000."""
 
 
 class FrameWriter(Protocol):

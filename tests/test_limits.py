@@ -183,6 +183,8 @@ async def test_frame_size_limits(feed_dsn: str) -> None:
         await still_serving(pub, good, "after-big-frames")
         (item,) = await receive_items(ws, 1)
         assert item["changedResourceId"] == "after-big-frames"
+        # Each violation is counted, before registration and after it.
+        assert pub.publisher.stats()["counters"]["refused"]["frame_too_large"] == 3
         await ws.close()
         await good.close()
 
@@ -207,7 +209,51 @@ async def test_a_frame_over_the_servers_own_limit_gets_the_same_refusal(feed_dsn
         await still_serving(pub, good, "after-oversized-frames")
         stats = pub.publisher.stats()
         assert stats["listeners"] == 1, stats
+        assert stats["counters"]["refused"]["frame_too_large"] == 3
         await good.close()
+
+
+async def send_text_bytes(ws: ClientConnection, data: bytes) -> None:
+    """Send ``data`` as a text frame as it is, UTF-8 or not (websockets' own
+    ``send`` encodes a str and cannot send a text frame that is not UTF-8)."""
+    async with ws.send_context():
+        ws.protocol.send_text(data)
+
+
+@pytest.mark.parametrize("ws_kind", ["direct", "asgi"])
+async def test_a_text_frame_that_is_not_utf8_is_a_bad_frame(feed_dsn: str, ws_kind: str) -> None:
+    """With changefeed's protocol, as the registration or after it: the publisher's
+    error frame and 4000, counted, and no error logged (uvicorn's own protocol logs
+    a traceback for each and closes with a bare 1007)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep(logging.ERROR)
+    logging.getLogger().addHandler(keep)
+    try:
+        async with running_publisher(feed_dsn, ws=ws_kind) as pub:
+            good, _ = await register(pub.ws_url, registration(subs=["nic"]))
+            ws = await connect(pub.ws_url, open_timeout=10)
+            await send_text_bytes(ws, b'{"instance": "\xff\xfe"}')
+            if ws_kind == "direct":
+                await expect_refusal(ws, "bad_frame")
+                ws, _ = await register(pub.ws_url, registration())
+                await send_text_bytes(ws, b"\xc0\xaf")
+                await expect_refusal(ws, "bad_frame")
+                assert pub.publisher.stats()["counters"]["refused"]["bad_frame"] == 2
+            else:
+                with pytest.raises(ConnectionClosed) as closed:
+                    await asyncio.wait_for(ws.recv(), 10)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1007
+            await still_serving(pub, good, "after-bad-utf8")
+            await good.close()
+    finally:
+        logging.getLogger().removeHandler(keep)
+    if ws_kind == "direct":
+        assert not records, [r.getMessage() for r in records]
 
 
 @pytest.mark.parametrize(
