@@ -51,6 +51,9 @@ class CommandError(Exception):
         self.status = status
 
 
+_TOKEN_HELP = "bearer token (default: $CHANGEFEED_TOKEN, which keeps it out of the process list)"
+
+
 def _dsn(args: argparse.Namespace) -> str:
     dsn: str | None = args.dsn or os.environ.get("CHANGEFEED_DSN")
     if not dsn:
@@ -197,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
         help="keep a mirror of the resources and print it as it changes",
     )
     listen.add_argument("--id-field", default="uuid", help="id field of bootstrap items")
-    listen.add_argument("--token", help="bearer token")
+    listen.add_argument("--token", default=os.environ.get("CHANGEFEED_TOKEN"), help=_TOKEN_HELP)
     listen.add_argument(
         "--count", type=_positive_int, default=None, help="exit after this many items"
     )
@@ -227,7 +230,7 @@ def _parser() -> argparse.ArgumentParser:
     stats = command("stats", "Print a publisher's /changefeeds/stats readably.")
     stats.add_argument("url", help="publisher base URL")
     stats.add_argument("--json", action="store_true", help="raw JSON")
-    stats.add_argument("--token", help="bearer token")
+    stats.add_argument("--token", default=os.environ.get("CHANGEFEED_TOKEN"), help=_TOKEN_HELP)
 
     db = command("db", "Feed schema management.")
     db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 
 import asyncpg
@@ -17,10 +18,11 @@ from changefeed.publisher import publish_many
 TOKEN = "stats-reader-token-0123456789"
 
 
-async def changefeed_stats(*args: str) -> str:
+async def changefeed_stats(*args: str, env: dict[str, str] | None = None) -> str:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "changefeed.cli", "stats", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=None if env is None else {**os.environ, **env},
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
@@ -78,7 +80,9 @@ async def test_stats_shows_the_runbooks_figures_readably(feed_dsn: str) -> None:
         (row,) = [line for line in text.splitlines() if line.startswith("reader ")]
         assert " live " in row
         await pub.publisher.drain(grace=0.1)
-        assert "DRAINING" in await changefeed_stats(pub.server.url, "--token", TOKEN)
+        # The token from the environment, where the process list does not show it.
+        draining = await changefeed_stats(pub.server.url, env={"CHANGEFEED_TOKEN": TOKEN})
+        assert "DRAINING" in draining
         stuck.transport.abort()
         reading.cancel()
         await asyncio.gather(reading, return_exceptions=True)
