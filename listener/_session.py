@@ -89,15 +89,29 @@ def bootstrap_routes(
     per resource, matched by name.
 
     Raises:
-        BadPublisherFrame: the ack names no route for a registered resource.
+        BadPublisherFrame: the ack names no route for a registered resource, or one
+            that is not a URL.
     """
     if not multi:
-        return {kinds[0].resource: urljoin(api_url, ack.bootstrap_route)}
+        return {kinds[0].resource: _absolute(api_url, ack.bootstrap_route)}
     named = {route.resource: route.bootstrap_route for route in ack.routes}
     missing = [kind.resource for kind in kinds if kind.resource not in named]
     if missing:
         raise BadPublisherFrame(f"the ack names no bootstrap route for {', '.join(missing)}")
-    return {kind.resource: urljoin(api_url, named[kind.resource]) for kind in kinds}
+    return {kind.resource: _absolute(api_url, named[kind.resource]) for kind in kinds}
+
+
+def _absolute(api_url: str, route: str) -> str:
+    """``route`` resolved against the API's URL, checked as httpx will read it: a
+    publisher's bad route is that publisher's bad frame, not a crash of the listener."""
+    try:
+        url = urljoin(api_url, route)
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as exc:
+        raise BadPublisherFrame(
+            f"the ack's bootstrap route {route[:200]!r} is not a URL: {exc}"
+        ) from None
+    return url
 
 
 def _closed(exc: ConnectionClosed) -> PublisherClosed:

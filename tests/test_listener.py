@@ -518,6 +518,29 @@ async def test_an_unexpected_error_in_a_bootstrap_walk_is_logged_with_its_traceb
     assert tracebacks, [(r.getMessage(), r.exc_info) for r in records if r.levelno >= 30]
 
 
+@pytest.mark.parametrize("route", ["http://[::1/vms", "http://host:port/vms"])
+async def test_an_ack_whose_bootstrap_route_is_not_a_url_is_a_bad_frame(route: str) -> None:
+    """A publisher's ack naming a route that is not a URL (urljoin or httpx refuses
+    it) ends that session like any other bad frame: the listener backs off and
+    registers again, it does not stop."""
+    registrations: list[dict[str, Any]] = []
+
+    async def handler(ws: ServerConnection) -> None:
+        registrations.append(orjson.loads(await ws.recv()))
+        ack = {"bootstrapRoute": route, "cursor": "c0", "resumed": False}
+        await ws.send(orjson.dumps(ack).decode())
+        await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/changefeeds"
+        async with make_listener(url) as listener:
+            await wait_until(lambda: len(registrations) >= 2, 10, message="registers again")
+            status = listener.status()
+    assert listener.state is ConnectionState.STOPPED  # closed by the block, not crashed
+    assert status.aborts >= 1 and "BadPublisherFrame" in (status.last_error or "")
+    assert "is not a URL" in (status.last_error or "")
+
+
 async def test_a_controller_fetches_from_the_route_the_latest_ack_names() -> None:
     """An API that moved its route between two publisher restarts: after a resumed
     reconnect, the default fetch must ask the route the new ack names. The old one
