@@ -24,6 +24,7 @@ __all__ = [
     "FeedHealth",
     "FeedReader",
     "FeedState",
+    "FeedTrimmed",
     "PageOfFeed",
     "ResumeFacts",
     "install_trigger",
@@ -42,6 +43,10 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.InternalClientError,
 )
 """Failures that mean "the database is unreachable, restarting or failing over": retried."""
+
+
+class FeedTrimmed(Exception):
+    """Entries after a reader's position were deleted before it read them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,8 +263,14 @@ class FeedReader:
         # ORDER BY names the table's columns (f.txid), not the bigint output
         # alias: ordering by the alias would sort the whole feed instead of
         # walking the primary key.
+        # `trimmed`, from the same snapshot: entries after the cursor were
+        # deleted before this reader had them (a garbage collection with a max
+        # age shorter than the reader's lag). One value for the statement.
         self._after = (
-            f"SELECT {columns} FROM {q}.feed f"
+            f"SELECT {columns},"
+            " (SELECT (s.low_water_txid, s.low_water_id) > ($1::bigint::text::xid8, $2)"
+            f" FROM {q}.feed_state s) AS trimmed"
+            f" FROM {q}.feed f"
             " WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2)"
             " AND f.txid < pg_snapshot_xmin(pg_current_snapshot())"
             " ORDER BY f.txid, f.id LIMIT $3"
@@ -344,8 +355,15 @@ class FeedReader:
         )
 
     async def read_after(self, conn: PgConnection, after: Position, limit: int) -> list[FeedEntry]:
-        """Return up to ``limit`` final entries after ``after``, in feed order."""
+        """Return up to ``limit`` final entries after ``after``, in feed order.
+
+        Raises:
+            FeedTrimmed: entries after ``after`` were deleted (the low-water mark
+                passed it) before they were read: what this returned would have a hole.
+        """
         rows = await conn.fetch(self._after, after.txid, after.id, limit)
+        if rows and rows[0]["trimmed"]:
+            raise FeedTrimmed(f"the feed was trimmed past {after} before it was read")
         return [_entry(r) for r in rows]
 
     async def read_page(

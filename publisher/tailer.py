@@ -25,7 +25,7 @@ from tenacity import AsyncRetrying, RetryCallState, wait_exponential_jitter
 from changefeed.logs import log_event
 from changefeed.schemas import Position, stamp_of
 
-from .feed import DB_ERRORS, FeedEntry, FeedReader
+from .feed import DB_ERRORS, FeedEntry, FeedReader, FeedTrimmed
 
 __all__ = ["Join", "Tailer"]
 
@@ -172,10 +172,7 @@ class Tailer:
         try:
             await conn.add_listener(self._channel, self.ring)
             first = self.position is None
-            if self._join is not None:
-                self.position, self.stamp = await self._join(conn, self.position, self.stamp)
-            elif first:
-                self.position = await self._reader.head(conn)
+            await self._join_feed(conn)
             if first:
                 log_event(log, "tailer.started", position=str(self.position))
             elif self.status != "starting":
@@ -191,7 +188,18 @@ class Tailer:
             self.ready.set()
             while True:
                 self._wake.clear()
-                await self._drain(conn)
+                try:
+                    await self._drain(conn)
+                except FeedTrimmed as exc:
+                    # Entries after the position were deleted before they were read
+                    # (garbage collected with a max age shorter than this lag): join
+                    # the feed again, which closes every listener with 4011 (they
+                    # bootstrap) and starts from the head. Never a silent gap.
+                    log_event(log, "tailer.trimmed", logging.ERROR, reason=str(exc))
+                    self.ready.clear()
+                    await self._join_feed(conn)
+                    self.ready.set()
+                    continue
                 with contextlib.suppress(TimeoutError):
                     # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
                     # cancellation that races the doorbell, and stop() then hangs.
@@ -204,6 +212,13 @@ class Tailer:
                     await conn.close()
             if not conn.is_closed():
                 conn.terminate()
+
+    async def _join_feed(self, conn: asyncpg.Connection) -> None:
+        """Where to read from on ``conn``: ``join``'s answer, or the head the first time."""
+        if self._join is not None:
+            self.position, self.stamp = await self._join(conn, self.position, self.stamp)
+        elif self.position is None:
+            self.position = await self._reader.head(conn)
 
     async def _drain(self, conn: asyncpg.Connection) -> None:
         assert self.position is not None
