@@ -20,6 +20,7 @@ from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema, sta
 
 __all__ = [
     "DB_ERRORS",
+    "NO_REWRITES",
     "FeedEntry",
     "FeedHealth",
     "FeedReader",
@@ -27,6 +28,7 @@ __all__ = [
     "FeedTrimmed",
     "PageOfFeed",
     "ResumeFacts",
+    "Rewrites",
     "install_trigger",
     "publish",
     "publish_many",
@@ -61,6 +63,26 @@ class FeedEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class Rewrites:
+    """What the compaction job has announced it rewrites (schema migration 6).
+
+    A run announces itself before it widens any entry; publishers serve nothing
+    at or before ``through`` from memory to a listener that reads the table past
+    a run's changes (see ``pages``, ``catchup``; docs/compaction.md).
+    """
+
+    generation: int
+    """Grows by one with each run: a page of the table read under an older one
+    may hold entries as they were before a run's changes."""
+    through: Position
+    """The newest entry any run has widened or is about to (never lowered)."""
+
+
+NO_REWRITES = Rewrites(0, ORIGIN)
+"""A feed the compaction job never ran on."""
+
+
+@dataclass(frozen=True, slots=True)
 class FeedState:
     """Who the feed is (schema migration 5), and what has been taken out of it."""
 
@@ -72,6 +94,8 @@ class FeedState:
     """The oldest resumable position: everything after it is still held."""
     compacted_through: Position
     """The newest entry compaction merged away into a later one."""
+    rewrites: Rewrites = NO_REWRITES
+    """What the compaction job has announced it rewrites."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +118,7 @@ class PageOfFeed:
 
     entries: list[FeedEntry]
     low_water: Position
-    compacted_through: Position
+    rewrites: Rewrites = NO_REWRITES
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,12 +259,17 @@ def _entry(row: asyncpg.Record) -> FeedEntry:
     )
 
 
+def _rewrites(row: asyncpg.Record) -> Rewrites:
+    return Rewrites(row["rw_generation"], Position(row["rw_txid"], row["rw_id"]))
+
+
 def _state(row: asyncpg.Record) -> FeedState:
     return FeedState(
         feed_id=row["feed_id"],
         cursor_key=bytes(row["cursor_key"]),
         low_water=Position(row["lw_txid"], row["lw_id"]),
         compacted_through=Position(row["ct_txid"], row["ct_id"]),
+        rewrites=_rewrites(row),
     )
 
 
@@ -275,15 +304,22 @@ class FeedReader:
             " AND f.txid < pg_snapshot_xmin(pg_current_snapshot())"
             " ORDER BY f.txid, f.id LIMIT $3"
         )
-        # A catch-up page and the low-water mark in one statement, so one
-        # snapshot: when the mark is at or before `after`, nothing after it was
-        # trimmed, and the page has no hole (whoever deletes raises the mark in
-        # the same transaction). The page's rows come in feed order; the mark
-        # comes on every row (and alone, with NULL entries, when there are none).
+        # What the compaction job has announced it rewrites (migration 6).
+        rewrites = (
+            "s.rewrite_generation AS rw_generation,"
+            " s.rewritten_through_txid::text::bigint AS rw_txid,"
+            " s.rewritten_through_id AS rw_id"
+        )
+        # A catch-up page, the low-water mark and the compaction job's rewrites
+        # in one statement, so one snapshot: when the mark is at or before
+        # `after`, nothing after it was trimmed, and the page has no hole
+        # (whoever deletes raises the mark in the same transaction); a page that
+        # shows any of a run's changes shows that run's announcement. The
+        # page's rows come in feed order; the marks come on every row (and
+        # alone, with NULL entries, when there are none).
         self._page = (
             "SELECT s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id,"
-            " s.compacted_through_txid::text::bigint AS ct_txid,"
-            " s.compacted_through_id AS ct_id, p.*"
+            f" {rewrites}, p.*"
             f" FROM {q}.feed_state s LEFT JOIN LATERAL ("
             f" SELECT {columns} FROM {q}.feed f"
             " WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2)"
@@ -318,7 +354,7 @@ class FeedReader:
             "s.feed_id, s.cursor_key,"
             " s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id,"
             " s.compacted_through_txid::text::bigint AS ct_txid,"
-            " s.compacted_through_id AS ct_id"
+            f" s.compacted_through_id AS ct_id, {rewrites}"
         )
         self._state = f"SELECT {state} FROM {q}.feed_state s"
         # The newest final entry, or the low-water mark when that is later (every
@@ -375,8 +411,8 @@ class FeedReader:
         limit: int,
     ) -> PageOfFeed:
         """Up to ``limit`` entries of ``resources`` in ``(after, upto]``, in feed order,
-        and the feed's low-water and compaction marks, from one snapshot (a catch-up
-        page)."""
+        the feed's low-water mark and the compaction job's rewrites, from one
+        snapshot (a catch-up page)."""
         rows = await conn.fetch(
             self._page, after.txid, after.id, upto.txid, upto.id, list(resources), limit
         )
@@ -384,7 +420,7 @@ class FeedReader:
         return PageOfFeed(
             [_entry(r) for r in rows if r["id"] is not None],
             Position(first["lw_txid"], first["lw_id"]),
-            Position(first["ct_txid"], first["ct_id"]),
+            _rewrites(first),
         )
 
     async def head(self, conn: PgConnection) -> Position:

@@ -205,6 +205,9 @@ class Sessions:
         except DB_ERRORS as exc:
             log_event(log, "resume.unavailable", logging.WARNING, exc=exc, peer=peer)
             return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
+        # The listener may have read past a compaction run elsewhere: learn of it
+        # before deciding where it starts (_admit, catchup).
+        self._catchup.observe(facts.state.rewrites)
         resumed, reason = plan_resume(
             cursor,
             facts,
@@ -224,10 +227,14 @@ class Sessions:
         head = self._window.head
         start = since.position if since is not None else head
         stamp = since.stamp if since is not None else self._window.head_stamp
+        # A resume below the compaction job's rewrite floor reads the table up to
+        # it before it is served copies held in memory (catchup); a new listener
+        # bootstraps, and the copies after the head only tell it to fetch again.
+        live_from = max(head, self._catchup.floor) if resumed else head
         delivery = Delivery(
             request.interest,
             start,
-            head,
+            live_from,
             capacity=self._config.queue_size,
             batch=registration.batch,
         )
