@@ -254,6 +254,16 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument("--jdbc-jar", default=None, help="PostgreSQL JDBC driver jar")
     compact.add_argument("--dry-run", action="store_true", help="report, change nothing")
     compact.add_argument(
+        "--full",
+        action="store_true",
+        help="read the whole feed (default: only what changed since the last run, when it can)",
+    )
+    compact.add_argument(
+        "--standby-wait",
+        default="60s",
+        help="how long the drops wait for streaming standbys to replay the widened entries",
+    )
+    compact.add_argument(
         "--batch-size", type=_positive_int, default=5000, help="entries per apply transaction"
     )
     compact.add_argument(
@@ -367,6 +377,7 @@ def _compact(args: argparse.Namespace) -> int:
     try:
         max_age = parse_duration(args.max_age, "--max-age")
         lag = parse_duration(args.compaction_lag, "--compaction-lag")
+        standby_wait = parse_duration(args.standby_wait, "--standby-wait")
     except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
     dsn = _dsn(args)
@@ -383,6 +394,8 @@ def _compact(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size,
                 partitions=args.partitions,
                 progress=progress,
+                full=args.full,
+                standby_wait=standby_wait,
             )
         except CompactionError as exc:
             raise CommandError(str(exc)) from None

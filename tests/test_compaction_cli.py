@@ -36,13 +36,14 @@ PHASES = [
     "spark",
     "scan-gc",
     "scan-merge+stage",
-    "count",
+    "survey",
     "apply-gc",
     "apply-keep",
     "apply-merge",
+    "apply-keys",
 ]
 COUNTED = {"scan-gc": "tasks", "scan-merge+stage": "tasks"} | {
-    name: "entries" for name in ("apply-gc", "apply-keep", "apply-merge")
+    name: "entries" for name in ("apply-gc", "apply-keep", "apply-merge", "apply-keys")
 }
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]")
 

@@ -1,6 +1,6 @@
 """The Spark compaction job against real PostgreSQL and real Spark on ``local[2]``.
 
-One SparkSession serves the whole module (starting the JVM is the slow part).
+One SparkSession (``conftest.spark``) serves every test: starting the JVM is the slow part.
 The property test is a seeded random loop rather than hypothesis: every
 example is a full Spark run, so shrinking would cost minutes; the seed of a
 failing example is in the assertion message.
@@ -12,7 +12,7 @@ import asyncio
 import random
 import statistics
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,7 +29,6 @@ from changefeed.compaction import (
     plan_feed,
     run_compaction,
     simulate,
-    spark_session,
     uncovered,
 )
 from changefeed.publisher.feed import FeedReader, publish
@@ -44,18 +43,16 @@ RESOURCES = ("net", "vm")
 SUBS: list[list[str]] = [[], ["nic"], ["alias"], ["alias", "nic"], ["disk", "nic"], ["nic", "nic"]]
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    with spark_session("local[2]") as session:
-        yield session
-
-
 # --------------------------------------------------------------------------- helpers
 
 
 async def reset_feed(conn: asyncpg.Connection) -> None:
+    """An empty feed, and no run the next one could follow incrementally."""
     await conn.execute("TRUNCATE changefeed.feed")
     await conn.execute("UPDATE changefeed.feed_state SET low_water_txid = '0', low_water_id = 0")
+    await conn.execute(
+        "DROP TABLE IF EXISTS changefeed.compaction_runs, changefeed.compaction_keys"
+    )
 
 
 async def seed_random_feed(conn: asyncpg.Connection, rng: random.Random) -> None:
@@ -453,10 +450,11 @@ async def test_job_beside_four_writers_and_a_tailer(feed_dsn: str, spark: Any) -
         "snapshot",
         "scan-gc",
         "scan-merge+stage",
-        "count",
+        "survey",
         "apply-gc",
         "apply-keep",
         "apply-merge",
+        "apply-keys",
     ]
     # Every phase with a count got to its total, in as many batches as the summary says.
     for phase in phases.values():
