@@ -310,6 +310,7 @@ def _run(
         else choose_scope(
             now,
             previous,
+            horizon=snap.horizon,
             feed_id=snap.feed_id,
             max_age=summary.max_age,
             taken=snap.taken,
@@ -347,7 +348,9 @@ def _run(
         )
         if not summary.dry_run:
             runner.run(store.drop_stale_staging())
-            run.run_id = runner.run(runs.begin(now, scope, snap.feed_id))
+            run.run_id = runner.run(
+                runs.begin(now, scope, horizon=snap.horizon, feed_id=snap.feed_id)
+            )
             summary.run_id = run.run_id
             stack.callback(run.drop_staging)
             run.staging = runner.run(store.create_staging(run.run_id))

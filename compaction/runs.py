@@ -57,6 +57,7 @@ class RunLog:
             " ADD COLUMN IF NOT EXISTS full_run boolean,"
             " ADD COLUMN IF NOT EXISTS gc_cutoff timestamptz,"
             " ADD COLUMN IF NOT EXISTS lag_cutoff timestamptz,"
+            " ADD COLUMN IF NOT EXISTS horizon bigint,"
             " ADD COLUMN IF NOT EXISTS feed_id uuid"
         )
         await self.conn.execute(
@@ -72,14 +73,15 @@ class RunLog:
         row = await self.conn.fetchrow(
             f"SELECT r.run_id, r.finished IS NOT NULL AS finished, r.feed_id,"
             " r.head_txid::text::bigint AS head_txid, r.head_id, r.gc_cutoff, r.lag_cutoff,"
+            " r.horizon,"
             f" (SELECT max(started) FROM {self.q}.compaction_runs"
             "  WHERE full_run AND finished IS NOT NULL) AS last_full,"
             f" (SELECT id FROM {self.q}.compaction_keys"
             "  WHERE resource = '' AND changed_resource_id = '') AS keys_run"
             f" FROM {self.q}.compaction_runs r ORDER BY r.run_id DESC LIMIT 1"
         )
-        if row is None or row["gc_cutoff"] is None or row["lag_cutoff"] is None:
-            return None
+        if row is None or row["horizon"] is None:
+            return None  # none, or logged before runs recorded their state
         return PreviousRun(
             run_id=int(row["run_id"]),
             finished=bool(row["finished"]),
@@ -88,21 +90,25 @@ class RunLog:
                 row["gc_cutoff"],
                 row["lag_cutoff"],
             ),
+            horizon=int(row["horizon"]),
             feed_id=row["feed_id"],
             keys_run=None if row["keys_run"] is None else int(row["keys_run"]),
             last_full=row["last_full"],
         )
 
-    async def begin(self, cutoffs: Cutoffs, scope: Scope, feed_id: uuid.UUID | None) -> int:
+    async def begin(
+        self, cutoffs: Cutoffs, scope: Scope, *, horizon: int, feed_id: uuid.UUID | None
+    ) -> int:
         """Log a new run; return its id."""
         run_id = await self.conn.fetchval(
             f"INSERT INTO {self.q}.compaction_runs"
-            " (head_txid, head_id, gc_cutoff, lag_cutoff, full_run, feed_id)"
-            " VALUES ($1::bigint::text::xid8, $2, $3, $4, $5, $6) RETURNING run_id",
+            " (head_txid, head_id, gc_cutoff, lag_cutoff, horizon, full_run, feed_id)"
+            " VALUES ($1::bigint::text::xid8, $2, $3, $4, $5, $6, $7) RETURNING run_id",
             cutoffs.head.txid,
             cutoffs.head.id,
             cutoffs.gc,
             cutoffs.lag,
+            horizon,
             scope.full,
             feed_id,
         )

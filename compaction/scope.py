@@ -68,6 +68,8 @@ class PreviousRun:
     Attributes:
         finished: it ran to the end (a run that died may have left groups half merged).
         cutoffs: its bounds.
+        horizon: its snapshot's ``pg_snapshot_xmin``: transaction ids only grow, so a
+            lower one now means a database restored from an older backup.
         feed_id: the feed it ran on (a restored or recreated feed has another).
         keys_run: the run whose index of kept entries is in the database now
             (None: the index is gone; it is an unlogged table).
@@ -77,6 +79,7 @@ class PreviousRun:
     run_id: int
     finished: bool
     cutoffs: Cutoffs
+    horizon: int
     feed_id: uuid.UUID | None
     keys_run: int | None
     last_full: datetime | None
@@ -115,6 +118,7 @@ def choose_scope(
     now: Cutoffs,
     previous: PreviousRun | None,
     *,
+    horizon: int,
     feed_id: uuid.UUID,
     max_age: float,
     taken: datetime,
@@ -125,6 +129,7 @@ def choose_scope(
     Args:
         now: this run's bounds.
         previous: the last recorded run (None: there is none).
+        horizon: this run's snapshot's ``pg_snapshot_xmin``.
         feed_id: the feed's identity now.
         max_age: seconds; a full run older than this has had everything it
             indexed collected.
@@ -137,7 +142,7 @@ def choose_scope(
         return Scope(True, "no previous run")
     if not previous.finished:
         return Scope(True, f"run {previous.run_id} did not finish")
-    if previous.feed_id != feed_id or previous.cutoffs.head > now.head:
+    if previous.feed_id != feed_id or previous.horizon > horizon:
         return Scope(True, "the feed is not the one the previous run saw (restored or recreated)")
     if previous.keys_run != previous.run_id:
         return Scope(True, "the index of kept entries is gone (database restarted or failed over)")

@@ -208,6 +208,7 @@ def _previous(**changes: object) -> PreviousRun:
         "run_id": 7,
         "finished": True,
         "cutoffs": Cutoffs(Position(50, 500), _at(1000), _at(5000)),
+        "horizon": 55,
         "feed_id": FEED,
         "keys_run": 7,
         "last_full": _at(5000),
@@ -226,7 +227,7 @@ NOW = Cutoffs(Position(60, 600), _at(1600), _at(5600))
         (_previous(), True, "requested"),
         (_previous(finished=False), False, "run 7 did not finish"),
         (_previous(feed_id=None), False, "restored or recreated"),
-        (_previous(cutoffs=Cutoffs(Position(70, 1), _at(1000), _at(5000))), False, "restored"),
+        (_previous(horizon=80), False, "restored"),
         (_previous(keys_run=None), False, "index of kept entries is gone"),
         (_previous(keys_run=6), False, "index of kept entries is gone"),
         (_previous(last_full=_at(0)), False, "older than the max age"),
@@ -237,13 +238,19 @@ def test_a_run_is_full_when_the_previous_one_does_not_cover_the_feed(
     previous: PreviousRun | None, requested: bool, reason: str
 ) -> None:
     scope = choose_scope(
-        NOW, previous, feed_id=FEED, max_age=4600, taken=_at(6200), full_requested=requested
+        NOW,
+        previous,
+        horizon=65,
+        feed_id=FEED,
+        max_age=4600,
+        taken=_at(6200),
+        full_requested=requested,
     )
     assert scope.full and reason in scope.reason
 
 
 def test_an_incremental_run_reads_after_the_previous_head_and_two_bands_of_ages() -> None:
-    scope = choose_scope(NOW, _previous(), feed_id=FEED, max_age=4600, taken=_at(6200))
+    scope = choose_scope(NOW, _previous(), horizon=65, feed_id=FEED, max_age=4600, taken=_at(6200))
     assert scope == Scope(
         False,
         "after run 7",
@@ -254,11 +261,15 @@ def test_an_incremental_run_reads_after_the_previous_head_and_two_bands_of_ages(
     )
     # Longer durations than last time: nothing aged into either band.
     longer = Cutoffs(NOW.head, _at(900), _at(4000))
-    scope = choose_scope(longer, _previous(), feed_id=FEED, max_age=4600, taken=_at(6200))
+    scope = choose_scope(
+        longer, _previous(), horizon=65, feed_id=FEED, max_age=4600, taken=_at(6200)
+    )
     assert scope.gc_band is None and scope.lag_band is None and scope.kept_until == _at(4000)
     # A max age shorter than the last lag: the lag band starts at the new gc cutoff.
     short = Cutoffs(NOW.head, _at(5300), _at(5900))
-    scope = choose_scope(short, _previous(), feed_id=FEED, max_age=4600, taken=_at(6200))
+    scope = choose_scope(
+        short, _previous(), horizon=65, feed_id=FEED, max_age=4600, taken=_at(6200)
+    )
     assert scope.gc_band == (_at(1000), _at(5300)) and scope.lag_band == (_at(5300), _at(5900))
 
 
@@ -327,10 +338,10 @@ def test_an_incremental_run_after_a_full_one_plans_what_a_full_run_would(
     full = plan_feed(entries2, run2.head)
     expected, _ = simulate(entries2, full, ORIGIN)
 
-    previous = PreviousRun(1, True, run1, FEED, 1, run1.lag)
+    previous = PreviousRun(1, True, run1, 0, FEED, 1, run1.lag)
     t2 = case["t2"]
     assert isinstance(t2, int)
-    scope = choose_scope(run2, previous, feed_id=FEED, max_age=10_000, taken=_at(t2))
+    scope = choose_scope(run2, previous, horizon=0, feed_id=FEED, max_age=10_000, taken=_at(t2))
     assert not scope.full
     garbage, members = delta_of(entries2, published, scope, keys, run2.head)
     assert garbage == full.garbage
@@ -603,7 +614,7 @@ async def _staged(conn: asyncpg.Connection, store: CompactionStore, rows: list[t
     runs = RunLog(conn, "changefeed")
     await runs.ensure()
     now = Cutoffs(snap.head, snap.taken, snap.taken)
-    run_id = await runs.begin(now, Scope(True, "test"), snap.feed_id)
+    run_id = await runs.begin(now, Scope(True, "test"), horizon=snap.horizon, feed_id=snap.feed_id)
     table = await store.create_staging(run_id)
     for row in rows:
         await conn.execute(
