@@ -27,12 +27,14 @@ nowhere). The rules are the ones in ``plan``; the PostgreSQL side is in
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from changefeed.schemas import Position
 
-from .apply import KIND_DROP, KIND_KEEP, KIND_KEY, STAGING_COLUMNS, FeedSnapshot
+from .apply import KIND_DROP, KIND_KEEP, FeedSnapshot
 from .jdbc import JdbcTarget
 from .plan import GcRegion
 from .scope import Cutoffs, Scope
@@ -41,6 +43,7 @@ __all__ = [
     "HOT_KEYS",
     "HOT_MIN",
     "MERGE_COUNTS",
+    "Merge",
     "block_ranges",
     "delta_predicates",
     "garbage_regions",
@@ -50,7 +53,9 @@ __all__ = [
     "read_feed",
     "read_predicates",
     "slices",
-    "write_rows",
+    "survey_feed",
+    "vocabulary",
+    "write_merge",
     "write_touched",
 ]
 
@@ -170,6 +175,51 @@ def read_feed(spark: Any, target: JdbcTarget, table: str, predicates: list[str])
     )
 
 
+def survey_feed(
+    spark: Any,
+    target: JdbcTarget,
+    table: str,
+    garbage: list[str],
+    candidates: list[str],
+) -> tuple[list[GcRegion], list[str]]:
+    """A full run's first look at the feed, partition by partition, done by
+    PostgreSQL: the stretch that holds the garbage (``garbage[i]`` selects
+    partition i's), and the sub-resource names among the merge candidates
+    (``candidates[i]``). Each partition returns a row, and a row per name.
+
+    The stretch is ``[(lowest txid, 0), (highest txid, highest id)]``: it holds
+    every garbage entry, and the walk over it takes the few others at its
+    ends in its stride.
+    """
+    from functools import reduce
+
+    reads = [
+        spark.read.jdbc(
+            url=target.url,
+            table=(
+                "(SELECT min(txid::text::bigint) AS lo, max(txid::text::bigint) AS hi,"
+                f" max(id) AS top, count(*) AS n, NULL::text AS name FROM {table}"
+                f" WHERE {old} UNION ALL SELECT DISTINCT NULL::bigint, NULL::bigint,"
+                f" NULL::bigint, NULL::bigint, s FROM {table}, unnest(sub_resources) AS u(s)"
+                f" WHERE {young}) AS survey_{i}"
+            ),
+            properties=target.with_properties(ApplicationName=_APP),
+        )
+        for i, (old, young) in enumerate(zip(garbage, candidates, strict=True))
+    ]
+    rows = reduce(lambda a, b: a.unionByName(b), reads).collect()
+    names = sorted({str(r["name"]) for r in rows if r["name"] is not None})
+    counted = [r for r in rows if r["name"] is None and r["n"]]
+    if not counted:
+        return [], names
+    region = GcRegion(
+        Position(min(int(r["lo"]) for r in counted), 0),
+        Position(max(int(r["hi"]) for r in counted), max(int(r["top"]) for r in counted)),
+        sum(int(r["n"]) for r in counted),
+    )
+    return [region], names
+
+
 def garbage_regions(garbage: Any, since: Position | None = None) -> list[GcRegion]:
     """The stretches of the feed that hold ``garbage`` (rows with ``txid``, ``id``):
     one, or with ``since`` two -- at or before it, and after it (they may be far
@@ -247,106 +297,174 @@ def old_keepers(
     return frame
 
 
-def merge_rows(members: Any, *, hot_min: int = HOT_MIN, hot_keys: int = HOT_KEYS) -> Any:
-    """The staging rows of a merge of ``members`` (``txid, id, resource,
-    changed_resource_id, sub_resources``; no two rows at one position).
+_POSITION_SPAN = 1 << 63
+"""A position as one number, ``txid * 2**63 + id`` (a decimal of 38 digits): its
+maximum is an ordinary hash aggregate, where a maximum of a (txid, id) struct
+falls back to sorting every group."""
 
-    Per ``(resource, changed_resource_id)``: the keeper (latest position), the
-    union of sub-resources (none when any member is "whole resource"), and:
 
-    * a ``KIND_KEY`` row: the group's keeper, for the index of kept entries;
-    * a ``KIND_KEEP`` row when the keeper's sub-resources change;
-    * a ``KIND_DROP`` row, with its keeper, for every other member.
-
-    Returns ``STAGING_COLUMNS`` plus ``members`` (the group's size on its key
-    row, 0 on the others), for the counts ``write_rows`` observes.
-    """
+def vocabulary(members: Any) -> list[str]:
+    """Every sub-resource name among ``members``, sorted (bounded metadata: a feed
+    names a handful)."""
     from pyspark.sql import functions as F
 
-    pos = F.struct("txid", "id")
+    rows = members.select(F.explode("sub_resources").alias("s")).distinct().collect()
+    return sorted(str(r["s"]) for r in rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Merge:
+    """The merge of a set of members, as DataFrames (see ``merge_rows``).
+
+    Attributes:
+        keys: one row per ``(resource, changed_resource_id)``: its keeper after
+            the merge (``txid``, ``id``) and its size (``members``).
+        changes: ``STAGING_COLUMNS`` rows: keepers whose sub-resources change,
+            and drops with their keeper.
+        cached: what both read, cached; ``release`` it once both are written.
+    """
+
+    keys: Any
+    changes: Any
+    cached: tuple[Any, ...]
+
+    def release(self) -> None:
+        for frame in self.cached:
+            frame.unpersist()
+
+
+def merge_rows(
+    members: Any, names: list[str], *, hot_min: int = HOT_MIN, hot_keys: int = HOT_KEYS
+) -> Merge:
+    """The merge of ``members`` (``txid, id, resource, changed_resource_id,
+    sub_resources``; no two rows at one position), whose sub-resources are among
+    ``names`` (``vocabulary``).
+
+    Each member becomes a slim row: its position as one number, "whole
+    resource", and its sub-resources as bitmasks over ``names`` (63 a word).
+    Per ``(resource, changed_resource_id)``, one hash aggregate: the size, the
+    keeper (the latest position), whether any member is the whole resource,
+    and the union (``bit_or``). Then a hash join of the members with the groups
+    of two or more names every drop's keeper, and finds the keepers whose
+    sub-resources change (their masks differ from the union's); the largest
+    groups' keepers are broadcast instead. Only the union of a keeper that
+    changes is turned back into names.
+    """
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    words = [names[w : w + 63] for w in range(0, len(names), 63)]
+    masks = [f"mask{w}" for w in range(len(words))]
+    span = F.lit(Decimal(_POSITION_SPAN)).cast("decimal(38,0)")
+    key = ["resource", "changed_resource_id"]
+
+    def mask(chunk: list[str]) -> Any:
+        value = F.lit(0).cast("long")
+        for bit, name in enumerate(chunk):
+            value = value.bitwiseOR(
+                F.when(F.array_contains("sub_resources", name), F.lit(1 << bit)).otherwise(0)
+            )
+        return value
+
     m = members.select(
+        *key,
         "txid",
         "id",
-        "resource",
-        "changed_resource_id",
-        F.array_sort(F.array_distinct("sub_resources")).alias("subs"),
-    )
-    key = ["resource", "changed_resource_id"]
+        (F.col("txid").cast("decimal(38,0)") * span + F.col("id"))
+        .cast("decimal(38,0)")
+        .alias("pos"),
+        (F.size("sub_resources") == 0).alias("whole"),
+        *(mask(chunk).alias(c) for chunk, c in zip(words, masks, strict=True)),
+    ).persist(StorageLevel.MEMORY_AND_DISK)
     groups = (
         m.groupBy(*key)
         .agg(
             F.count(F.lit(1)).alias("n"),
-            F.max(pos).alias("keep"),
-            F.max_by("subs", pos).alias("keep_subs"),
-            F.max((F.size("subs") == 0).cast("int")).alias("whole"),
-            F.collect_set("subs").alias("sets"),
+            F.max("pos").alias("keep"),
+            F.max(F.col("whole").cast("int")).alias("any_whole"),
+            *(F.bit_or(c).alias(f"u{c}") for c in masks),
         )
-        .select(
-            *key,
-            "n",
-            "keep",
-            "keep_subs",
-            F.when(F.col("whole") == 1, F.array().cast("array<string>"))
-            .otherwise(F.array_sort(F.array_distinct(F.flatten("sets"))))
-            .alias("union"),
-        )
-    )
-    none_long, none_subs, none_text = (
-        F.lit(None).cast("long"),
-        F.lit(None).cast("array<string>"),
-        F.lit(None).cast("string"),
+        # Once: the keys, the keepers and the drops all read it, and each would
+        # otherwise aggregate the members again.
+        .persist(StorageLevel.MEMORY_AND_DISK)
     )
 
-    def rows(kind: int, frame: Any, **columns: Any) -> Any:
-        values = {
-            "kind": F.lit(kind).cast("short"),
-            "txid": F.col("keep.txid"),
-            "id": F.col("keep.id"),
-            "keep_txid": none_long,
-            "keep_id": none_long,
-            "sub_resources": none_subs,
-            "resource": none_text,
-            "changed_resource_id": none_text,
-            "members": F.lit(0).cast("long"),
-            **columns,
-        }
-        return frame.select(*(values[c].alias(c) for c in (*STAGING_COLUMNS, "members")))
+    def position(column: str) -> tuple[Any, Any]:
+        value = F.col(column)
+        return F.floor(value / span).cast("long"), F.pmod(value, span).cast("long")
 
-    keys = rows(
-        KIND_KEY,
-        groups,
-        resource=F.col("resource"),
-        changed_resource_id=F.col("changed_resource_id"),
-        members=F.col("n"),
+    keep_txid, keep_id = position("keep")
+    keys = groups.select(
+        *key, keep_txid.alias("txid"), keep_id.alias("id"), F.col("n").alias("members")
     )
-    merged = groups.where(F.col("n") > 1)
-    keepers = rows(
-        KIND_KEEP,
-        merged.where(F.col("keep_subs") != F.col("union")),
-        sub_resources=F.col("union"),
-    )
-    hot = merged.where(F.col("n") >= hot_min).orderBy(F.desc("n")).limit(hot_keys)
-    hot_keepers = F.broadcast(hot.select(*key, "keep"))
+    merged = groups.where(F.col("n") > 1).drop("n")
+    hot = groups.where(F.col("n") >= hot_min).orderBy(F.desc("n")).limit(hot_keys).drop("n")
     cold = m.join(F.broadcast(hot.select(*key)), key, "left_anti").join(
-        merged.select(*key, "keep"), key
+        merged.hint("shuffle_hash"), key
     )
-    dropped = m.join(hot_keepers, key).unionByName(cold).where(pos != F.col("keep"))
-    drops = rows(
-        KIND_DROP,
-        dropped,
-        txid=F.col("txid"),
-        id=F.col("id"),
-        keep_txid=F.col("keep.txid"),
-        keep_id=F.col("keep.id"),
+    joined = m.join(F.broadcast(hot), key).unionByName(cold)
+    kept = F.col("pos") == F.col("keep")
+    whole = F.col("any_whole") == 1
+    differs = F.lit(False)
+    for c in masks:
+        differs = differs | (F.col(c) != F.col(f"u{c}"))
+    widened = (whole & ~F.col("whole")) | (~whole & differs)
+    union = F.concat(
+        F.array().cast("array<string>"),
+        *(
+            F.when(F.col(f"u{c}").bitwiseAND(1 << bit) != 0, F.array(F.lit(name))).otherwise(
+                F.array().cast("array<string>")
+            )
+            for chunk, c in zip(words, masks, strict=True)
+            for bit, name in enumerate(chunk)
+        ),
     )
-    return keys.unionByName(keepers).unionByName(drops)
+    none_long = F.lit(None).cast("long")
+    # One pass over the join: the keepers whose sub-resources change, and the drops.
+    changes = joined.where(~kept | widened).select(
+        F.when(kept, F.lit(KIND_KEEP)).otherwise(F.lit(KIND_DROP)).cast("short").alias("kind"),
+        "txid",
+        "id",
+        F.when(kept, none_long).otherwise(keep_txid).alias("keep_txid"),
+        F.when(kept, none_long).otherwise(keep_id).alias("keep_id"),
+        F.when(kept & whole, F.array().cast("array<string>"))
+        .when(kept, union)
+        .otherwise(F.lit(None).cast("array<string>"))
+        .alias("sub_resources"),
+    )
+    return Merge(keys, changes, (groups, m))
 
 
-def write_rows(
-    rows: Any, target: JdbcTarget | None, staging: str | None
+_JDBC_WRITE = {
+    "batchsize": str(_WRITE_BATCH),
+    "reWriteBatchedInserts": "true",
+    # No transaction per partition: each batch of inserts commits by itself. A
+    # write transaction holds an xid, and while it is open pg_snapshot_xmin -- the
+    # publishers' tailing horizon (I1) -- cannot pass it: one long staging
+    # transaction would stall every tailer. A retried task may then stage a row
+    # twice; the apply step is idempotent, and the summary counts what it applied.
+    "isolationLevel": "NONE",
+    "ApplicationName": _APP,
+}
+
+
+def _write(frame: Any, target: JdbcTarget | None, table: str | None) -> None:
+    if table is None or target is None:
+        frame.write.format("noop").mode("overwrite").save()
+    else:
+        frame.write.jdbc(
+            url=target.url,
+            table=table,
+            mode="append",
+            properties=target.with_properties(**_JDBC_WRITE),
+        )
+
+
+def write_merge(
+    merge: Merge, target: JdbcTarget | None, *, keys: str | None, staging: str | None
 ) -> tuple[dict[str, int], Position | None]:
-    """Write ``merge_rows``' rows to ``staging`` (None: a dry run, write nothing)
-    and count them as they go.
+    """Write the merge's keys to ``keys`` and its changes to ``staging`` (None: a dry
+    run, write nothing), counting them as they go.
 
     Returns:
         the counts of ``MERGE_COUNTS`` (``groups``: groups of two or more), and
@@ -355,38 +473,34 @@ def write_rows(
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
-    kind = F.col("kind")
-    observed = Observation("merge")
-    counted = rows.observe(
-        observed,
-        F.count(F.when((kind == KIND_KEY) & (F.col("members") > 1), 1)).alias("groups"),
-        F.count(F.when(kind == KIND_KEY, 1)).alias("keys"),
-        F.coalesce(F.sum("members"), F.lit(0)).alias("members"),
-        F.count(F.when(kind == KIND_KEEP, 1)).alias("updates"),
-        F.count(F.when(kind == KIND_DROP, 1)).alias("drops"),
-        F.max(F.when(kind == KIND_KEEP, F.struct("txid", "id"))).alias("through"),
-    ).select(*STAGING_COLUMNS)
-    if staging is None or target is None:
-        counted.write.format("noop").mode("overwrite").save()
-    else:
-        counted.write.jdbc(
-            url=target.url,
-            table=staging,
-            mode="append",
-            properties=target.with_properties(
-                batchsize=str(_WRITE_BATCH),
-                reWriteBatchedInserts="true",
-                # No transaction per partition: each batch of inserts commits by
-                # itself. A write transaction holds an xid, and while it is open
-                # pg_snapshot_xmin -- the publishers' tailing horizon (I1) --
-                # cannot pass it: one long staging transaction would stall every
-                # tailer. A retried task may then stage a row twice; the apply
-                # step is idempotent, and the summary counts what it applied.
-                isolationLevel="NONE",
-                ApplicationName=_APP,
-            ),
+    counted_keys = Observation("keys")
+    _write(
+        # Sorted by key (a range-partitioned sort): the apply step then inserts
+        # them in about the order of the index of kept entries.
+        merge.keys.orderBy("resource", "changed_resource_id")
+        .observe(
+            counted_keys,
+            F.count(F.lit(1)).alias("keys"),
+            F.count(F.when(F.col("members") > 1, 1)).alias("groups"),
+            F.coalesce(F.sum("members"), F.lit(0)).alias("members"),
         )
-    got = observed.get
+        .drop("members"),
+        target,
+        keys,
+    )
+    kind = F.col("kind")
+    counted = Observation("changes")
+    _write(
+        merge.changes.observe(
+            counted,
+            F.count(F.when(kind == KIND_KEEP, 1)).alias("updates"),
+            F.count(F.when(kind == KIND_DROP, 1)).alias("drops"),
+            F.max(F.when(kind == KIND_KEEP, F.struct("txid", "id"))).alias("through"),
+        ),
+        target,
+        staging,
+    )
+    got = {**counted_keys.get, **counted.get}
     through = got.get("through")
     return (
         {name: int(got[name] or 0) for name in MERGE_COUNTS},
@@ -396,14 +510,4 @@ def write_rows(
 
 def write_touched(delta: Any, target: JdbcTarget, table: str) -> None:
     """Write the ``(resource, changed_resource_id)`` pairs of ``delta`` to ``table``, once each."""
-    delta.select("resource", "changed_resource_id").distinct().write.jdbc(
-        url=target.url,
-        table=table,
-        mode="append",
-        properties=target.with_properties(
-            batchsize=str(_WRITE_BATCH),
-            reWriteBatchedInserts="true",
-            isolationLevel="NONE",  # as for staging: no xid held open
-            ApplicationName=_APP,
-        ),
-    )
+    _write(delta.select("resource", "changed_resource_id").distinct(), target, table)

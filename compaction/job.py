@@ -60,7 +60,9 @@ from .frames import (
     old_keepers,
     read_feed,
     read_predicates,
-    write_rows,
+    survey_feed,
+    vocabulary,
+    write_merge,
     write_touched,
 )
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
@@ -354,6 +356,7 @@ def _run(
             summary.run_id = run.run_id
             stack.callback(run.drop_staging)
             run.staging = runner.run(store.create_staging(run.run_id))
+            run.keys = runner.run(store.create_run_keys(run.run_id))
         regions, members = run.scan_full() if scope.full else run.scan_delta()
         counts, through = run.merge(members)
         garbage = sum(r.rows for r in regions)
@@ -410,6 +413,9 @@ class _Run:
         self.parallelism = int(spark.sparkContext.defaultParallelism)
         self.run_id: int | None = None
         self.staging: str | None = None
+        self.keys: str | None = None
+        self.names: list[str] = []
+        """Every sub-resource name among the members (found while scanning)."""
 
     def drop_staging(self) -> None:
         if self.run_id is not None:
@@ -427,16 +433,16 @@ class _Run:
         ranges = block_ranges(snap.blocks, min(wanted, _MAX_PARTITIONS))
         self.summary.partitions = len(ranges)
         table = f"{self.store.q}.feed"
+        candidate = f"published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
+        predicates = read_predicates(snap, ranges, candidate)
         with self.clock.spark_phase("scan-gc", self.spark):
-            garbage = read_feed(
+            regions, self.names = survey_feed(
                 self.spark,
                 self.target,
                 table,
                 read_predicates(snap, ranges, f"published < {_ts(now.gc)}"),
+                predicates,
             )
-            regions = garbage_regions(garbage.select("txid", "id"))
-        candidate = f"published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
-        predicates = read_predicates(snap, ranges, candidate)
         return regions, read_feed(self.spark, self.target, table, predicates)
 
     def scan_delta(self) -> tuple[list[GcRegion], Any]:
@@ -476,21 +482,21 @@ class _Run:
                 )
                 # Materialized now, while the delta is cached: the merge reads it twice.
                 members = changed.unionByName(kept.select(*_MEMBERS)).localCheckpoint()
+                self.names = vocabulary(members)
             finally:
                 delta.unpersist()
         return regions, members
 
     def merge(self, members: Any) -> tuple[dict[str, int], Position | None]:
         """Plan the merge of ``members`` into the staging table (a dry run: count it)."""
-        from pyspark import StorageLevel
 
         name = "scan-merge" if self.summary.dry_run else "scan-merge+stage"
         with self.clock.spark_phase(name, self.spark):
-            members = members.persist(StorageLevel.MEMORY_AND_DISK)
+            merge = merge_rows(members, self.names)
             try:
-                counted = write_rows(merge_rows(members), self.target, self.staging)
+                counted = write_merge(merge, self.target, keys=self.keys, staging=self.staging)
             finally:
-                members.unpersist()
+                merge.release()
         if self.run_id is not None:
             with self.clock.phase("survey" if self.store.page_walk else "index"):
                 self.runner.run(self.store.index_staging(self.run_id))

@@ -22,6 +22,7 @@ from .jdbc import find_jdbc_jar
 __all__ = ["session_conf", "spark_session"]
 
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
+_LOOPBACK_MASTER = re.compile(r"^spark://(127\.0\.0\.1|localhost)(:\d+)?$")
 
 _LOG4J2 = """\
 status = error
@@ -78,6 +79,10 @@ def session_conf(
                 "spark.sql.shuffle.partitions": str(max(4, 4 * threads)),
             }
         )
+    elif _LOOPBACK_MASTER.match(master):
+        # A cluster on this machine (a standalone master on 127.0.0.1): its
+        # executors reach the driver on loopback, and nothing else can.
+        conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})
     conf.update(extra or {})
     return conf
 
@@ -95,8 +100,8 @@ def spark_session(
     When this process already runs a SparkContext, its session is used as it
     is and left running (``master``, ``jdbc_jar`` and ``conf`` do not apply).
 
-    On a ``local`` master the driver binds to 127.0.0.1 only (``SPARK_LOCAL_IP``
-    is set for this process if unset). ``jdbc_jar`` defaults to
+    On a ``local`` master, or a standalone one on 127.0.0.1, the driver binds to
+    127.0.0.1 only (``SPARK_LOCAL_IP`` is set for this process if unset). ``jdbc_jar`` defaults to
     :func:`~changefeed.compaction.jdbc.find_jdbc_jar`.
 
     Raises:
@@ -118,7 +123,7 @@ def spark_session(
     scratch = Path(tempfile.mkdtemp(prefix="changefeed-spark-"))
     try:
         (scratch / "log4j2.properties").write_text(_LOG4J2)
-        if _local_threads(master) is not None:
+        if _local_threads(master) is not None or _LOOPBACK_MASTER.match(master):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = SparkSession.builder.appName(app_name).master(master)
         for key, value in session_conf(master, jar, scratch, conf).items():

@@ -421,15 +421,19 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
     )
 
     def hot_drops(hot_min: int) -> tuple[int, int, list[Any]]:
-        rows = merge_rows(members, hot_min=hot_min).withColumn("task", F.spark_partition_id())
-        (keeper,) = rows.where("kind = 4 AND changed_resource_id = 'hot'").collect()
-        hot = rows.where(
-            (F.col("kind") == 3)
-            & (F.col("keep_txid") == keeper["txid"])
-            & (F.col("keep_id") == keeper["id"])
-        )
-        plan = sorted(rows.select("kind", "txid", "id", "keep_txid", "keep_id").collect())
-        return hot.count(), hot.select("task").distinct().count(), plan
+        merge = merge_rows(members, ["alias", "nic"], hot_min=hot_min)
+        try:
+            (keeper,) = merge.keys.where("changed_resource_id = 'hot'").collect()
+            rows = merge.changes.withColumn("task", F.spark_partition_id())
+            hot = rows.where(
+                (F.col("kind") == 3)
+                & (F.col("keep_txid") == keeper["txid"])
+                & (F.col("keep_id") == keeper["id"])
+            )
+            plan = sorted(rows.select("kind", "txid", "id", "keep_txid", "keep_id").collect())
+            return hot.count(), hot.select("task").distinct().count(), plan
+        finally:
+            merge.release()
 
     # As with millions of groups: the keepers are too many to broadcast them all.
     threshold = spark.conf.get("spark.sql.autoBroadcastJoinThreshold")
