@@ -1,8 +1,9 @@
 """Benchmark: the Spark compaction job against the same work done as plain SQL inside PostgreSQL.
 
 For each ``--rows N`` the feed is generated in SQL (``generate_series``, two
-connections at once, indexes built afterwards): ``N/5`` resource ids plus one
-hot id holding 1 % of the entries, sub-resource sets drawn from five shapes
+connections taking million-entry chunks in turn, indexes built afterwards):
+``N/5`` resource ids plus one hot id holding 1 % of the entries, sub-resource
+sets drawn from five shapes
 (one of them "whole resource"), publication times spread evenly over 48 hours
 ending 4.8 hours ago. The database is then copied (``CREATE DATABASE ...
 TEMPLATE``) so that both sides start from the identical feed:
@@ -97,14 +98,12 @@ async def generate(dsn: str, rows: int, newest: datetime) -> float:
         await apply_schema(conn)
         await conn.execute("ALTER TABLE changefeed.feed DROP CONSTRAINT feed_pkey")
         await conn.execute("DROP INDEX changefeed.feed_published_idx")
-        half = rows // 2
         oldest = newest - timedelta(seconds=SPAN)
+        # Two connections take the chunks (a million entries each, oldest first)
+        # in turn, so that transaction ids follow publication times, as in life.
+        chunks = [(lo, min(lo + _CHUNK - 1, rows)) for lo in range(1, rows + 1, _CHUNK)]
         await asyncio.gather(
-            *(
-                _insert(dsn, lo, hi, rows=rows, oldest=oldest)
-                for lo, hi in ((1, half), (half + 1, rows))
-                if hi >= lo
-            )
+            *(_insert(dsn, chunks[k::2], rows=rows, oldest=oldest) for k in range(2))
         )
         await conn.execute("SET maintenance_work_mem = '512MB'")
         await conn.execute("ALTER TABLE changefeed.feed ADD PRIMARY KEY (txid, id)")
@@ -115,15 +114,18 @@ async def generate(dsn: str, rows: int, newest: datetime) -> float:
     return time.monotonic() - t0
 
 
-async def _insert(dsn: str, lo: int, hi: int, *, rows: int, oldest: datetime) -> None:
+_CHUNK = 1_000_000
+
+
+async def _insert(dsn: str, chunks: list[tuple[int, int]], *, rows: int, oldest: datetime) -> None:
+    """Insert the entries of ``chunks`` (ranges of the series), one transaction each."""
     conn = await asyncpg.connect(dsn)
     try:
-        step = 1_000_000  # one transaction per million entries
-        for start in range(lo, hi + 1, step):
+        for lo, hi in chunks:
             await conn.execute(
                 _GENERATE,
-                start,
-                min(start + step - 1, hi),
+                lo,
+                hi,
                 max(1, rows // 5),
                 oldest,
                 1,

@@ -594,12 +594,10 @@ class CompactionStore:
         empties it first), batch by batch, then mark the index as this run's.
         Returns the groups recorded.
 
-        Spark wrote the run's keepers sorted by ``(resource, changed_resource_id)``,
-        so walking their table by pages inserts them in about key order: near the
-        unique index's right edge, not at random places in it. (Building the index
-        afterwards would hold a transaction id as long as the build -- and every
-        tailer's horizon with it -- or, concurrently, wait for every writer that
-        keeps a transaction open.)
+        The unique index is in place while they go in. (Building it afterwards
+        would hold a transaction id as long as the build -- and every tailer's
+        horizon with it -- or, concurrently, wait for every writer that keeps a
+        transaction open.)
 
         The index only tells the next run which earlier entry to merge with the
         ids its changes touch; an entry it names that is gone is simply not read.

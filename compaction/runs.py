@@ -60,11 +60,13 @@ class RunLog:
             " ADD COLUMN IF NOT EXISTS horizon bigint,"
             " ADD COLUMN IF NOT EXISTS feed_id uuid"
         )
+        # Half-full pages: an incremental run moves a group's keeper by updating
+        # its row, which then stays on its page (a HOT update, no new index entry).
         await self.conn.execute(
             f"CREATE UNLOGGED TABLE IF NOT EXISTS {self.q}.compaction_keys ("
             " resource text NOT NULL, changed_resource_id text NOT NULL,"
             " txid bigint NOT NULL, id bigint NOT NULL,"
-            " PRIMARY KEY (resource, changed_resource_id))"
+            " PRIMARY KEY (resource, changed_resource_id)) WITH (fillfactor = 50)"
         )
 
     async def previous(self) -> PreviousRun | None:

@@ -77,6 +77,11 @@ def session_conf(
                 "spark.driver.bindAddress": "127.0.0.1",
                 "spark.driver.memory": "2g",
                 "spark.sql.shuffle.partitions": str(max(4, 4 * threads)),
+                # One machine: shuffle files and cached blocks never cross a
+                # network, and compressing them costs the CPU the job lacks.
+                "spark.shuffle.compress": "false",
+                "spark.shuffle.spill.compress": "false",
+                "spark.sql.inMemoryColumnarStorage.compressed": "false",
             }
         )
     elif _LOOPBACK_MASTER.match(master):
