@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -312,6 +312,14 @@ class Step:
         return sum(self.sql.values())
 
 
+def median_step(steps: Iterable[Step]) -> Step:
+    """One step whose times are the medians of ``steps`` (each phase on its own)."""
+    done = list(steps)
+    sql = {k: statistics.median(s.sql[k] for s in done) for k in done[0].sql}
+    job = statistics.median(s.job for s in done)
+    return Step(done[0].name, done[0].rows, done[0].summary, job, sql)
+
+
 def show(step: Step) -> None:
     print(step.summary.to_text(), flush=True)
     sql = "  ".join(f"{k} {v:.1f}s" for k, v in step.sql.items())
@@ -327,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster-port", type=int, default=18270)
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--keep", action="store_true", help="keep the benchmark databases")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per size (medians are shown), default 1"
+    )
     args = parser.parse_args(argv)
     sizes = args.rows or [1_000_000]
     results: list[tuple[Step, Step]] = []
@@ -338,10 +349,11 @@ def main(argv: list[str] | None = None) -> int:
             warm = asyncio.run(warm_up(admin, spark))
             print(f"JVM warm-up (one run on a 10,000-entry feed) took {warm:.1f}s", flush=True)
             for rows in sizes:
-                full, incremental = one_size(admin, rows, spark, args)
-                results.append((full, incremental))
+                runs = [one_size(admin, rows, spark, args) for _ in range(args.repeat)]
+                results.append((median_step(r[0] for r in runs), median_step(r[1] for r in runs)))
     print(f"\n{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end;"
-          f" Spark start-up ({spark_start:.1f}s) and the JVM warm-up not included")  # fmt: skip
+          f" Spark start-up ({spark_start:.1f}s) and the JVM warm-up not included;"
+          f" medians of {args.repeat} run(s) per size")  # fmt: skip
     print("      rows  run          job s   sql s  job/sql  job s/M  sql s/M  incr/full")
     for full, incremental in results:
         for step in (full, incremental):
@@ -414,6 +426,7 @@ def side_by_side(
     lag: float,
     args: argparse.Namespace,
 ) -> Step:
+    print(f"[{name} run: load average {os.getloadavg()[0]:.2f}]", flush=True)
     t1 = time.monotonic()
     summary = run_compaction(
         job_dsn, max_age=max_age, compaction_lag=lag, spark=spark, batch_size=args.batch_size

@@ -3,11 +3,12 @@
 ``run_compaction`` (module ``job``) is the entry point the ``changefeed compact``
 command calls. The rules are in ``plan`` (pure code, also the reference the
 tests hold the Spark job to), what a run reads -- the whole feed, or what
-changed since the last run -- in ``scope`` (pure), the same rules as Spark
-DataFrames in ``frames``, the Spark session in ``session``, the DSN-to-JDBC
-conversion in ``jdbc``, the PostgreSQL side (snapshot, staging, batched apply)
-in ``apply``, the job's own state (run log, index of kept entries) in
-``runs``, what a run did in ``summary``, the exceptions in ``errors``. The
+changed since the last run -- in ``scope`` (pure), the reads as Spark
+DataFrames in ``frames`` and the merge in ``merge``, the Spark session in
+``session``, the DSN-to-JDBC conversion in ``jdbc``, the PostgreSQL side
+(snapshot, staging, batched apply) in ``apply``, the job's own state (run
+log, index of kept entries) in ``runs``, what a run did in ``summary``, the
+exceptions in ``errors``. The
 job reports through a ``Progress`` (``progress``), rendered as log lines
 (``progress_log``) or terminal bars (``progress_rich``, which needs rich and
 is not imported here); ``sparkwatch`` feeds it Spark's task counts.

@@ -50,6 +50,7 @@ __all__ = [
     "COMPACTION_LOCK_KEY",
     "KIND_DROP",
     "KIND_KEEP",
+    "KIND_KEY",
     "SCHEMA_VERSION",
     "STAGING_COLUMNS",
     "TID_RANGE_SCAN_VERSION",
@@ -65,7 +66,19 @@ KIND_KEEP = 2
 """Staging row kind: a keeper whose sub-resources become the union."""
 KIND_DROP = 3
 """Staging row kind: an entry merged into its keeper and then deleted."""
-STAGING_COLUMNS = ("kind", "txid", "id", "keep_txid", "keep_id", "sub_resources")
+KIND_KEY = 4
+"""Staging row kind: a group's keeper after this run, for the index of kept entries."""
+
+STAGING_COLUMNS = (
+    "kind",
+    "txid",
+    "id",
+    "keep_txid",
+    "keep_id",
+    "sub_resources",
+    "resource",
+    "changed_resource_id",
+)
 """Columns of a run's staging table, in the order the Spark job writes them."""
 
 SCHEMA_VERSION = 6
@@ -75,7 +88,7 @@ TID_RANGE_SCAN_VERSION = 140000
 """``server_version_num`` from which ``ctid`` ranges are TID range scans."""
 
 _LAST_PAGE = (4294967295, 0)  # above every heap page: the open end of the last range
-_STAGING_NAME = re.compile(r"^compaction_(plan|touched|keys)_[0-9]+$")
+_STAGING_NAME = re.compile(r"^compaction_(plan|touched|hot)_[0-9]+$")
 _STANDBY_POLL = 0.2
 _RETRIES = 3
 _RETRYABLE = (asyncpg.exceptions.LockNotAvailableError, asyncpg.exceptions.DeadlockDetectedError)
@@ -231,20 +244,48 @@ class CompactionStore:
         table = self.staging_table(run_id)
         await self.conn.execute(
             f"CREATE UNLOGGED TABLE {table} (kind smallint NOT NULL, txid bigint NOT NULL,"
-            " id bigint NOT NULL, keep_txid bigint, keep_id bigint, sub_resources text[])"
+            " id bigint NOT NULL, keep_txid bigint, keep_id bigint, sub_resources text[],"
+            " resource text, changed_resource_id text)"
         )
         return table
 
-    def run_keys_table(self, run_id: int) -> str:
-        """The qualified name of the table a run writes its groups' keepers to."""
-        return f'{self.q}."compaction_keys_{int(run_id)}"'
+    def hot_table(self, run_id: int) -> str:
+        """The qualified name of the table of a full run's hot groups."""
+        return f'{self.q}."compaction_hot_{int(run_id)}"'
 
-    async def create_run_keys(self, run_id: int) -> str:
-        """Create the table the run's groups' keepers go to (unlogged, no index yet)."""
-        table = self.run_keys_table(run_id)
+    async def hot_groups(
+        self, snapshot: FeedSnapshot, gc: datetime, lag: datetime, *, hot_min: int, most: int
+    ) -> list[tuple[str, str]]:
+        """The groups of at least about ``hot_min`` merge candidates (the largest
+        ``most``), estimated from a sample of about 2,000 pages of the feed: bounded
+        metadata, read before the merge so that it can keep their members apart.
+        An estimate only decides where a group is merged, never how."""
+        share = min(1.0, 2000 / max(snapshot.blocks, 1))
+        rows = await self.conn.fetch(
+            f"SELECT resource, changed_resource_id FROM {self.q}.feed"
+            " TABLESAMPLE SYSTEM ($1)"
+            " WHERE published >= $2 AND published < $3"
+            " AND (txid, id) <= ($4::bigint::text::xid8, $5::bigint)"
+            " GROUP BY resource, changed_resource_id HAVING count(*) >= $6"
+            " ORDER BY count(*) DESC LIMIT $7",
+            100 * share,
+            gc,
+            lag,
+            *snapshot.head,
+            max(1, int(hot_min * share / 2)),
+            most,
+        )
+        return [(str(r["resource"]), str(r["changed_resource_id"])) for r in rows]
+
+    async def create_hot(self, run_id: int, groups: Sequence[tuple[str, str]]) -> str:
+        """Write a full run's hot groups to their table (the reads filter on it)."""
+        table = self.hot_table(run_id)
         await self.conn.execute(
             f"CREATE UNLOGGED TABLE {table} (resource text NOT NULL,"
-            " changed_resource_id text NOT NULL, txid bigint NOT NULL, id bigint NOT NULL)"
+            " changed_resource_id text NOT NULL, PRIMARY KEY (resource, changed_resource_id))"
+        )
+        await self.conn.executemany(
+            f"INSERT INTO {table} (resource, changed_resource_id) VALUES ($1, $2)", groups
         )
         return table
 
@@ -292,7 +333,7 @@ class CompactionStore:
 
     async def drop_staging(self, run_id: int) -> None:
         """Drop the run's staging tables."""
-        for table in (self.staging_table, self.touched_table, self.run_keys_table):
+        for table in (self.staging_table, self.touched_table, self.hot_table):
             await self.conn.execute(f"DROP TABLE IF EXISTS {table(run_id)}")
 
     # -- the apply step ------------------------------------------------------
@@ -590,50 +631,37 @@ class CompactionStore:
     async def apply_keys(
         self, run_id: int, *, full: bool, batch_size: int, report: BatchReport | None = None
     ) -> int:
-        """Record the run's groups' keepers in the index of kept entries (a full run
-        empties it first), batch by batch, then mark the index as this run's.
-        Returns the groups recorded.
+        """Record the run's groups' keepers (its ``KIND_KEY`` rows) in the index of
+        kept entries, a batch at a time (a full run empties it first), then mark the
+        index as this run's. Returns the rows recorded.
 
         The unique index is in place while they go in. (Building it afterwards
         would hold a transaction id as long as the build -- and every tailer's
         horizon with it -- or, concurrently, wait for every writer that keeps a
-        transaction open.)
-
-        The index only tells the next run which earlier entry to merge with the
-        ids its changes touch; an entry it names that is gone is simply not read.
+        transaction open.) The index only tells the next run which earlier entry
+        to merge with the ids its changes touch; an entry it names that is gone is
+        simply not read.
         """
-        run_keys = self.run_keys_table(run_id)
         keys = f"{self.q}.compaction_keys"
         await self.conn.execute(
             f"TRUNCATE {keys}" if full else f"DELETE FROM {keys} WHERE resource = ''"
         )
-        rows = int(await self.conn.fetchval(f"SELECT count(*) FROM {run_keys}"))
-        pages = await self.table_pages(run_keys)
-        step = max(1, batch_size * pages // max(rows, 1))
-        # A retried Spark task may have written a group twice: one row per key.
-        sql = f"""
-            WITH b AS (
-                SELECT resource, changed_resource_id, txid, id FROM {run_keys}
-                WHERE ctid >= $1::tid AND ctid < $2::tid
-            ), done AS (
-                INSERT INTO {keys} (resource, changed_resource_id, txid, id)
-                SELECT DISTINCT ON (resource, changed_resource_id)
-                    resource, changed_resource_id, txid, id
-                FROM b ORDER BY resource, changed_resource_id, txid DESC, id DESC
-                ON CONFLICT (resource, changed_resource_id)
-                DO UPDATE SET txid = EXCLUDED.txid, id = EXCLUDED.id
-                RETURNING 1
-            )
-            SELECT (SELECT count(*) FROM b) AS batch
+        # A retried Spark task may have staged a group twice: one row per key.
+        action = f"""
+            INSERT INTO {keys} (resource, changed_resource_id, txid, id)
+            SELECT DISTINCT ON (resource, changed_resource_id)
+                resource, changed_resource_id, txid, id
+            FROM b ORDER BY resource, changed_resource_id, txid DESC, id DESC
+            ON CONFLICT (resource, changed_resource_id)
+            DO UPDATE SET txid = EXCLUDED.txid, id = EXCLUDED.id
+            RETURNING 1
         """
-        for lo in range(0, max(pages, 1), step):
-            hi = (lo + step, 0) if lo + step < pages else _LAST_PAGE
-            row = await self._batch(sql, (lo, 0), hi)
-            if report is not None and row["batch"]:
-                report(int(row["batch"]))
-        await self.conn.execute(f"DROP TABLE {run_keys}")
+        sql = self._walk_sql(run_id, "txid, id, resource, changed_resource_id", action)
+        done = await self._walk(
+            KIND_KEY, run_id=run_id, sql=sql, batch_size=batch_size, report=report
+        )
         await self.conn.execute(
             f"INSERT INTO {keys} (resource, changed_resource_id, txid, id) VALUES ('', '', 0, $1)",
             run_id,
         )
-        return rows
+        return done

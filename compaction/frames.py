@@ -1,77 +1,53 @@
-"""The compaction plan as Spark DataFrames: partitioned reads, garbage regions, merge, staging.
+"""What the compaction job reads, as Spark DataFrames: partitioned reads of the feed.
 
 What a run reads (``scope``):
 
 * a **full** run reads the whole feed up to its head as ranges of heap pages
-  (``ctid``, a TID range scan each): the garbage's bounds (``garbage_regions``)
-  in one scan, the merge candidates in another;
+  (``ctid``, a TID range scan each): PostgreSQL first returns, per range, the
+  garbage's bounds and the sub-resource names among the merge candidates
+  (``survey_feed``, a row each); then the candidates themselves, split into
+  the ordinary ids and the hot ones (``read_feed`` with ``hot_filter``);
 * an **incremental** run reads what changed (``delta_predicates``): the
   entries after the previous head by primary-key ranges, and those that aged
-  into garbage or into the merge by ranges of the ``published`` index; then
-  the previous keeper of every ``(resource, id)`` they touch, looked up in the
-  index of kept entries (``old_keepers``).
+  into garbage or into the merge by ranges of the ``published`` index
+  (``garbage_regions`` bounds the new garbage); then the previous keeper of
+  every ``(resource, id)`` they touch (``write_touched``, ``old_keepers``),
+  looked up in the index of kept entries.
 
-The merge (``merge_rows``) is a ``groupBy`` of the members by ``(resource,
-changed_resource_id)`` -- partial aggregation on the map side, so a hot id
-costs nothing extra there -- and a join of the members with their group's
-keeper to name the drops. The join sends the members of the few largest
-groups (at most ``HOT_KEYS``, bounded metadata) nowhere: their keepers are
-broadcast to every task, so a hot id is split across all the read's tasks
-instead of landing on one; the rest is an ordinary shuffled join. Nothing
-comes back to the driver but a handful of rows and the observed counts; the
-verdicts go from the executors to the staging table (or, on a dry run,
-nowhere). The rules are the ones in ``plan``; the PostgreSQL side is in
-``apply``.
+Nothing comes back to the driver but those few rows. What is done with the
+members is in ``merge``; the PostgreSQL side is in ``apply``.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
 from typing import Any
 
 from changefeed.schemas import Position
 
-from .apply import KIND_DROP, KIND_KEEP, FeedSnapshot
+from .apply import FeedSnapshot
 from .jdbc import JdbcTarget
 from .plan import GcRegion
 from .scope import Cutoffs, Scope
 
 __all__ = [
-    "HOT_KEYS",
-    "HOT_MIN",
-    "MERGE_COUNTS",
-    "Merge",
     "block_ranges",
     "delta_predicates",
     "garbage_regions",
     "head_bound",
-    "merge_rows",
+    "hot_filter",
     "old_keepers",
     "read_feed",
     "read_predicates",
     "slices",
     "survey_feed",
-    "vocabulary",
-    "write_merge",
     "write_touched",
 ]
 
 _FETCH_SIZE = 10_000
 _WRITE_BATCH = 10_000
 _APP = "changefeed-compaction"
-
-HOT_MIN = 10_000
-"""A group of at least this many members is *hot*: its members are not shuffled."""
-HOT_KEYS = 256
-"""The largest groups taken as hot, at most: their keepers are broadcast to every task."""
-
-MERGE_COUNTS = ("groups", "keys", "members", "updates", "drops")
-"""What ``merge_rows`` counts while the staging rows are written (``write_rows``)."""
-
-_COLUMNS = "txid::text::bigint AS txid, id, resource, changed_resource_id, sub_resources, published"
 
 
 def block_ranges(blocks: int, partitions: int) -> list[tuple[int, int | None]]:
@@ -117,6 +93,17 @@ def read_predicates(
             terms.append(f"ctid < '({int(hi)},0)'::tid")
         out.append(" AND ".join([*terms, head, condition]))
     return out
+
+
+def hot_filter(hot_table: str, *, hot: bool) -> str:
+    """SQL: the entry's ``(resource, changed_resource_id)`` is (``hot``) or is not one
+    of the hot groups the run wrote to ``hot_table``: the two reads of a full run
+    are split where PostgreSQL reads, without either reading the other's rows."""
+    test = (
+        f"SELECT 1 FROM {hot_table} h WHERE h.resource = feed.resource"
+        " AND h.changed_resource_id = feed.changed_resource_id"
+    )
+    return f"{'' if hot else 'NOT '}EXISTS ({test})"
 
 
 def _time_slices(band: tuple[datetime, datetime], parts: int) -> list[tuple[datetime, datetime]]:
@@ -297,217 +284,16 @@ def old_keepers(
     return frame
 
 
-_POSITION_SPAN = 1 << 63
-"""A position as one number, ``txid * 2**63 + id`` (a decimal of 38 digits): its
-maximum is an ordinary hash aggregate, where a maximum of a (txid, id) struct
-falls back to sorting every group."""
-
-
-def vocabulary(members: Any) -> list[str]:
-    """Every sub-resource name among ``members``, sorted (bounded metadata: a feed
-    names a handful)."""
-    from pyspark.sql import functions as F
-
-    rows = members.select(F.explode("sub_resources").alias("s")).distinct().collect()
-    return sorted(str(r["s"]) for r in rows)
-
-
-@dataclass(frozen=True, slots=True)
-class Merge:
-    """The merge of a set of members, as DataFrames (see ``merge_rows``).
-
-    Attributes:
-        keys: one row per ``(resource, changed_resource_id)``: its keeper after
-            the merge (``txid``, ``id``) and its size (``members``).
-        changes: ``STAGING_COLUMNS`` rows: keepers whose sub-resources change,
-            and drops with their keeper.
-        cached: what both read, cached; ``release`` it once both are written.
-    """
-
-    keys: Any
-    changes: Any
-    cached: tuple[Any, ...]
-
-    def release(self) -> None:
-        for frame in self.cached:
-            frame.unpersist()
-
-
-def merge_rows(
-    members: Any, names: list[str], *, hot_min: int = HOT_MIN, hot_keys: int = HOT_KEYS
-) -> Merge:
-    """The merge of ``members`` (``txid, id, resource, changed_resource_id,
-    sub_resources``; no two rows at one position), whose sub-resources are among
-    ``names`` (``vocabulary``).
-
-    Each member becomes a slim row: its position as one number, "whole
-    resource", and its sub-resources as bitmasks over ``names`` (63 a word).
-    Per ``(resource, changed_resource_id)``, one hash aggregate: the size, the
-    keeper (the latest position), whether any member is the whole resource,
-    and the union (``bit_or``). Then a hash join of the members with the groups
-    of two or more names every drop's keeper, and finds the keepers whose
-    sub-resources change (their masks differ from the union's); the largest
-    groups' keepers are broadcast instead. Only the union of a keeper that
-    changes is turned back into names.
-    """
-    from pyspark import StorageLevel
-    from pyspark.sql import functions as F
-
-    words = [names[w : w + 63] for w in range(0, len(names), 63)]
-    masks = [f"mask{w}" for w in range(len(words))]
-    span = F.lit(Decimal(_POSITION_SPAN)).cast("decimal(38,0)")
-    key = ["resource", "changed_resource_id"]
-
-    def mask(chunk: list[str]) -> Any:
-        value = F.lit(0).cast("long")
-        for bit, name in enumerate(chunk):
-            value = value.bitwiseOR(
-                F.when(F.array_contains("sub_resources", name), F.lit(1 << bit)).otherwise(0)
-            )
-        return value
-
-    m = members.select(
-        *key,
-        "txid",
-        "id",
-        (F.col("txid").cast("decimal(38,0)") * span + F.col("id"))
-        .cast("decimal(38,0)")
-        .alias("pos"),
-        (F.size("sub_resources") == 0).alias("whole"),
-        *(mask(chunk).alias(c) for chunk, c in zip(words, masks, strict=True)),
-    ).persist(StorageLevel.MEMORY_AND_DISK)
-    groups = (
-        m.groupBy(*key)
-        .agg(
-            F.count(F.lit(1)).alias("n"),
-            F.max("pos").alias("keep"),
-            F.max(F.col("whole").cast("int")).alias("any_whole"),
-            *(F.bit_or(c).alias(f"u{c}") for c in masks),
-        )
-        # Once: the keys, the keepers and the drops all read it, and each would
-        # otherwise aggregate the members again.
-        .persist(StorageLevel.MEMORY_AND_DISK)
-    )
-
-    def position(column: str) -> tuple[Any, Any]:
-        value = F.col(column)
-        return F.floor(value / span).cast("long"), F.pmod(value, span).cast("long")
-
-    keep_txid, keep_id = position("keep")
-    keys = groups.select(
-        *key, keep_txid.alias("txid"), keep_id.alias("id"), F.col("n").alias("members")
-    )
-    merged = groups.where(F.col("n") > 1).drop("n")
-    hot = groups.where(F.col("n") >= hot_min).orderBy(F.desc("n")).limit(hot_keys).drop("n")
-    cold = m.join(F.broadcast(hot.select(*key)), key, "left_anti").join(
-        merged.hint("shuffle_hash"), key
-    )
-    joined = m.join(F.broadcast(hot), key).unionByName(cold)
-    kept = F.col("pos") == F.col("keep")
-    whole = F.col("any_whole") == 1
-    differs = F.lit(False)
-    for c in masks:
-        differs = differs | (F.col(c) != F.col(f"u{c}"))
-    widened = (whole & ~F.col("whole")) | (~whole & differs)
-    union = F.concat(
-        F.array().cast("array<string>"),
-        *(
-            F.when(F.col(f"u{c}").bitwiseAND(1 << bit) != 0, F.array(F.lit(name))).otherwise(
-                F.array().cast("array<string>")
-            )
-            for chunk, c in zip(words, masks, strict=True)
-            for bit, name in enumerate(chunk)
-        ),
-    )
-    none_long = F.lit(None).cast("long")
-    # One pass over the join: the keepers whose sub-resources change, and the drops.
-    changes = joined.where(~kept | widened).select(
-        F.when(kept, F.lit(KIND_KEEP)).otherwise(F.lit(KIND_DROP)).cast("short").alias("kind"),
-        "txid",
-        "id",
-        F.when(kept, none_long).otherwise(keep_txid).alias("keep_txid"),
-        F.when(kept, none_long).otherwise(keep_id).alias("keep_id"),
-        F.when(kept & whole, F.array().cast("array<string>"))
-        .when(kept, union)
-        .otherwise(F.lit(None).cast("array<string>"))
-        .alias("sub_resources"),
-    )
-    return Merge(keys, changes, (groups, m))
-
-
-_JDBC_WRITE = {
-    "batchsize": str(_WRITE_BATCH),
-    "reWriteBatchedInserts": "true",
-    # No transaction per partition: each batch of inserts commits by itself. A
-    # write transaction holds an xid, and while it is open pg_snapshot_xmin -- the
-    # publishers' tailing horizon (I1) -- cannot pass it: one long staging
-    # transaction would stall every tailer. A retried task may then stage a row
-    # twice; the apply step is idempotent, and the summary counts what it applied.
-    "isolationLevel": "NONE",
-    "ApplicationName": _APP,
-}
-
-
-def _write(frame: Any, target: JdbcTarget | None, table: str | None) -> None:
-    if table is None or target is None:
-        frame.write.format("noop").mode("overwrite").save()
-    else:
-        frame.write.jdbc(
-            url=target.url,
-            table=table,
-            mode="append",
-            properties=target.with_properties(**_JDBC_WRITE),
-        )
-
-
-def write_merge(
-    merge: Merge, target: JdbcTarget | None, *, keys: str | None, staging: str | None
-) -> tuple[dict[str, int], Position | None]:
-    """Write the merge's keys to ``keys`` and its changes to ``staging`` (None: a dry
-    run, write nothing), counting them as they go.
-
-    Returns:
-        the counts of ``MERGE_COUNTS`` (``groups``: groups of two or more), and
-        the newest keeper whose sub-resources change (None: none does).
-    """
-    from pyspark.sql import Observation
-    from pyspark.sql import functions as F
-
-    counted_keys = Observation("keys")
-    _write(
-        # Sorted by key (a range-partitioned sort): the apply step then inserts
-        # them in about the order of the index of kept entries.
-        merge.keys.orderBy("resource", "changed_resource_id")
-        .observe(
-            counted_keys,
-            F.count(F.lit(1)).alias("keys"),
-            F.count(F.when(F.col("members") > 1, 1)).alias("groups"),
-            F.coalesce(F.sum("members"), F.lit(0)).alias("members"),
-        )
-        .drop("members"),
-        target,
-        keys,
-    )
-    kind = F.col("kind")
-    counted = Observation("changes")
-    _write(
-        merge.changes.observe(
-            counted,
-            F.count(F.when(kind == KIND_KEEP, 1)).alias("updates"),
-            F.count(F.when(kind == KIND_DROP, 1)).alias("drops"),
-            F.max(F.when(kind == KIND_KEEP, F.struct("txid", "id"))).alias("through"),
-        ),
-        target,
-        staging,
-    )
-    got = {**counted_keys.get, **counted.get}
-    through = got.get("through")
-    return (
-        {name: int(got[name] or 0) for name in MERGE_COUNTS},
-        None if through is None else Position(int(through["txid"]), int(through["id"])),
-    )
-
-
 def write_touched(delta: Any, target: JdbcTarget, table: str) -> None:
     """Write the ``(resource, changed_resource_id)`` pairs of ``delta`` to ``table``, once each."""
-    _write(delta.select("resource", "changed_resource_id").distinct(), target, table)
+    delta.select("resource", "changed_resource_id").distinct().write.jdbc(
+        url=target.url,
+        table=table,
+        mode="append",
+        properties=target.with_properties(
+            batchsize=str(_WRITE_BATCH),
+            reWriteBatchedInserts="true",
+            isolationLevel="NONE",  # as for staging (merge.write_merge): no xid held open
+            ApplicationName=_APP,
+        ),
+    )

@@ -56,16 +56,15 @@ from .frames import (
     block_ranges,
     delta_predicates,
     garbage_regions,
-    merge_rows,
+    hot_filter,
     old_keepers,
     read_feed,
     read_predicates,
     survey_feed,
-    vocabulary,
-    write_merge,
     write_touched,
 )
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
+from .merge import HOT_KEYS, HOT_MIN, KEY, hot_groups, merge_rows, vocabulary, write_merge
 from .plan import GcRegion
 from .progress import NullProgress, Progress
 from .runs import RunLog
@@ -356,9 +355,8 @@ def _run(
             summary.run_id = run.run_id
             stack.callback(run.drop_staging)
             run.staging = runner.run(store.create_staging(run.run_id))
-            run.keys = runner.run(store.create_run_keys(run.run_id))
-        regions, members = run.scan_full() if scope.full else run.scan_delta()
-        counts, through = run.merge(members)
+        regions, cold, hot = run.scan_full() if scope.full else run.scan_delta()
+        counts, through = run.merge(cold, hot)
         garbage = sum(r.rows for r in regions)
         summary.scanned = garbage + counts["members"]
         summary.groups = counts["groups"]
@@ -413,7 +411,6 @@ class _Run:
         self.parallelism = int(spark.sparkContext.defaultParallelism)
         self.run_id: int | None = None
         self.staging: str | None = None
-        self.keys: str | None = None
         self.names: list[str] = []
         """Every sub-resource name among the members (found while scanning)."""
 
@@ -422,8 +419,9 @@ class _Run:
             with contextlib.suppress(*_DB_ERRORS):
                 self.runner.run(self.store.drop_staging(self.run_id))
 
-    def scan_full(self) -> tuple[list[GcRegion], Any]:
-        """The whole feed: the garbage's bounds, and the merge candidates (a DataFrame)."""
+    def scan_full(self) -> tuple[list[GcRegion], Any, Any | None]:
+        """The whole feed: the garbage's bounds, and the merge candidates (the
+        ordinary ids' and the hot ones', or None when none is hot)."""
         snap, now = self.snap, self.now
         wanted = self.settings.partitions or max(
             self.parallelism, -(-snap.blocks // _BLOCKS_PER_PARTITION)
@@ -443,12 +441,28 @@ class _Run:
                 read_predicates(snap, ranges, f"published < {_ts(now.gc)}"),
                 predicates,
             )
-        return regions, read_feed(self.spark, self.target, table, predicates)
+        if self.run_id is None:  # a dry run writes nothing, not even the hot groups
+            return regions, read_feed(self.spark, self.target, table, predicates), None
+        hot = self.runner.run(
+            self.store.hot_groups(snap, now.gc, now.lag, hot_min=HOT_MIN, most=HOT_KEYS)
+        )
+        self.summary.hot = len(hot)
+        if not hot:
+            return regions, read_feed(self.spark, self.target, table, predicates), None
+        marks = self.runner.run(self.store.create_hot(self.run_id, hot))
 
-    def scan_delta(self) -> tuple[list[GcRegion], Any]:
+        def split(is_hot: bool) -> Any:
+            only = hot_filter(marks, hot=is_hot)
+            return read_feed(
+                self.spark, self.target, table, [f"{p} AND {only}" for p in predicates]
+            )
+
+        return regions, split(False), split(True)
+
+    def scan_delta(self) -> tuple[list[GcRegion], Any, Any | None]:
         """What changed since the previous run: the new garbage's bounds, and the merge
         members (the changes that are candidates, and the previous keepers of the
-        ids they touch)."""
+        ids they touch), the ordinary ids' and the hot ones'."""
         from pyspark import StorageLevel
         from pyspark.sql import functions as F
 
@@ -460,7 +474,7 @@ class _Run:
         touched = self.runner.run(store.create_touched(self.run_id))
         with self.clock.spark_phase("scan-delta", spark):
             if not predicates:
-                return [], spark.createDataFrame([], _MEMBER_SCHEMA)
+                return [], spark.createDataFrame([], _MEMBER_SCHEMA), None
             delta = read_feed(spark, self.target, f"{store.q}.feed", predicates).persist(
                 StorageLevel.MEMORY_AND_DISK
             )
@@ -483,20 +497,23 @@ class _Run:
                 # Materialized now, while the delta is cached: the merge reads it twice.
                 members = changed.unionByName(kept.select(*_MEMBERS)).localCheckpoint()
                 self.names = vocabulary(members)
+                hot = hot_groups(members)
             finally:
                 delta.unpersist()
-        return regions, members
+        self.summary.hot = len(hot)
+        if not hot:
+            return regions, members, None
+        marks = F.broadcast(
+            spark.createDataFrame(hot, "resource string, changed_resource_id string")
+        )
+        key = list(KEY)
+        return regions, members.join(marks, key, "left_anti"), members.join(marks, key, "left_semi")
 
-    def merge(self, members: Any) -> tuple[dict[str, int], Position | None]:
-        """Plan the merge of ``members`` into the staging table (a dry run: count it)."""
-
+    def merge(self, cold: Any, hot: Any | None) -> tuple[dict[str, int], Position | None]:
+        """Plan the merge into the staging table (a dry run: count it)."""
         name = "scan-merge" if self.summary.dry_run else "scan-merge+stage"
         with self.clock.spark_phase(name, self.spark):
-            merge = merge_rows(members, self.names)
-            try:
-                counted = write_merge(merge, self.target, keys=self.keys, staging=self.staging)
-            finally:
-                merge.release()
+            counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
         if self.run_id is not None:
             with self.clock.phase("survey" if self.store.page_walk else "index"):
                 self.runner.run(self.store.index_staging(self.run_id))

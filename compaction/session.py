@@ -65,6 +65,10 @@ def session_conf(
         "spark.ui.showConsoleProgress": "false",
         "spark.local.dir": str(scratch),
         "spark.sql.session.timeZone": "UTC",
+        # A window over a resource id's entries holds them in memory up to this
+        # many before spilling (Spark's default, 4,096, spills ordinary ids'
+        # groups; hot ids, the large ones, are merged apart: compaction.merge).
+        "spark.sql.windowExec.buffer.in.memory.threshold": "65536",
         "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
     }
     if jdbc_jar:

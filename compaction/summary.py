@@ -27,6 +27,7 @@ class CompactionSummary:
         merged: entries merged into a later entry of the same resource id and deleted.
         rewritten: keepers whose sub-resources became the union.
         groups: resource ids with entries merged.
+        hot: resource ids merged apart from the others as hot (their members not shuffled).
         gc_batches: transactions of the garbage walk.
         rewrite_generation, rewritten_through: the feed's rewrite horizon after
             the run announced its widened entries (unchanged when it widened none).
@@ -50,6 +51,7 @@ class CompactionSummary:
     rewritten: int = 0
     groups: int = 0
     partitions: int = 0
+    hot: int = 0
     gc_batches: int = 0
     rewrite_generation: int | None = None
     rewritten_through: Position | None = None
@@ -82,6 +84,7 @@ class CompactionSummary:
             "rewritten": self.rewritten,
             "groups": self.groups,
             "partitions": self.partitions,
+            "hot": self.hot,
             "gc_batches": self.gc_batches,
             "rewrite_generation": self.rewrite_generation,
             "rewritten_through": list(self.rewritten_through) if self.rewritten_through else None,
@@ -111,7 +114,8 @@ class CompactionSummary:
                 f"  collected     {verb} {self.collected:,} older than"
                 f" {format_duration(self.max_age)} in {self.gc_batches:,} transactions",
                 f"  merged        {verb} {self.merged:,} into later entries of {self.groups:,}"
-                f" resource ids ({self.rewritten:,} rewritten with the union),"
+                f" resource ids, {self.hot} of them hot ({self.rewritten:,} rewritten with the"
+                " union),"
                 f" older than {format_duration(self.compaction_lag)}",
                 f"  time          {phases}  total {self.seconds:.1f}s",
             ]

@@ -116,6 +116,7 @@ async def test_a_lag_shorter_than_the_window_loses_nothing_through_any_publisher
         await asyncio.sleep(LAG + 0.5)
         one = await asyncio.to_thread(compact, feed_dsn, spark)
         assert one.full and one.merged == HOT - 1 + (PER_ID - 1) * IDS
+        assert one.hot == 1  # merged apart from the others, across the read's tasks
         assert one.rewritten == 0  # each group had one sub-resource: nothing widened
 
         async with running_publisher(feed_dsn) as pub:

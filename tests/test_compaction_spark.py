@@ -401,12 +401,13 @@ async def test_incremental_runs_leave_the_feed_a_full_run_would(feed_dsn: str, s
 
 
 def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None:
-    """The members of the largest groups are joined with their keeper where they were
-    read: the hot id's drops come out of every read partition, where the ordinary
-    shuffled join puts them all in one task; and both plan the same rows."""
+    """The members of a hot id are aggregated where they were read and the totals
+    broadcast back: its drops come out of every read partition, where the one
+    shuffle the other ids go through puts them all in one task; both plan the
+    same rows."""
     from pyspark.sql import functions as F
 
-    from changefeed.compaction.frames import merge_rows
+    from changefeed.compaction.merge import hot_groups, merge_rows
 
     members = spark.range(0, 40_000, numPartitions=4).select(
         (F.col("id") % 97).alias("txid"),
@@ -419,30 +420,26 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
         .otherwise(F.array(F.lit("nic")))
         .alias("sub_resources"),
     )
+    assert hot_groups(members, hot_min=5_000) == [("vm", "hot")]
+    hot_id = F.col("changed_resource_id") == "hot"
 
-    def hot_drops(hot_min: int) -> tuple[int, int, list[Any]]:
-        merge = merge_rows(members, ["alias", "nic"], hot_min=hot_min)
-        try:
-            (keeper,) = merge.keys.where("changed_resource_id = 'hot'").collect()
-            rows = merge.changes.withColumn("task", F.spark_partition_id())
-            hot = rows.where(
-                (F.col("kind") == 3)
-                & (F.col("keep_txid") == keeper["txid"])
-                & (F.col("keep_id") == keeper["id"])
-            )
-            plan = sorted(rows.select("kind", "txid", "id", "keep_txid", "keep_id").collect())
-            return hot.count(), hot.select("task").distinct().count(), plan
-        finally:
-            merge.release()
+    def hot_drops(split: bool) -> tuple[int, int, list[Any]]:
+        if split:
+            rows = merge_rows(members.where(~hot_id), members.where(hot_id), ["alias", "nic"])
+        else:
+            rows = merge_rows(members, None, ["alias", "nic"])
+        rows = rows.withColumn("task", F.spark_partition_id())
+        (keeper,) = rows.where("kind = 4 AND changed_resource_id = 'hot'").collect()
+        hot = rows.where(
+            (F.col("kind") == 3)
+            & (F.col("keep_txid") == keeper["txid"])
+            & (F.col("keep_id") == keeper["id"])
+        )
+        plan = sorted(rows.select("kind", "txid", "id", "keep_txid", "keep_id").collect())
+        return hot.count(), hot.select("task").distinct().count(), plan
 
-    # As with millions of groups: the keepers are too many to broadcast them all.
-    threshold = spark.conf.get("spark.sql.autoBroadcastJoinThreshold")
-    spark.conf.set("spark.sql.autoBroadcastJoinThreshold", "-1")
-    try:
-        split_drops, split_tasks, split_plan = hot_drops(5_000)
-        plain_drops, plain_tasks, plain_plan = hot_drops(1 << 40)  # no group is hot
-    finally:
-        spark.conf.set("spark.sql.autoBroadcastJoinThreshold", threshold)
+    split_drops, split_tasks, split_plan = hot_drops(True)
+    plain_drops, plain_tasks, plain_plan = hot_drops(False)
     assert split_drops == plain_drops == 10_000 - 1
     assert (split_tasks, plain_tasks) == (4, 1)
     assert split_plan == plain_plan
