@@ -259,7 +259,7 @@ def _parser() -> argparse.ArgumentParser:
         help="read the whole feed (default: only what changed since the last run, when it can)",
     )
     compact.add_argument(
-        "--standby-wait",
+        "--replay-wait",
         default="60s",
         help="how long the drops wait for streaming standbys to replay the widened entries",
     )
@@ -377,7 +377,7 @@ def _compact(args: argparse.Namespace) -> int:
     try:
         max_age = parse_duration(args.max_age, "--max-age")
         lag = parse_duration(args.compaction_lag, "--compaction-lag")
-        standby_wait = parse_duration(args.standby_wait, "--standby-wait")
+        replay_wait = parse_duration(args.replay_wait, "--replay-wait")
     except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
     dsn = _dsn(args)
@@ -395,7 +395,7 @@ def _compact(args: argparse.Namespace) -> int:
                 partitions=args.partitions,
                 progress=progress,
                 full=args.full,
-                standby_wait=standby_wait,
+                replay_wait=replay_wait,
             )
         except CompactionError as exc:
             raise CommandError(str(exc)) from None

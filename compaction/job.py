@@ -168,7 +168,7 @@ def run_compaction(
     lock_wait: float = 30.0,
     spark_conf: Mapping[str, str] | None = None,
     full: bool = False,
-    standby_wait: float = 60.0,
+    replay_wait: float = 60.0,
 ) -> CompactionSummary:
     """Garbage-collect and compact one feed table with Spark; return what was done.
 
@@ -195,7 +195,7 @@ def run_compaction(
         spark_conf: extra Spark settings for a session the job starts.
         full: read the whole feed even when the previous run allows an
             incremental one (a dry run always plans a full run).
-        standby_wait: seconds the drops wait for streaming standbys to replay
+        replay_wait: seconds the drops wait for streaming standbys to replay
             the widened keepers; past that the run stops before the drops.
 
     Must be called from a thread without a running event loop (in async code:
@@ -206,8 +206,8 @@ def run_compaction(
             the way (the feed is consistent; run again to finish).
     """
     _check_durations(max_age, compaction_lag, batch_size)
-    if not standby_wait >= 0:
-        raise CompactionError(f"standby_wait must not be negative, got {standby_wait!r}")
+    if not replay_wait >= 0:
+        raise CompactionError(f"replay_wait must not be negative, got {replay_wait!r}")
     try:
         quote_schema(schema)
     except ProtocolError as exc:
@@ -226,7 +226,7 @@ def run_compaction(
     summary = CompactionSummary(
         schema=schema, dry_run=dry_run, max_age=max_age, compaction_lag=compaction_lag
     )
-    settings = _Settings(batch_size, partitions, lock_wait, full or dry_run, standby_wait)
+    settings = _Settings(batch_size, partitions, lock_wait, full or dry_run, replay_wait)
     clock = _Clock(summary, progress or NullProgress())
     clock.note("start", url=target.url, schema=schema, dry_run=dry_run, master=master)
     with asyncio.Runner() as runner:
@@ -264,7 +264,7 @@ class _Settings:
     partitions: int | None
     lock_wait: float
     full: bool
-    standby_wait: float
+    replay_wait: float
 
 
 _MEMBERS = ("txid", "id", "resource", "changed_resource_id", "sub_resources")
@@ -543,7 +543,7 @@ class _Run:
             summary.rewritten = runner.run(store.apply_keepers(run_id, batch, report))
         with self.clock.phase("apply-merge", counts["drops"], "entries"):
             if counts["drops"]:
-                summary.standbys = runner.run(store.wait_for_standbys(self.settings.standby_wait))
+                summary.standbys = runner.run(store.wait_for_standbys(self.settings.replay_wait))
             summary.merged = runner.run(store.apply_drops(run_id, batch, report))
         with self.clock.phase("apply-keys", counts["keys"], "entries"):
             full = self.scope.full

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=None)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--full", action="store_true", help="read the whole feed")
-    parser.add_argument("--standby-wait", type=_duration, default=60.0, help="default 60s")
+    parser.add_argument("--replay-wait", type=_duration, default=60.0, help="default 60s")
     parser.add_argument(
         "--progress", action="store_true", help="progress as JSON log lines on stderr"
     )
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             partitions=args.partitions,
             progress=LogProgress() if args.progress else None,
             full=args.full,
-            standby_wait=args.standby_wait,
+            replay_wait=args.replay_wait,
         )
     except CompactionError as exc:
         print(f"changefeed-compaction: {exc}", file=sys.stderr)
