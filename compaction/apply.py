@@ -48,6 +48,7 @@ from .plan import GcRegion
 
 __all__ = [
     "COMPACTION_LOCK_KEY",
+    "KEEPER_HASH",
     "KIND_DROP",
     "KIND_KEEP",
     "KIND_KEY",
@@ -68,6 +69,15 @@ KIND_DROP = 3
 """Staging row kind: an entry merged into its keeper and then deleted."""
 KIND_KEY = 4
 """Staging row kind: a group's keeper after this run, for the index of kept entries."""
+
+KEEPER_HASH = (
+    "hashtextextended(length({table}.resource) || ':' || {table}.resource"
+    " || {table}.changed_resource_id, 0)"
+)
+"""SQL: the key of a group in the index of kept entries (``{table}``: a relation with
+``resource`` and ``changed_resource_id``). 64 bits; length-prefixed, so that no two
+pairs make the same text; a group whose hash another's took is only not looked up
+(the entry found is checked to be of the group)."""
 
 STAGING_COLUMNS = (
     "kind",
@@ -483,6 +493,10 @@ class CompactionStore:
                 )
             await asyncio.sleep(_STANDBY_POLL)
 
+    def share_survey(self, other: CompactionStore) -> None:
+        """Use ``other``'s survey of the staging table (a second connection's store)."""
+        self._surveyed = other._surveyed
+
     async def survey_staging(self, run_id: int) -> None:
         """Find each kind's pages in the loaded staging table, in one scan, for the
         walks that follow (without it, each walk looks for its own kind's). Only the
@@ -643,25 +657,18 @@ class CompactionStore:
         simply not read.
         """
         keys = f"{self.q}.compaction_keys"
-        await self.conn.execute(
-            f"TRUNCATE {keys}" if full else f"DELETE FROM {keys} WHERE resource = ''"
-        )
+        if full:
+            await self.conn.execute(f"TRUNCATE {keys}")
         # A retried Spark task may have staged a group twice: one row per key.
         action = f"""
-            INSERT INTO {keys} (resource, changed_resource_id, txid, id)
-            SELECT DISTINCT ON (resource, changed_resource_id)
-                resource, changed_resource_id, txid, id
-            FROM b ORDER BY resource, changed_resource_id, txid DESC, id DESC
-            ON CONFLICT (resource, changed_resource_id)
-            DO UPDATE SET txid = EXCLUDED.txid, id = EXCLUDED.id
+            INSERT INTO {keys} (h, txid, id)
+            SELECT DISTINCT ON (h) h, txid, id FROM (
+                SELECT {KEEPER_HASH.format(table="b")} AS h, txid, id FROM b) AS hashed
+            ORDER BY h, txid DESC, id DESC
+            ON CONFLICT (h) DO UPDATE SET txid = EXCLUDED.txid, id = EXCLUDED.id
             RETURNING 1
         """
         sql = self._walk_sql(run_id, "txid, id, resource, changed_resource_id", action)
-        done = await self._walk(
+        return await self._walk(
             KIND_KEY, run_id=run_id, sql=sql, batch_size=batch_size, report=report
         )
-        await self.conn.execute(
-            f"INSERT INTO {keys} (resource, changed_resource_id, txid, id) VALUES ('', '', 0, $1)",
-            run_id,
-        )
-        return done

@@ -26,7 +26,7 @@ from typing import Any
 
 from changefeed.schemas import Position
 
-from .apply import FeedSnapshot
+from .apply import KEEPER_HASH, FeedSnapshot
 from .jdbc import JdbcTarget
 from .plan import GcRegion
 from .scope import Cutoffs, Scope
@@ -264,9 +264,9 @@ def old_keepers(
         query = (
             f"(SELECT f.txid::text::bigint AS txid, f.id, f.resource, f.changed_resource_id,"
             f" f.sub_resources, f.published FROM {touched} t"
-            f" JOIN {keys} k ON k.resource = t.resource"
-            " AND k.changed_resource_id = t.changed_resource_id"
+            f" JOIN {keys} k ON k.h = {KEEPER_HASH.format(table='t')}"
             f" JOIN {feed} f ON f.txid = k.txid::text::xid8 AND f.id = k.id"
+            " AND f.resource = t.resource AND f.changed_resource_id = t.changed_resource_id"
             f" WHERE {pages_of} AND (f.txid, f.id) <= {_pos(scope.since)}"
             f" AND f.published >= {_ts(now.gc)} AND f.published < {_ts(scope.kept_until)}"
             f") AS kept_{len(reads)}"

@@ -39,7 +39,7 @@ import contextlib
 import importlib
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -238,6 +238,7 @@ def run_compaction(
             _run(
                 runner=runner,
                 conn=conn,
+                connect=lambda: asyncpg.connect(dsn, timeout=_CONNECT_TIMEOUT),
                 clock=clock,
                 target=target,
                 jar=jar,
@@ -277,6 +278,7 @@ def _run(
     *,
     runner: asyncio.Runner,
     conn: asyncpg.Connection,
+    connect: Callable[[], Coroutine[Any, Any, asyncpg.Connection]],
     clock: _Clock,
     target: JdbcTarget,
     jar: str | None,
@@ -339,6 +341,7 @@ def _run(
         run = _Run(
             clock=clock,
             runner=runner,
+            connect=connect,
             spark=spark,
             target=target,
             store=store,
@@ -378,7 +381,7 @@ def _run(
             return
         run.apply(regions, counts, through)
         summary.seconds = time.monotonic() - clock.started
-        runner.run(runs.finish(run.run_id, json.dumps(summary.to_dict())))
+        runner.run(runs.finish(run.run_id, json.dumps(summary.to_dict()), kept=counts["keys"]))
         runner.run(store.unlock())
 
 
@@ -390,6 +393,7 @@ class _Run:
         *,
         clock: _Clock,
         runner: asyncio.Runner,
+        connect: Callable[[], Coroutine[Any, Any, asyncpg.Connection]],
         spark: Any,
         target: JdbcTarget,
         store: CompactionStore,
@@ -401,6 +405,8 @@ class _Run:
         self.clock = clock
         self.summary = clock.summary
         self.runner = runner
+        self.connect = connect
+        """Opens another connection to the feed's database."""
         self.spark = spark
         self.target = target
         self.store = store
@@ -523,30 +529,97 @@ class _Run:
     def apply(
         self, regions: list[GcRegion], counts: Mapping[str, int], through: Position | None
     ) -> None:
-        """The apply step, batch by batch (see ``apply``)."""
+        """The apply step, batch by batch (see ``apply``), on two connections: the
+        keepers and the drops on the control connection, meanwhile the garbage and
+        then the index of kept entries on a second one. Neither touches the other's
+        rows, and each statement is safe in any order (docs/compaction.md); the
+        database's second core does the other half."""
         summary, runner, store = self.summary, self.runner, self.store
         run_id = self.run_id
         assert run_id is not None
         report = self.clock.progress.advance
         batch = self.settings.batch_size
-        with self.clock.phase("apply-gc", sum(r.rows for r in regions), "entries"):
-            summary.collected, summary.gc_batches = runner.run(
-                store.apply_gc(regions, self.now.gc, batch, report)
-            )
-        with self.clock.phase("apply-keep", counts["updates"], "entries"):
-            if through is not None:
-                # Before any entry is widened: publishers must know which copies
-                # they hold may be older than the table (docs/compaction.md).
-                generation, horizon = runner.run(store.announce(through))
-                summary.rewrite_generation, summary.rewritten_through = generation, horizon
-                self.clock.note("announced", generation=generation, rewritten_through=list(horizon))
-            summary.rewritten = runner.run(store.apply_keepers(run_id, batch, report))
-        with self.clock.phase("apply-merge", counts["drops"], "entries"):
-            if counts["drops"]:
-                summary.standbys = runner.run(store.wait_for_standbys(self.settings.replay_wait))
-            summary.merged = runner.run(store.apply_drops(run_id, batch, report))
-        with self.clock.phase("apply-keys", counts["keys"], "entries"):
-            full = self.scope.full
-            runner.run(store.apply_keys(run_id, full=full, batch_size=batch, report=report))
+        side = runner.run(self.connect())
+        try:
+            aside = CompactionStore(side, summary.schema)
+            runner.run(aside.prepare())
+            aside.share_survey(store)
+            garbage, keys = _Deferred(), _Deferred()
+            collected = asyncio.Event()
+
+            async def on_the_side() -> None:
+                done = await aside.apply_gc(regions, self.now.gc, batch, garbage.advance)
+                summary.collected, summary.gc_batches = done
+                collected.set()
+                full = self.scope.full
+                await aside.apply_keys(run_id, full=full, batch_size=batch, report=keys.advance)
+
+            meanwhile = runner.get_loop().create_task(on_the_side())
+            try:
+                with self.clock.phase("apply-keep", counts["updates"], "entries"):
+                    if through is not None:
+                        # Before any entry is widened: publishers must know which
+                        # copies they hold may be older than the table.
+                        generation, horizon = runner.run(store.announce(through))
+                        summary.rewrite_generation = generation
+                        summary.rewritten_through = horizon
+                        self.clock.note(
+                            "announced", generation=generation, rewritten_through=list(horizon)
+                        )
+                    summary.rewritten = runner.run(store.apply_keepers(run_id, batch, report))
+                with self.clock.phase("apply-merge", counts["drops"], "entries"):
+                    if counts["drops"]:
+                        wait = self.settings.replay_wait
+                        summary.standbys = runner.run(store.wait_for_standbys(wait))
+                    summary.merged = runner.run(store.apply_drops(run_id, batch, report))
+                with self.clock.phase("apply-gc", sum(r.rows for r in regions), "entries"):
+                    garbage.attach(report)
+                    runner.run(_first(collected, meanwhile))
+                with self.clock.phase("apply-keys", counts["keys"], "entries"):
+                    keys.attach(report)
+                    runner.run(_wait(meanwhile))
+            finally:
+                if not meanwhile.done():
+                    meanwhile.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, *_DB_ERRORS):
+                        runner.run(_wait(meanwhile))
+        finally:
+            with contextlib.suppress(*_DB_ERRORS):
+                runner.run(side.close(timeout=5))
         summary.low_water_after = runner.run(store.low_water())
         runner.run(store.drop_staging(run_id))
+
+
+class _Deferred:
+    """Progress made on the side before its phase began, told once it begins."""
+
+    def __init__(self) -> None:
+        self._pending: list[int] = []
+        self._report: Callable[[int], None] | None = None
+
+    def advance(self, n: int) -> None:
+        if self._report is None:
+            self._pending.append(n)
+        else:
+            self._report(n)
+
+    def attach(self, report: Callable[[int], None]) -> None:
+        self._report = report
+        for n in self._pending:
+            report(n)
+        self._pending.clear()
+
+
+async def _wait(task: asyncio.Task[None]) -> None:
+    await task
+
+
+async def _first(event: asyncio.Event, task: asyncio.Task[None]) -> None:
+    """Until ``event`` is set, or ``task`` has ended (raising what it raised)."""
+    waiting = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiting, task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if task.done() and not event.is_set():
+        task.result()  # it failed before the event: its error

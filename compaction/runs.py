@@ -6,11 +6,13 @@
   ``finished`` died.
 * ``<schema>.compaction_keys`` holds each ``(resource, changed_resource_id)``'s
   keeper after the last run: the one entry of the group that run left
-  among the entries old enough to merge. Unlogged (rewritten wholesale by
-  every full run; no WAL, not replicated); a crash or a failover empties it,
-  which a marker row (``resource = ''``, ``id`` = the run that wrote the index)
-  lets the next run notice. It is never trusted for a deletion: an entry it
-  names that is no longer in the feed is simply not read.
+  among the entries old enough to merge, keyed by a 64-bit hash of the pair
+  (a bigint index costs a fraction of one on two strings; the entry it names
+  is checked to be of the group it was looked up for). Unlogged (rewritten
+  wholesale by every full run; no WAL, not replicated); a crash or a failover
+  empties it, which the next run notices (the run log says how many it held).
+  It is never trusted for a deletion: an entry it names that is no longer in
+  the feed, or of another group, is simply not read.
 
 The job creates both itself (its role owns them), as it creates its staging
 tables; the feed's own tables come from the schema migrations. Runs on the
@@ -58,15 +60,15 @@ class RunLog:
             " ADD COLUMN IF NOT EXISTS gc_cutoff timestamptz,"
             " ADD COLUMN IF NOT EXISTS lag_cutoff timestamptz,"
             " ADD COLUMN IF NOT EXISTS horizon bigint,"
-            " ADD COLUMN IF NOT EXISTS feed_id uuid"
+            " ADD COLUMN IF NOT EXISTS feed_id uuid,"
+            " ADD COLUMN IF NOT EXISTS kept bigint"
         )
         # Half-full pages: an incremental run moves a group's keeper by updating
         # its row, which then stays on its page (a HOT update, no new index entry).
         await self.conn.execute(
             f"CREATE UNLOGGED TABLE IF NOT EXISTS {self.q}.compaction_keys ("
-            " resource text NOT NULL, changed_resource_id text NOT NULL,"
-            " txid bigint NOT NULL, id bigint NOT NULL,"
-            " PRIMARY KEY (resource, changed_resource_id)) WITH (fillfactor = 50)"
+            " h bigint PRIMARY KEY, txid bigint NOT NULL, id bigint NOT NULL)"
+            " WITH (fillfactor = 50)"
         )
 
     async def previous(self) -> PreviousRun | None:
@@ -75,11 +77,10 @@ class RunLog:
         row = await self.conn.fetchrow(
             f"SELECT r.run_id, r.finished IS NOT NULL AS finished, r.feed_id,"
             " r.head_txid::text::bigint AS head_txid, r.head_id, r.gc_cutoff, r.lag_cutoff,"
-            " r.horizon,"
+            " r.horizon, r.kept,"
             f" (SELECT max(started) FROM {self.q}.compaction_runs"
             "  WHERE full_run AND finished IS NOT NULL) AS last_full,"
-            f" (SELECT id FROM {self.q}.compaction_keys"
-            "  WHERE resource = '' AND changed_resource_id = '') AS keys_run"
+            f" EXISTS (SELECT 1 FROM {self.q}.compaction_keys) AS indexed"
             f" FROM {self.q}.compaction_runs r ORDER BY r.run_id DESC LIMIT 1"
         )
         if row is None or row["horizon"] is None:
@@ -94,7 +95,8 @@ class RunLog:
             ),
             horizon=int(row["horizon"]),
             feed_id=row["feed_id"],
-            keys_run=None if row["keys_run"] is None else int(row["keys_run"]),
+            # A crash or failover empties the unlogged index, not some of it.
+            index_intact=not row["kept"] or bool(row["indexed"]),
             last_full=row["last_full"],
         )
 
@@ -116,11 +118,18 @@ class RunLog:
         )
         return int(run_id)
 
-    async def finish(self, run_id: int, summary: str) -> None:
-        """Mark the run finished with its summary (JSON text)."""
+    async def finish(self, run_id: int, summary: str, *, kept: int) -> None:
+        """Mark the run finished with its summary (JSON text) and how many groups the
+        index of kept entries has been given since it was last emptied (``kept``: this
+        run's; an incremental run adds them to the previous run's, so that a run with
+        no changes still tells the next one that the index must not be empty)."""
         await self.conn.execute(
-            f"UPDATE {self.q}.compaction_runs SET finished = now(), summary = $2::jsonb"
-            " WHERE run_id = $1",
+            f"UPDATE {self.q}.compaction_runs r SET finished = now(), summary = $2::jsonb,"
+            " kept = $3 + CASE WHEN r.full_run THEN 0 ELSE coalesce(("
+            f"  SELECT p.kept FROM {self.q}.compaction_runs p WHERE p.run_id < r.run_id"
+            "   ORDER BY p.run_id DESC LIMIT 1), 0) END"
+            " WHERE r.run_id = $1",
             run_id,
             summary,
+            kept,
         )

@@ -71,8 +71,8 @@ class PreviousRun:
         horizon: its snapshot's ``pg_snapshot_xmin``: transaction ids only grow, so a
             lower one now means a database restored from an older backup.
         feed_id: the feed it ran on (a restored or recreated feed has another).
-        keys_run: the run whose index of kept entries is in the database now
-            (None: the index is gone; it is an unlogged table).
+        index_intact: its index of kept entries is still there (an unlogged
+            table: a crash or a failover empties it).
         last_full: when the newest finished full run started (None: never).
     """
 
@@ -81,7 +81,7 @@ class PreviousRun:
     cutoffs: Cutoffs
     horizon: int
     feed_id: uuid.UUID | None
-    keys_run: int | None
+    index_intact: bool
     last_full: datetime | None
 
 
@@ -144,7 +144,7 @@ def choose_scope(
         return Scope(True, f"run {previous.run_id} did not finish")
     if previous.feed_id != feed_id or previous.horizon > horizon:
         return Scope(True, "the feed is not the one the previous run saw (restored or recreated)")
-    if previous.keys_run != previous.run_id:
+    if not previous.index_intact:
         return Scope(True, "the index of kept entries is gone (database restarted or failed over)")
     if previous.last_full is None or previous.last_full < taken - timedelta(seconds=max_age):
         return Scope(True, "the last full run is older than the max age")

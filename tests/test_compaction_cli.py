@@ -37,9 +37,9 @@ PHASES = [
     "scan-gc",
     "scan-merge+stage",
     "survey",
-    "apply-gc",
     "apply-keep",
     "apply-merge",
+    "apply-gc",
     "apply-keys",
 ]
 COUNTED = {"scan-gc": "tasks", "scan-merge+stage": "tasks"} | {

@@ -210,7 +210,7 @@ def _previous(**changes: object) -> PreviousRun:
         "cutoffs": Cutoffs(Position(50, 500), _at(1000), _at(5000)),
         "horizon": 55,
         "feed_id": FEED,
-        "keys_run": 7,
+        "index_intact": True,
         "last_full": _at(5000),
     }
     fields.update(changes)
@@ -228,8 +228,7 @@ NOW = Cutoffs(Position(60, 600), _at(1600), _at(5600))
         (_previous(finished=False), False, "run 7 did not finish"),
         (_previous(feed_id=None), False, "restored or recreated"),
         (_previous(horizon=80), False, "restored"),
-        (_previous(keys_run=None), False, "index of kept entries is gone"),
-        (_previous(keys_run=6), False, "index of kept entries is gone"),
+        (_previous(index_intact=False), False, "index of kept entries is gone"),
         (_previous(last_full=_at(0)), False, "older than the max age"),
         (_previous(last_full=None), False, "older than the max age"),
     ],
@@ -338,7 +337,7 @@ def test_an_incremental_run_after_a_full_one_plans_what_a_full_run_would(
     full = plan_feed(entries2, run2.head)
     expected, _ = simulate(entries2, full, ORIGIN)
 
-    previous = PreviousRun(1, True, run1, 0, FEED, 1, run1.lag)
+    previous = PreviousRun(1, True, run1, 0, FEED, True, run1.lag)
     t2 = case["t2"]
     assert isinstance(t2, int)
     scope = choose_scope(run2, previous, horizon=0, feed_id=FEED, max_age=10_000, taken=_at(t2))

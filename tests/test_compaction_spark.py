@@ -396,6 +396,14 @@ async def test_incremental_runs_leave_the_feed_a_full_run_would(feed_dsn: str, s
                 compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800
             )
             assert not third.full and (third.collected, third.merged) == (0, 0), f"seed {seed}"
+
+        # The third run changed nothing, yet the index of kept entries must still be
+        # there: a restart that empties it (unlogged) makes the next run a full one.
+        await conn.execute("TRUNCATE changefeed.compaction_keys")
+        fourth = await asyncio.to_thread(
+            compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800
+        )
+        assert fourth.full and "index of kept entries is gone" in fourth.scope, fourth.scope
     finally:
         await conn.close()
 
@@ -580,9 +588,9 @@ async def test_job_beside_four_writers_and_a_tailer(feed_dsn: str, spark: Any) -
         "scan-gc",
         "scan-merge+stage",
         "survey",
-        "apply-gc",
         "apply-keep",
         "apply-merge",
+        "apply-gc",
         "apply-keys",
     ]
     # Every phase with a count got to its total, in as many batches as the summary says.
