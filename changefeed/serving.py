@@ -32,7 +32,14 @@ from changefeed.logs import log_event
 from changefeed.publisher import Publisher
 from changefeed.publisher.wire import DIRECT_WRITES, DISCONNECT_CAUSE, Disconnect
 from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
-from changefeed.tcp_liveness import acked_while_sending, unacked_bytes
+from changefeed.tcp_liveness import (
+    NOTSENT_LOWAT,
+    PingWatch,
+    bytes_acked,
+    notsent_lowat,
+    set_notsent_lowat,
+    unacked_bytes,
+)
 
 __all__ = [
     "DrainingServer",
@@ -45,6 +52,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _YOUNG_THRESHOLD = 10_000
+_WRITE_BUFFER_HIGH = 16 * 1024
+"""Bytes a listener's transport buffers above the kernel before the publisher's
+writes to it wait: with ``TCP_NOTSENT_LOWAT`` below it, what sits ahead of a
+ping or a pong stays small (changefeed.tcp_liveness)."""
 _ABORT_MARGIN = 1.0
 """Seconds past uvicorn's close handshake timeout before a connection whose app
 is done is dropped (see FanoutWebSocketProtocol.run_asgi)."""
@@ -76,6 +87,9 @@ _BORROWED = (
     "handshake_complete",
     "initial_response",
     "loop",
+    "pending_ping_payload",
+    "ping_timeout",
+    "pong_timer",
     "queue",
     "transport",
     "writable",
@@ -90,6 +104,7 @@ _OVERRIDDEN = (
     "keepalive_timeout",
     "run_asgi",
     "send",
+    "send_keepalive_ping",
     "send_receive_event_to_app",
 )
 
@@ -197,6 +212,7 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         closes nothing then, so the socket would be held for good by a peer that
         never even sent a token. Its answer is written and the connection closed.
         """
+        self._received += len(data)
         super().data_received(data)
         if (
             direct_writes_unsupported() is None
@@ -207,8 +223,13 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.write(b"".join(self.conn.data_to_send()))
             self.transport.close()
 
+    _received = 0
+    """Bytes the peer has sent (progress, for the keepalive)."""
+    _ping_watch: PingWatch | None = None
+
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)
+        self._bound_unsent()
         # The ASGI task is created but has not run: the scope can still grow.
         # Only on the uvicorn whose internals _DirectWriter reads (checked once,
         # direct_writes_unsupported); anything else gets plain ASGI sends.
@@ -220,6 +241,16 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             and not self.conn.extensions
         ):
             scope["extensions"][DIRECT_WRITES] = _DirectWriter(self)
+
+    def _bound_unsent(self) -> None:
+        """Keep what waits below the app for this connection small: at most
+        ``_WRITE_BUFFER_HIGH`` in the transport before the publisher's writes wait
+        (asyncio's flow control), and ``NOTSENT_LOWAT`` unsent in the kernel unless
+        the socket was given its own limit (a listening socket's is inherited)."""
+        self.transport.set_write_buffer_limits(high=_WRITE_BUFFER_HIGH)
+        sock = self.transport.get_extra_info("socket")
+        if notsent_lowat(sock) == 0:
+            set_notsent_lowat(sock, NOTSENT_LOWAT)
 
     def handle_parser_exception(self) -> None:
         """A frame over ``ws_max_size`` gets the publisher's refusal, an error frame
@@ -286,21 +317,34 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             # ("ASGI callable returned without completing handshake").
             self.handshake_complete = True
 
-    def keepalive_timeout(self) -> None:
-        """A peer that has not answered a ping in time.
+    def send_keepalive_ping(self) -> None:
+        super().send_keepalive_ping()
+        if self.pending_ping_payload is not None and direct_writes_unsupported() is None:
+            if self._ping_watch is None:
+                self._ping_watch = PingWatch()
+            self._ping_watch.sent(self._acked(), self._received)
 
-        If frames are still in flight to it and its TCP stack acknowledged some
-        within the timeout, it is alive and reading, only slowly: its pong is
-        behind the frames it has yet to read (changefeed.tcp_liveness). The
-        deadline is extended; whether it keeps up is for the publisher's stall
-        timeout to judge. Otherwise uvicorn fails the connection, and the app
-        hears of it at once and why, not only once the socket has closed (which,
-        for a peer that stopped reading too, is when ``run_asgi`` aborts it)."""
+    def _acked(self) -> int | None:
+        return bytes_acked(self.transport.get_extra_info("socket"))
+
+    def keepalive_timeout(self) -> None:
+        """A ping's deadline passed without its pong.
+
+        A listener that reads slowly answers a ping only once it has read the
+        frames before it. While it makes progress (its TCP acknowledges more of
+        the stream, or it sends anything), the deadline is
+        extended: a listener that reads is never cut off here, and one that
+        stops is for the publisher's stall timeout (changefeed.tcp_liveness).
+        Otherwise uvicorn fails the connection, and the app hears of it at once
+        and why, not only once the socket has closed (which, for a peer that
+        stopped reading too, is when ``run_asgi`` aborts it)."""
+        watch = self._ping_watch
         timeout = self.ping_timeout
         if (
-            timeout is not None
+            watch is not None
+            and timeout is not None
             and direct_writes_unsupported() is None
-            and acked_while_sending(self.transport.get_extra_info("socket"), timeout)
+            and not watch.expired(self._acked(), self._received)
         ):
             self.pong_timer = self.loop.call_later(timeout, self.keepalive_timeout)
             return
@@ -401,6 +445,10 @@ class DrainingServer(uvicorn.Server):
         owns_process: this server is the process (a CLI server, not a test or
             an application that embeds it): once started, apply
             ``tune_collector``, and after a SIGTERM drain end with status 0.
+        notsent_lowat: bytes the kernel may hold unsent for each connection
+            (``TCP_NOTSENT_LOWAT`` on the listening sockets, inherited by every
+            connection, whichever websocket protocol serves it). A ping or pong
+            then waits behind this much, and the listener's own receive buffer.
     """
 
     def __init__(
@@ -410,14 +458,26 @@ class DrainingServer(uvicorn.Server):
         grace: float = 5.0,
         *,
         owns_process: bool = False,
+        notsent_lowat: int = NOTSENT_LOWAT,
     ) -> None:
         super().__init__(config)
         self.publishers = list(publishers)
         self.grace = grace
         self.owns_process = owns_process
+        self.notsent_lowat = notsent_lowat
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        listening = [sock for server in self.servers for sock in server.sockets]
+        bounded = [set_notsent_lowat(sock, self.notsent_lowat) for sock in listening]
+        if listening and not all(bounded):
+            log_event(
+                log,
+                "serving.notsent_unbounded",
+                logging.WARNING,
+                why="TCP_NOTSENT_LOWAT is not available here; set the host's "
+                "(net.ipv4.tcp_notsent_lowat on Linux)",
+            )
         if self.owns_process and self.started:
             tune_collector()
 

@@ -75,7 +75,11 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         http=head_timeout_protocol(server.header_timeout),
     )
     runner = DrainingServer(
-        uvicorn_config, [publisher], grace=server.drain_grace, owns_process=True
+        uvicorn_config,
+        [publisher],
+        grace=server.drain_grace,
+        owns_process=True,
+        notsent_lowat=server.notsent_lowat,
     )
     print(
         f"changefeed publisher for {[r.name for r in config.resources]} on "

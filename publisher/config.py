@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from changefeed.schemas import ProtocolError, quote_schema
+from changefeed.tcp_liveness import NOTSENT_LOWAT
 
 from .errors import ConfigError
 
@@ -267,7 +268,21 @@ class ServerConfig:
     )
     ping_timeout: float = field(
         default=20.0,
-        metadata=_doc("A listener that does not answer a ping within this is dropped.", "seconds"),
+        metadata=_doc(
+            "A listener that neither answers a ping within this nor makes progress meanwhile "
+            "(takes more of what was sent, or sends anything) is evicted (`keepalive_timeout`).",
+            "seconds",
+        ),
+    )
+    notsent_lowat: int = field(
+        default=NOTSENT_LOWAT,
+        metadata=_doc(
+            "Bytes the kernel may hold unsent for each connection (TCP_NOTSENT_LOWAT); the "
+            "rest waits in the publisher, so that a ping or a pong to a listener catching up "
+            "waits behind little more than the listener's own receive buffer. 0: the host's "
+            "setting (`net.ipv4.tcp_notsent_lowat`, unlimited by default).",
+            "bytes",
+        ),
     )
     drain_grace: float = field(
         default=5.0,
@@ -292,6 +307,10 @@ class ServerConfig:
         for key in ("header_timeout", "ping_interval", "ping_timeout"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"server.{key}", f"must be positive, got {getattr(self, key)}")
+        if not 0 <= self.notsent_lowat < 1 << 31:
+            raise ConfigError(
+                "server.notsent_lowat", f"must be 0 or a byte count, got {self.notsent_lowat}"
+            )
 
 
 _DURATION_KEYS = {

@@ -37,10 +37,19 @@ from .catchup import Filled
 from .delivery import Closing, Delivery
 from .feed import DB_ERRORS
 from .host import ListenerHost
+from .inflight import InFlight
 from .pages import CursorExpired
 from .registration import Refusal
 from .registry import Session
-from .wire import DIRECT_WRITES, DISCONNECT_CAUSE, BatchFrames, Disconnect, FrameWriter, batch_text
+from .wire import (
+    DIRECT_WRITES,
+    DISCONNECT_CAUSE,
+    BatchFrames,
+    Disconnect,
+    FrameWriter,
+    batch_text,
+    frame_size,
+)
 
 __all__ = ["ListenerEndpoint"]
 
@@ -61,6 +70,11 @@ _REFILL_TURNS = 2
 _FEED_RETRY = (0.05, 2.0)
 """First and longest wait before reading the feed again after a failed page read."""
 
+_REFUSALS = ("frame_too_large", "bad_frame")
+"""Server closes that refuse what the listener sent (counted as refusals)."""
+
+_KEEPALIVE_MESSAGE = "no answer to pings, and no progress meanwhile (keepalive timeout)"
+
 _HTTP_STATUS = {"unauthorized": 401, "forbidden": 403, "unavailable": 503}
 
 
@@ -80,7 +94,7 @@ def _server_closing(message: Message) -> Closing | None:
     if cause is Disconnect.FRAME_TOO_LARGE:
         return Closing(code, "frame_too_large", "frame exceeds the server's size limit")
     if cause is Disconnect.KEEPALIVE_TIMEOUT:
-        return Closing(code, None, "no answer to pings (keepalive timeout)")
+        return Closing(code, "keepalive_timeout", _KEEPALIVE_MESSAGE)
     if cause is Disconnect.BAD_FRAME:
         return Closing(code, "bad_frame", "a text frame that is not UTF-8")
     return None
@@ -169,10 +183,12 @@ class _Connection:
                 )
                 session.delivery.send_now = direct.send_now
                 session.delivery.buffered = self.writer.buffered
+                session.delivery.in_flight = InFlight()
             await self._pump(session, direct)
         finally:
             session.delivery.send_now = None
             session.delivery.buffered = None
+            session.delivery.in_flight = None
             host.forget(session)
 
     # -- refusals and closing ----------------------------------------------
@@ -240,7 +256,7 @@ class _Connection:
         if message["type"] == "websocket.disconnect":
             self._gone = True
             closing = _server_closing(message)
-            if closing is not None and closing.error_code is not None:
+            if closing is not None and closing.error_code in _REFUSALS:
                 self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
             raise _Gone()
         text = message.get("text")
@@ -328,20 +344,27 @@ class _Connection:
                 direct.write_turn()
             else:
                 items = delivery.take(turn)
-                delivery.sending = True
+                delivery.sending = len(items)
                 try:
                     if batch:
-                        await send(
-                            {"type": "websocket.send", "text": batch_text([i.text for i in items])}
-                        )
+                        text = batch_text([i.text for i in items])
+                        await send({"type": "websocket.send", "text": text})
                         delivery.frames += 1
                     else:
                         for item in items:
                             await send({"type": "websocket.send", "text": item.text})
                         delivery.frames += len(items)
                 finally:
-                    delivery.sending = False
+                    delivery.sending = 0
                 delivery.sent += len(items)
+                if direct is not None:
+                    # What a direct write will follow: count it as written, not taken.
+                    size = (
+                        frame_size(len(text.encode()))
+                        if batch
+                        else sum(len(item.wire) for item in items)
+                    )
+                    direct.wrote(size, items)
             if delivery.queue or not delivery.live:
                 # Yield even when the transport never blocks: without it one busy
                 # connection starves every other one on the event loop.
@@ -399,7 +422,11 @@ class _Connection:
                 self._gone = True
                 closing = _server_closing(message)
                 code = int(message.get("code", 1005))
-                if closing is not None and closing.error_code is not None:
+                if closing is not None and closing.error_code == "keepalive_timeout":
+                    # A liveness close is an eviction like the stall watch's.
+                    self.host.evict(session, closing.error_code, closing.message, code)
+                    return
+                if closing is not None and closing.error_code in _REFUSALS:
                     self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
                 session.close(closing or Closing(code, None, "closed by listener"))
                 return
@@ -485,3 +512,13 @@ class _DirectSender:
             return
         delivery.frames += frames
         delivery.sent += len(items)
+        self.wrote(len(data), items)
+
+    def wrote(self, size: int, items: list[Any]) -> None:
+        """``items`` went out in ``size`` bytes (directly, or through the sender's
+        ASGI sends): not taken until the listener's TCP acknowledges them."""
+        in_flight = self._delivery.in_flight
+        if in_flight is not None and items:
+            in_flight.wrote(size, len(items), items[0].published)
+            if in_flight.crowded:
+                in_flight.settle(self._writer.buffered())

@@ -26,6 +26,7 @@ from datetime import datetime
 from changefeed.schemas import Position
 
 from .entries import Item
+from .inflight import InFlight
 from .matching import Interest
 
 __all__ = ["Closing", "Delivery"]
@@ -66,6 +67,7 @@ class Delivery:
         "cursor_published",
         "dropped",
         "frames",
+        "in_flight",
         "interest",
         "live",
         "progress_at",
@@ -107,14 +109,17 @@ class Delivery:
             self.ready.set()
         self.closing: Closing | None = None
         self._closed: asyncio.Future[None] | None = None
-        self.sending = False
-        """True while the connection's sender writes items it took through an ASGI
-        send: nothing else may write meanwhile, or frames would overtake each other."""
+        self.sending = 0
+        """Items the connection's sender took and is writing through ASGI sends (0:
+        none): nothing else may write meanwhile, or frames would overtake each other."""
         self.send_now: Callable[[], bool] | None = None
         """Set by a connection that can write synchronously: writes one turn of the
         queue now; True when nothing is left, False when its sender must go on."""
         self.buffered: Callable[[], int] | None = None
-        """Set by a connection that can tell: bytes its transport has yet to send."""
+        """Set by a connection that can tell: bytes written that the listener has yet
+        to take (in its transport's buffer and the kernel's send queue)."""
+        self.in_flight: InFlight | None = None
+        """Set by a connection that writes directly: its writes not yet taken."""
         self.waiting_on_feed = False
         """True while the sender waits for a page of the feed table (not the listener's fault)."""
         self.sent = 0
@@ -134,7 +139,29 @@ class Delivery:
     def pending(self) -> bool:
         """True when there is something the listener has yet to take (queued, behind
         the head, or in a send under way)."""
-        return bool(self.queue) or not self.live or self.sending
+        return bool(self.queue) or not self.live or self.sending > 0
+
+    def untaken(self) -> int:
+        """Items written that the listener has not taken yet (0 where the connection
+        cannot tell: they count as taken once written)."""
+        in_flight, buffered = self.in_flight, self.buffered
+        if in_flight is None or buffered is None:
+            return 0
+        return in_flight.settle(buffered())
+
+    def outstanding(self, untaken: int) -> int:
+        """Items the listener has yet to take of those queued for it: queued, in a
+        send under way, or ``untaken`` (written, not acknowledged)."""
+        return len(self.queue) + self.sending + untaken
+
+    def delivered(self) -> int:
+        """Items the listener has taken."""
+        return self.sent - self.untaken()
+
+    def oldest_untaken(self) -> float | None:
+        """When the oldest item written and not yet taken was published (as of the
+        last ``untaken``)."""
+        return self.in_flight.oldest() if self.in_flight is not None else None
 
     def offer(self, items: Sequence[Item]) -> bool:
         """Queue a live batch's items whole, or none of them (returns False: the

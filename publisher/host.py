@@ -58,8 +58,11 @@ class ListenerHost(Protocol):
     async def register(self, text: str, access: frozenset[str], peer: str) -> Admitted | Refusal:
         """Decide on a registration frame, and admit the connection if it may register."""
 
-    def evict(self, session: Session, code: str, message: str) -> None:
-        """Close a session for the publisher's own reason (error code ``code``)."""
+    def evict(
+        self, session: Session, code: str, message: str, close_code: int | None = None
+    ) -> None:
+        """Close a session for the publisher's own reason (error code ``code``;
+        ``close_code``: the one the server already closed it with)."""
 
     def forget(self, session: Session) -> None:
         """The session's connection ended."""

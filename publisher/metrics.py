@@ -71,12 +71,16 @@ _HELP = {
     "disconnects": "Registered listeners gone, for any reason (evictions included)",
     "evictions": (
         "Listeners the publisher closed: slow_listener (no progress for stall_timeout),"
+        " keepalive_timeout (no pong and no progress for ping_timeout),"
         " cursor_expired (trimmed past while catching up)"
     ),
     "dropped": "Items queued for listeners whose connection closed before they were written",
     "entries_tailed": "Feed entries read by the tailer",
     "queued": "Items queued to listener send queues (live and catch-up)",
-    "deliveries": "Change items written to listener sockets",
+    "deliveries": (
+        "Change items listeners took (with direct writes: acknowledged by their TCP;"
+        " through ASGI: written)"
+    ),
     "frames": "Websocket frames of change items written (a batch frame counts once)",
     "fell_behind": "Times a live listener's queue could not take a batch and it went to catch-up",
     "rejoined": "Times a listener that was behind reached the head and went live again",
@@ -85,7 +89,10 @@ _HELP = {
     "catchup_pages_shared": "Catch-up pages served from what another listener's read brought",
     "window_bytes": "Estimated memory held by the window of recently tailed entries",
     "window_entries": "Entries in the window of recently tailed entries",
-    "queue_depth_max": "Deepest listener send queue, in items",
+    "queue_depth_max": (
+        "Most items any listener has yet to take of those queued for it (queued, being sent,"
+        " or written and not acknowledged)"
+    ),
     "queued_items": "Items waiting in all listener send queues",
     "lag_seconds_max": "Age of the oldest entry a listener has yet to take, over all listeners",
     "tailer_lag_seconds": "Age of the newest entry at the time the tailer read it",

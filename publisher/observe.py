@@ -45,11 +45,11 @@ class Observed(Protocol):
 
 
 def _sent(observed: Observed) -> tuple[int, int]:
-    """Items and frames written, to connections open now and gone."""
+    """Items taken by listeners (of connections open now, and gone) and frames written."""
     counters = observed.counters
     sent, frames = counters.gone_sent, counters.gone_frames
     for delivery in observed.registry.connected:
-        sent += delivery.sent
+        sent += delivery.delivered()
         frames += delivery.frames
     return sent, frames
 
@@ -138,9 +138,11 @@ def metrics_snapshot(observed: Observed) -> MetricsSnapshot:
     deliveries = list(registry.deliveries)
     by_resource = registry.registrations_by_resource()
     sent, frames = _sent(observed)
-    depths = [len(d.queue) for d in deliveries]
+    # What waits in a connection's buffers has not been delivered yet either.
+    depths = [d.outstanding(d.untaken()) for d in deliveries]
     now = time.time()
-    oldest = [d.queue[0].published for d in deliveries if d.queue]
+    oldest = [t for d in deliveries if (t := d.oldest_untaken()) is not None]
+    oldest += [d.queue[0].published for d in deliveries if d.queue]
     oldest += [
         d.cursor_published.timestamp() for d in deliveries if not d.live and d.cursor_published
     ]

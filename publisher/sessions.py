@@ -272,13 +272,16 @@ class Sessions:
         )
         return Admitted(session, ack.encode())
 
-    def evict(self, session: Session, code: str, message: str) -> None:
+    def evict(
+        self, session: Session, code: str, message: str, close_code: int | None = None
+    ) -> None:
         """Close ``session`` for the publisher's own reason (``code``: ``slow_listener``,
-        ``cursor_expired``)."""
+        ``cursor_expired``, ``keepalive_timeout``), with ``code``'s close code unless
+        ``close_code`` says which one the server already sent."""
         if session.closing is not None:
             return
         self._fanout.leave(session.delivery)
-        session.close(Closing(ERROR_CLOSE_CODES[code], code, message))
+        session.close(Closing(close_code or ERROR_CLOSE_CODES[code], code, message))
         if self.registry.retire(session):
             self._unregistered()
         self._counters.evictions[code] += 1
@@ -294,7 +297,7 @@ class Sessions:
             instance=session.instance,
             service=session.service,
             peer=session.peer,
-            delivered=session.delivery.sent,
+            delivered=session.delivery.delivered(),
             listeners=len(self.registry),
         )
 
@@ -317,7 +320,7 @@ class Sessions:
             service=session.service,
             peer=session.peer,
             reason=session.closing.message if session.closing else "closed by listener",
-            delivered=session.delivery.sent,
+            delivered=session.delivery.delivered(),
             listeners=len(self.registry),
         )
 

@@ -30,6 +30,7 @@ __all__ = [
     "Disconnect",
     "FrameWriter",
     "batch_text",
+    "frame_size",
     "text_frame",
 ]
 
@@ -73,6 +74,13 @@ class FrameWriter(Protocol):
 def batch_text(items: Sequence[str]) -> str:
     """The payload of a batch frame: the JSON array of already-encoded ``items``."""
     return "[" + ",".join(items) + "]"
+
+
+def frame_size(payload_bytes: int) -> int:
+    """Bytes on the wire of a server's (unmasked) frame carrying ``payload_bytes``."""
+    if payload_bytes < 126:
+        return 2 + payload_bytes
+    return (4 if payload_bytes < 1 << 16 else 10) + payload_bytes
 
 
 def text_frame(payload: str) -> bytes:

@@ -18,7 +18,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "bench", ["bootstrap", "catchup", "checkpoint", "fanout", "latency", "listener", "publish"]
+    "bench",
+    ["bootstrap", "catchup", "checkpoint", "fanout", "keepalive", "latency", "listener", "publish"],
 )
 async def test_the_benchmark_runs(bench: str, dsn: str) -> None:
     proc = await asyncio.create_subprocess_exec(
