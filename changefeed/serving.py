@@ -322,7 +322,11 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         if self.pending_ping_payload is not None and direct_writes_unsupported() is None:
             if self._ping_watch is None:
                 self._ping_watch = PingWatch()
-            self._ping_watch.sent(self._acked(), self._received)
+            transport = self.transport
+            outstanding = transport.get_write_buffer_size() + unacked_bytes(
+                transport.get_extra_info("socket")
+            )
+            self._ping_watch.sent(self._acked(), outstanding, self._received)
 
     def _acked(self) -> int | None:
         return bytes_acked(self.transport.get_extra_info("socket"))
@@ -332,9 +336,10 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
 
         A listener that reads slowly answers a ping only once it has read the
         frames before it. While it makes progress (its TCP acknowledges more of
-        the stream, or it sends anything), the deadline is
-        extended: a listener that reads is never cut off here, and one that
-        stops is for the publisher's stall timeout (changefeed.tcp_liveness).
+        the stream, or it sends anything), and for a while once the ping is in
+        its receive buffer, the deadline is extended: a listener that reads is
+        never cut off here, and one that stops is for the publisher's stall
+        timeout (changefeed.tcp_liveness).
         Otherwise uvicorn fails the connection, and the app hears of it at once
         and why, not only once the socket has closed (which, for a peer that
         stopped reading too, is when ``run_asgi`` aborts it)."""

@@ -10,15 +10,16 @@ apart from a dead peer:
   the rest waits in the publisher, which paces it (catch-up), so a ping or a
   pong written now is behind that much and the peer's own receive buffer,
   not behind megabytes.
-* ``PingWatch`` (pure): when a ping's deadline passes, the connection is
-  still alive if it made progress meanwhile: its TCP acknowledged more of
-  the stream (the listener read, and its window let more in), or it sent
-  anything (its own pings, heartbeats). Only a connection that shows neither
-  is left to the ping, which then decides. Once everything sent is
-  acknowledged, a ping waits only behind what the listener's own receive
-  buffer holds, and nothing on this side can see it read from there: the
-  listener must read that within about two deadlines. Whether a listener
-  keeps up is the publisher's stall timeout's business, not the ping's.
+* ``PingWatch`` (pure): when a ping's deadline passes without its pong, the
+  connection is still alive if it made progress meanwhile: its TCP
+  acknowledged more of the stream (the listener read, and its window let
+  more in), or it sent anything (its own pings, heartbeats). While bytes
+  sent before the ping are still unacknowledged and none were acknowledged
+  for a whole deadline, the peer takes nothing (gone, or not reading at
+  all): the ping decides. Once the ping itself is in the peer's receive
+  buffer, nothing on this side can see the listener read its way to it:
+  it gets ``PATIENCE`` more deadlines (40-60 s at the defaults, as long as
+  the publisher's stall timeout gives a listener that takes nothing).
 
 ``bytes_acked`` reads what ``PingWatch`` needs from Linux's
 ``struct tcp_info``; elsewhere it is None, and only what the peer sends
@@ -117,22 +118,38 @@ class PingWatch:
     connection).
     """
 
-    __slots__ = ("_acked", "_received")
+    PATIENCE = 2
+    """Deadlines a ping may wait in the peer's receive buffer, once nothing sent
+    before it is unacknowledged."""
+
+    __slots__ = ("_acked", "_ping_end", "_received", "_waited")
 
     def __init__(self) -> None:
         self._acked: int | None = None
+        self._ping_end: int | None = None
         self._received = 0
+        self._waited = 0
 
-    def sent(self, acked: int | None, received: int) -> None:
-        """A ping went out; ``acked``: bytes the peer's TCP had acknowledged then,
+    def sent(self, acked: int | None, outstanding: int, received: int) -> None:
+        """A ping went out. ``acked``: bytes the peer's TCP had acknowledged then;
+        ``outstanding``: bytes written and not acknowledged, the ping included;
         ``received``: bytes the peer had sent."""
         self._acked = acked
+        self._ping_end = None if acked is None else acked + outstanding
         self._received = received
+        self._waited = 0
 
     def expired(self, acked: int | None, received: int) -> bool:
-        """The deadline passed without a pong: True when the peer neither took more
-        nor sent anything since the ping or the last deadline."""
-        took = acked is not None and self._acked is not None and acked > self._acked
+        """The deadline passed without a pong: True when nothing shows the peer alive."""
         heard = received > self._received
-        self._acked, self._received = acked, received
-        return not (took or heard)
+        self._received = received
+        if heard:
+            return False
+        if acked is None or self._acked is None or self._ping_end is None:
+            return True
+        took = acked > self._acked
+        self._acked = acked
+        if acked < self._ping_end:
+            return not took  # reading its way towards the ping, or taking nothing
+        self._waited += 1
+        return self._waited > self.PATIENCE

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from helpers import wait_until
 from keepalive_listeners import burst_id
 from publisher_fixtures import connect_not_reading, receive_items, registration, running_publisher
 from starlette.applications import Starlette
+from websockets.asyncio.client import connect
 
 from changefeed.publisher import publish_many
 from changefeed.publisher.inflight import InFlight
@@ -85,21 +87,32 @@ def cut_off(found: list[dict[str, Any]], expected: int) -> list[dict[str, Any]]:
 
 def test_a_ping_watch_keeps_a_connection_whose_peer_takes_more_or_speaks() -> None:
     watch = PingWatch()
-    watch.sent(acked=1_000, received=50)
+    watch.sent(acked=1_000, outstanding=50_000, received=50)  # the ping ends at 51,000
     assert not watch.expired(acked=9_000, received=50)  # it read on towards the ping
     assert not watch.expired(acked=9_000, received=56)  # it sent a ping of its own
-    assert watch.expired(acked=9_000, received=56)  # nothing since: the ping decides
+    assert watch.expired(acked=9_000, received=56)  # took nothing, said nothing: gone
 
 
-def test_a_ping_watch_gives_up_on_a_peer_that_shows_nothing() -> None:
+def test_a_ping_watch_gives_up_on_a_peer_that_takes_nothing() -> None:
     watch = PingWatch()
-    watch.sent(acked=1_000, received=50)
+    watch.sent(acked=1_000, outstanding=50_000, received=50)
     assert watch.expired(acked=1_000, received=50)
+
+
+def test_a_ping_in_the_peers_receive_buffer_waits_a_few_deadlines() -> None:
+    """Everything up to the ping acknowledged: the listener may be reading its own
+    buffer, which this side cannot see, or be hung. It gets PATIENCE deadlines."""
+    watch = PingWatch()
+    watch.sent(acked=1_000, outstanding=6, received=0)
+    assert not watch.expired(acked=1_006, received=0)  # the ping reached its kernel
+    for _ in range(PingWatch.PATIENCE - 1):
+        assert not watch.expired(acked=1_006, received=0)
+    assert watch.expired(acked=1_006, received=0)
 
 
 def test_a_ping_watch_without_tcp_figures_goes_by_what_the_peer_sends() -> None:
     watch = PingWatch()
-    watch.sent(acked=None, received=0)
+    watch.sent(acked=None, outstanding=6, received=0)
     assert not watch.expired(acked=None, received=10)
     assert watch.expired(acked=None, received=10)
 
@@ -174,6 +187,39 @@ async def test_stats_count_what_a_listener_has_taken_not_what_waits_in_buffers(
         await wait_until(caught_up, timeout=10)
         (row,) = pub.publisher.stats()["registrations"]
         assert row["queueDepth"] == 0 and row["state"] == "live", row
+        await ws.close()
+
+
+async def test_a_listener_reading_its_own_full_buffer_is_not_cut_off_by_the_publishers_pings(
+    feed_dsn: str,
+) -> None:
+    """Everything sent has reached the listener's receive buffer (a large one), and
+    a ping waits behind it while the listener does not read: nothing on the
+    publisher's side shows progress then, but the listener is no more gone than
+    one reading slowly. It gets a few deadlines to reach the ping; then reads
+    everything, answers, and stays."""
+    total = 2_000  # ~500 KB: all of it fits in the listener's receive buffer
+    pings = {"ws_ping_interval": 1.0, "ws_ping_timeout": 1.0}
+    async with running_publisher(feed_dsn, server=pings) as pub:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", pub.server.port))
+        ws = await connect(pub.ws_url, sock=sock, compression=None, ping_interval=None)
+        await ws.send(registration(subs=[]))
+        await asyncio.wait_for(ws.recv(), 10)  # the ack
+        ws.transport.pause_reading()
+        await publish_burst(feed_dsn, total)
+        delivery = next(iter(pub.publisher.registry)).delivery
+        await wait_until(lambda: delivery.sent == total and delivery.untaken() == 0, timeout=30)
+        # All of it acknowledged, none of it read: a ping's first deadline passes.
+        await asyncio.sleep(2.5)
+        ws.transport.resume_reading()
+        items = await receive_items(ws, total, timeout=30)
+        assert [i["changedResourceId"] for i in items] == [burst_id(i) for i in range(total)]
+        await asyncio.sleep(2.5)  # more pings, answered now
+        assert len(pub.publisher.registry) == 1
+        assert pub.publisher.stats()["counters"]["evictions"] == 0
         await ws.close()
 
 
