@@ -172,6 +172,11 @@ class _DirectWriter:
         return self._transport.get_write_buffer_size() + unacked_bytes(self._socket)
 
     @property
+    def lost(self) -> bool:
+        protocol = self._protocol
+        return protocol.close_sent or protocol.disconnected or self._transport.is_closing()
+
+    @property
     def open(self) -> bool:
         protocol = self._protocol
         return (

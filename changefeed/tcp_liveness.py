@@ -18,8 +18,9 @@ apart from a dead peer:
   for a whole deadline, the peer takes nothing (gone, or not reading at
   all): the ping decides. Once the ping itself is in the peer's receive
   buffer, nothing on this side can see the listener read its way to it:
-  it gets ``PATIENCE`` more deadlines (40-60 s at the defaults, as long as
-  the publisher's stall timeout gives a listener that takes nothing).
+  the ping decides only at the ``PATIENCE + 1``-th deadline after it
+  (60 s at the defaults, as long as the publisher's stall timeout gives a
+  listener that takes nothing).
 
 ``bytes_acked`` reads what ``PingWatch`` needs from Linux's
 ``struct tcp_info``; elsewhere it is None, and only what the peer sends
@@ -119,8 +120,8 @@ class PingWatch:
     """
 
     PATIENCE = 2
-    """Deadlines a ping may wait in the peer's receive buffer, once nothing sent
-    before it is unacknowledged."""
+    """Deadlines a ping may pass in the peer's receive buffer, once nothing sent
+    before it is unacknowledged, before the next one decides."""
 
     __slots__ = ("_acked", "_ping_end", "_received", "_waited")
 

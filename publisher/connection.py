@@ -35,6 +35,7 @@ from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
 from .auth import AuthUnavailable
 from .catchup import Filled
 from .delivery import Closing, Delivery
+from .entries import Item
 from .feed import DB_ERRORS
 from .host import ListenerHost
 from .inflight import InFlight
@@ -319,10 +320,8 @@ class _Connection:
 
     async def _send_loop(self, session: Session, direct: _DirectSender | None) -> None:
         delivery = session.delivery
-        send = self.send
         ready = delivery.ready
-        batch = delivery.batch
-        turn = self.host.config.max_batch if batch else _FRAMES_PER_TURN
+        turn = self.host.config.max_batch if delivery.batch else _FRAMES_PER_TURN
         refill = min(turn * _REFILL_TURNS, delivery.capacity)
         catchup = self.host.catchup
         failures = 0
@@ -343,32 +342,39 @@ class _Connection:
             if direct is not None and direct.ready():
                 direct.write_turn()
             else:
-                items = delivery.take(turn)
-                delivery.sending = len(items)
-                try:
-                    if batch:
-                        text = batch_text([i.text for i in items])
-                        await send({"type": "websocket.send", "text": text})
-                        delivery.frames += 1
-                    else:
-                        for item in items:
-                            await send({"type": "websocket.send", "text": item.text})
-                        delivery.frames += len(items)
-                finally:
-                    delivery.sending = 0
-                delivery.sent += len(items)
-                if direct is not None:
-                    # What a direct write will follow: count it as written, not taken.
-                    size = (
-                        frame_size(len(text.encode()))
-                        if batch
-                        else sum(len(item.wire) for item in items)
-                    )
-                    direct.wrote(size, items)
+                await self._send_turn(delivery, delivery.take(turn), direct)
             if delivery.queue or not delivery.live:
                 # Yield even when the transport never blocks: without it one busy
                 # connection starves every other one on the event loop.
                 await asyncio.sleep(0)
+
+    async def _send_turn(
+        self, delivery: Delivery, items: list[Item], direct: _DirectSender | None
+    ) -> None:
+        """Send ``items`` through ASGI sends, which wait while the transport is paused."""
+        send = self.send
+        delivery.sending = len(items)
+        sent, size = 0, 0
+        try:
+            if delivery.batch:
+                text = batch_text([i.text for i in items])
+                await send({"type": "websocket.send", "text": text})
+                delivery.frames += 1
+                sent, size = len(items), frame_size(len(text.encode()))
+            else:
+                for item in items:
+                    if direct is not None and direct.lost():
+                        break  # gone meanwhile: the server would only log each write
+                    await send({"type": "websocket.send", "text": item.text})
+                    sent += 1
+                    size += len(item.wire) if direct is not None else 0
+                delivery.frames += sent
+        finally:
+            delivery.sending = 0
+        delivery.sent += sent
+        if direct is not None:
+            # What a direct write will follow: count it as written, not taken.
+            direct.wrote(size, items[:sent])
 
     async def _load(self, session: Session, most: int, failures: int) -> int:
         """Read the next page of the feed for a listener behind the window; returns
@@ -471,6 +477,10 @@ class _DirectSender:
         self._batches = batches
         self._turn = max_batch if delivery.batch else _FRAMES_PER_TURN
         self._flush_turn = max_batch if delivery.batch else _FRAMES_PER_FLUSH
+
+    def lost(self) -> bool:
+        """True once the connection is closing or gone."""
+        return self._writer.lost
 
     def ready(self) -> bool:
         """True when a direct write may go out now."""

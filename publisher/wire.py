@@ -63,6 +63,11 @@ class FrameWriter(Protocol):
         """True while a write goes out now: the connection is open and its
         transport is not paused (a paused one is left to ASGI sends, which wait)."""
 
+    @property
+    def lost(self) -> bool:
+        """True once the connection is closing or gone: nothing written now would
+        reach the listener."""
+
     def write(self, data: bytes) -> None:
         """Write ``data`` (whole frames); only when ``open``."""
 
