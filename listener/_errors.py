@@ -162,11 +162,16 @@ class BootstrapFailed(SessionError):
     Args:
         message: what failed.
         status: the last HTTP status of the walk, if any.
+        retry_after: the route's last ``Retry-After`` (a 503), seconds: the least
+            wait before registering again.
     """
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, status: int | None = None, *, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class BadPublisherFrame(SessionError):

@@ -158,6 +158,36 @@ async def test_listen_status_shows_the_bootstrap_rising(dsn: str) -> None:
     assert len(rising) >= 3 and 0 < rising[1] < 3000, rising
 
 
+async def test_listen_rides_out_an_authorizer_outage_during_its_bootstrap(dsn: str) -> None:
+    """The API's identity service fails while ``listen`` walks its bootstrap route: the
+    route answers 503 (it used to answer 401, and ``listen`` exited for good with
+    "registration refused (http_401)"); the command retries, bootstraps, and follows."""
+    registered = asyncio.Event()
+    outage = {"left": 2}
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        if token != "t":
+            return None
+        if registered.is_set() and outage["left"]:
+            outage["left"] -= 1
+            raise ConnectionError("identity service down")
+        registered.set()  # the handshake: the calls after it are the bootstrap route's
+        return frozenset({"*"})
+
+    async with VmApiServer(dsn, authorize=authorize) as api:
+        await seed_vms(dsn, 3)
+        async with listen(api.url, "--resource", "vm", "--token", "t") as process:
+            (done,) = await read_lines_until(process, bool)
+            assert done["event"] == "bootstrapped" and done["items"] == 3
+            assert process.returncode is None
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+        assert process.stderr is not None
+        log = (await process.stderr.read()).decode()
+    assert outage["left"] == 0
+    assert "registration refused" not in log and "HTTP 503" in log, log
+
+
 async def test_listen_follows_two_resources_on_one_connection(dsn: str) -> None:
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         vms = await create_vms(client, 3)
