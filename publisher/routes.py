@@ -7,14 +7,16 @@ a plain ASGI app (see connection.py), and the dashboard has its own module
 auth is configured and show only the resources the token may read (stats
 also takes it as a Basic password, for the dashboard's browser); /metrics,
 /healthz and /readyz never do (scrapers and probes; they show counts, not
-listeners). Query parameters are validated: an unknown one, or a bad value,
-is a 400 with the protocol's error body, never ignored.
+listeners). The answers of the first two carry ``Cache-Control: no-store``
+and ``X-Content-Type-Options: nosniff``, as the dashboard's do. Query
+parameters are validated: an unknown one, or a bad value, is a 400 with the
+protocol's error body, never ignored.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -63,6 +65,24 @@ _STUCK_AFTER_MIN = 5.0
 _STUCK_AFTER_POLLS = 10
 
 _STATS_LIMIT_MAX = 100_000
+
+_PRIVATE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+"""Headers of every answer that depends on the token (the resources it may read, its
+stats, a refusal): no cache keeps it for the next client, and no browser takes the
+JSON for another type."""
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def _private(endpoint: Endpoint) -> Endpoint:
+    """``endpoint`` with the ``_PRIVATE`` headers on each of its answers."""
+
+    async def answer(request: Request) -> Response:
+        response = await endpoint(request)
+        response.headers.update(_PRIVATE)
+        return response
+
+    return answer
 
 
 def error_response(
@@ -205,9 +225,9 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return [
-        Route("/changefeeds", resources, methods=["GET"]),
+        Route("/changefeeds", _private(resources), methods=["GET"]),
         WebSocketRoute("/changefeeds", ListenerEndpoint(publisher.sessions)),
-        Route("/changefeeds/stats", stats, methods=["GET"]),
+        Route("/changefeeds/stats", _private(stats), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

@@ -132,6 +132,34 @@ async def test_http_routes_need_the_token_and_show_only_its_resources(feed_dsn: 
         await ws.close()
 
 
+async def test_answers_that_depend_on_the_token_are_neither_cached_nor_sniffed(
+    feed_dsn: str,
+) -> None:
+    """/changefeeds and /changefeeds/stats answer with ``Cache-Control: no-store`` and
+    ``X-Content-Type-Options: nosniff``, refusals included (the dashboard has both)."""
+    async with (
+        running_publisher(feed_dsn, **TOKENS) as pub,
+        httpx.AsyncClient(base_url=pub.server.url) as http,
+    ):
+        answers = [
+            await http.get("/changefeeds/stats", headers=bearer(OPS)),
+            await http.get("/changefeeds/stats", headers=basic_credentials(OPS)),
+            await http.get("/changefeeds/stats"),
+            await http.get("/changefeeds/stats?resource=network", headers=bearer(DNS)),
+            await http.get("/changefeeds/stats?limit=x", headers=bearer(OPS)),
+            await http.get("/changefeeds", headers=bearer(OPS)),
+            await http.get("/changefeeds"),
+        ]
+        assert [a.status_code for a in answers] == [200, 200, 401, 403, 400, 200, 401]
+        for answer in answers:
+            assert answer.headers["Cache-Control"] == "no-store", answer.request.url
+            assert answer.headers["X-Content-Type-Options"] == "nosniff", answer.request.url
+
+
+def basic_credentials(password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"ops:{password}".encode()).decode()}
+
+
 async def test_bootstrap_routes_use_authorize_request_with_a_resource(feed_dsn: str) -> None:
     async with (
         running_publisher(feed_dsn, **TOKENS) as pub,
