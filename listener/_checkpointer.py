@@ -11,9 +11,9 @@ controller attached to it:
   which is what makes the checkpoint consistent; ``save`` hands it to the
   store, one save at a time, off the event loop as far as the store goes.
 * A periodic task saves every ``interval`` seconds when something changed;
-  ``final`` takes the last checkpoint when the listener or its first
-  controller stops (after that one controller's mirror no longer follows the
-  cursor, so no later checkpoint could be consistent).
+  ``final`` takes the last checkpoint when the listener or its last
+  controller running stops (a controller that stops before the others is
+  parked by the listener, and its mirror goes on following the cursor).
 
 Incremental saves carry the ids changed since the last save the store is
 known to hold: ids of a save that failed, or is still under way, go into the
