@@ -362,6 +362,7 @@ class Listener(ConnectionLoop, HandingOut):
             samples += [
                 Sample(p + "checkpoint_saves", checkpoint.saves),
                 Sample(p + "checkpoint_save_failures", checkpoint.save_failures),
+                Sample(p + "checkpoint_failing_saves", checkpoint.consecutive_failures),
                 Sample(p + "checkpoint_save_seconds", checkpoint.last_save_seconds),
                 Sample(
                     p + "checkpoint_age_seconds",
