@@ -584,7 +584,7 @@ class Listener(ConnectionLoop, HandingOut):
             running=len(self._running),
             attached=self._attached,
         )
-        if self._watchdog is None:
+        if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.create_task(
                 self._controllers_must_run(), name=f"changefeed-watchdog-{self.name}"
             )
@@ -595,8 +595,8 @@ class Listener(ConnectionLoop, HandingOut):
         timeout = self.config.controller_start_timeout
         await asyncio.sleep(timeout)
         idle = [sink.name for sink in self._controllers() if sink not in self._running]
-        if self._task is not None or self.state is not S.IDLE or not idle:
-            return
+        if self._task is not None or self.state is not S.IDLE or not idle or not self._running:
+            return  # started, or nobody waits any more
         error = ListenerConfigError(
             "controllers",
             f"{', '.join(idle)} attached to listener {self.name} did not run within "

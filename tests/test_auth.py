@@ -503,3 +503,33 @@ async def test_a_listener_waits_out_an_authorizer_outage_and_then_goes_live(dsn:
         retried = events.named("bootstrap.retry")
         assert retried and "HTTP 503" in retried[0]["error"] and retried[0]["delay"] >= 1.0
     assert failing == {"handshake": 0, "bootstrap": 0}
+
+
+@pytest.mark.parametrize(
+    ("revoked", "code"), [(None, "http_401"), (frozenset({"server"}), "http_403")]
+)
+async def test_a_listener_stops_when_the_bootstrap_route_refuses_its_token(
+    dsn: str, revoked: frozenset[str] | None, code: str
+) -> None:
+    """Registered with a good token, which is then revoked (401) or loses the resource
+    (403; the route used to answer 401 for that too) before the bootstrap: the
+    listener stops for good, after one attempt, with ``RegistrationRefused``."""
+    from test_listener import make_listener, next_event
+    from test_listener_support import VmApiServer
+
+    from changefeed.listener import RegistrationRefused
+
+    registered = asyncio.Event()
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        if registered.is_set():
+            return revoked
+        registered.set()
+        return frozenset({"vm", "server"})
+
+    async with VmApiServer(dsn, authorize=authorize) as api:
+        async with make_listener(api.ws_url, token="t") as listener:
+            with pytest.raises(RegistrationRefused) as refused:
+                await next_event(listener, timeout=20)
+        assert refused.value.code == code
+        assert listener.status().attempts == 1
