@@ -374,7 +374,7 @@ class Controller(Intake[T], Reconciling[T]):
             RegistrationRefused, RetriesExhausted: the listener stopped for good.
             ListenerConfigError: another controller attached to the listener did
                 not run (``ListenerConfig.controller_start_timeout``).
-            CheckpointError: the listener's checkpoint store is another process's.
+            CheckpointRefused: the listener's checkpoint store is another listener's.
         """
         helpers = [
             asyncio.create_task(self._work(), name=f"changefeed-worker-{self.name}-{n}")

@@ -48,8 +48,8 @@ with its ``-wal`` and ``-shm``), logged at ERROR
 (``listener.checkpoint.moved_aside``), and a new file is started: the
 listener bootstraps once, and its saves succeed again instead of failing at
 every interval. A newer-layout file that also holds tables that are not the
-store's (the application's own) is not moved: the store refuses it with a
-``CheckpointError`` naming the file, so that an older version never takes
+store's (the application's own) is not moved: the store refuses it with
+``CheckpointRefused`` naming the file, so that an older version never takes
 an application's tables away.
 
 It must never apply an incremental save to a checkpoint it was not made
@@ -358,10 +358,13 @@ class SqliteCheckpointStore:
     # -- load ----------------------------------------------------------------------
 
     async def load(self) -> Checkpoint | None:
-        """The checkpoint last saved under ``name``, or None.
+        """The checkpoint last saved under ``name``, or None (also when the file could
+        not be used and was moved aside).
 
         Raises:
-            CheckpointError: the file holds another layout version, or a row
+            CheckpointRefused: another store holds the file under this name, or a
+                newer-layout file holds the application's tables too.
+            CheckpointError: the checkpoint has an older layout version, or a row
                 that does not decode.
             sqlite3.Error: the file cannot be read.
         """
@@ -450,9 +453,10 @@ class SqliteCheckpointStore:
         """Keep ``checkpoint`` (one transaction, in a worker thread).
 
         Raises:
+            CheckpointRefused: as ``load``.
             CheckpointError: an incremental checkpoint whose ``base`` this file does
-                not hold (another listener wrote under the same name), or whose fold
-                finds a chunk that does not decode.
+                not hold (the file changed under the listener, or was damaged and
+                moved aside), or whose fold finds a chunk that does not decode.
             sqlite3.Error: the file cannot be written (disk full, read-only, ...).
         """
         await asyncio.to_thread(self._write, checkpoint)
