@@ -21,6 +21,7 @@ in memory per request, and never let a database outage surface as a traceback.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -128,6 +129,9 @@ class BootstrapRoute:
             401, 403 or 503 as it says; a plain False answers 401.
         to_item: row → item (default: ``dict(row)``).
         acquire_timeout: how long a request waits for a pool connection before 503.
+        authorize_timeout: how long ``authorize`` may take before the request is
+            answered 503 ``unavailable`` (the publisher's own check gives up
+            after 5 s, within this).
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class BootstrapRoute:
         authorize: RequestCheck | None = None,
         to_item: ItemEncoder = dict,
         acquire_timeout: float = 5.0,
+        authorize_timeout: float = 10.0,
     ) -> None:
         self.path = path.rstrip("/") or "/"
         self.query = query
@@ -148,6 +153,7 @@ class BootstrapRoute:
         self._authorize = authorize
         self.to_item = to_item
         self.acquire_timeout = acquire_timeout
+        self.authorize_timeout = authorize_timeout
         self.batches_served = 0
         self.items_served = 0
         self._item_sql = query.item_statement() if query.id_column is not None else None
@@ -209,12 +215,14 @@ class BootstrapRoute:
         """The answer to a request ``authorize`` refuses (None: it may proceed): 401,
         403 or 503 with ``Retry-After`` as the refusal says
         (``changefeed.schemas.access``), 401 for a plain False. An ``authorize``
-        that raises is unavailable (503), never unauthorized: a client must not
-        give up because a check could not be made."""
+        that raises, or takes longer than ``authorize_timeout``, is unavailable
+        (503), never unauthorized: a client must not give up because a check
+        could not be made."""
         if self._authorize is None:
             return None
         try:
-            outcome = await self._authorize(request)
+            async with asyncio.timeout(self.authorize_timeout):
+                outcome = await self._authorize(request)
         except Exception as exc:
             log_event(log, "bootstrap.authorize_failed", logging.ERROR, exc=exc, route=self.path)
             outcome = AccessDenied.unavailable()
