@@ -396,14 +396,13 @@ class Checkpointer:
     async def close(self) -> None:
         """Stop the periodic task and wait for the saves under way (the final one too),
         at most ``CLOSE_WAIT`` seconds: a store that hangs must not hang the stop.
-        Then close the store, if it has a ``close()``."""
+        Then close the store, if it has a ``close()`` (not when a save hung: its
+        close would wait for it)."""
         periodic, self._periodic = self._periodic, None
         if periodic is not None:
             periodic.cancel()
             await asyncio.gather(periodic, return_exceptions=True)
-        try:
-            await self._wait_for_saves()
-        finally:
+        if await self._wait_for_saves():
             await self._close_store()
 
     async def _close_store(self) -> None:
@@ -411,18 +410,21 @@ class Checkpointer:
         if close is None:
             return
         try:
-            closing = close()
-            if inspect.isawaitable(closing):
-                await closing
+            async with asyncio.timeout(CLOSE_WAIT):
+                closing = close()
+                if inspect.isawaitable(closing):
+                    await closing
         except Exception as exc:
             log_event(
                 log, "listener.checkpoint.close_failed", logging.ERROR, exc=exc, listener=self._name
             )
 
-    async def _wait_for_saves(self) -> None:
+    async def _wait_for_saves(self) -> bool:
+        """Whether every save under way ended within ``CLOSE_WAIT`` (the late ones are
+        cancelled and logged)."""
         saves = list(self._saves)
         if not saves:
-            return
+            return True
         _, late = await asyncio.wait(saves, timeout=CLOSE_WAIT)
         if late:
             log_event(
@@ -436,3 +438,4 @@ class Checkpointer:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+        return not late
