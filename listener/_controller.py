@@ -464,7 +464,8 @@ class Controller(Intake[T], Reconciling[T]):
 
         Raises:
             RegistrationRefused, RetriesExhausted, ...: the error that stopped the
-                background task before this call (once; ``exception()`` keeps it).
+                controller (``exception()``), each time it is called: a controller
+                that stopped for good cannot be closed as if it had not.
         """
         self._closing = True
         task, self._task = self._task, None
@@ -475,5 +476,5 @@ class Controller(Intake[T], Reconciling[T]):
                 # Also when the task was cancelled before ``run`` began: the listener
                 # must not wait for this controller to start.
                 await self.listener._controller_done(self._sink)
-            if not task.cancelled() and (failure := task.exception()) is not None:
-                raise failure
+        if self._failure is not None:
+            raise self._failure
