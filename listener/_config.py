@@ -104,7 +104,7 @@ class ListenerConfig:
     checkpoint_interval: float = 10.0
     checkpoint_replay: float = 60.0
     checkpoint_load_timeout: float = 300.0
-    controller_start_timeout: float = 30.0
+    controller_start_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.buffer_kind, str) and self.buffer_kind in BUFFER_KINDS):

@@ -257,6 +257,7 @@ class Controller(Intake[T], Reconciling[T]):
         self._host: asyncio.Task[Any] | None = None  # the task inside ``async with``
         self._host_cancelled = False  # ... which this controller's failure cancelled
         self._closing = False
+        self._ran = False  # run() has begun
         self._sink: ControllerSink | None = None
         if isinstance(listener, Listener):
             assert resource is not None
@@ -376,6 +377,7 @@ class Controller(Intake[T], Reconciling[T]):
                 not run (``ListenerConfig.controller_start_timeout``).
             CheckpointRefused: the listener's checkpoint store is another listener's.
         """
+        self._ran = True
         helpers = [
             asyncio.create_task(self._work(), name=f"changefeed-worker-{self.name}-{n}")
             for n in range(self.concurrency)
@@ -460,7 +462,9 @@ class Controller(Intake[T], Reconciling[T]):
             # The block's own exception wins; the controller's is in exception().
 
     async def close(self) -> None:
-        """Stop the background task started by ``async with`` (idempotent).
+        """Stop the background task started by ``async with`` (idempotent). A controller
+        that has not run is detached from its listener, which then no longer waits
+        for it to run.
 
         Raises:
             RegistrationRefused, RetriesExhausted, ...: the error that stopped the
@@ -472,9 +476,10 @@ class Controller(Intake[T], Reconciling[T]):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            if self._sink is not None and isinstance(self.listener, Listener):
-                # Also when the task was cancelled before ``run`` began: the listener
-                # must not wait for this controller to start.
-                await self.listener._controller_done(self._sink)
+        if (task is not None or not self._ran) and self._sink is not None:
+            assert isinstance(self.listener, Listener)
+            # Also when it never ran (or its task was cancelled before ``run`` began):
+            # the listener must not wait for this controller to start.
+            await self.listener._controller_done(self._sink)
         if self._failure is not None:
             raise self._failure

@@ -172,3 +172,21 @@ async def test_one_controller_stopping_does_not_stop_the_checkpoints_of_the_othe
             again = listener.status()
             assert again.resumes == 1 and again.bootstraps == 0
         assert calls == [(server_ids[0], "cn-0", "renamed")]
+
+
+async def test_a_controller_closed_without_running_no_longer_holds_up_the_others(
+    dsn: str,
+) -> None:
+    """``close()`` a controller that will not run: the listener starts for the others,
+    and no error comes from the wait for it."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_servers(client, 2)
+        config = dataclasses.replace(FAST, controller_start_timeout=0.5)
+        listener = shared_listener(api.ws_url, config=config)
+        unused = Controller(listener, resource="vm", name="unused")
+        servers = Controller(listener, resource="server")
+        await unused.close()
+        async with servers:
+            await servers.wait_synced(20)
+            await asyncio.sleep(1)  # past controller_start_timeout: nothing stops it
+            assert not servers.done() and listener.state is ConnectionState.LIVE
