@@ -4,13 +4,15 @@
 it is null, holding at most two pages (the one being consumed and the next
 one in flight). A page that fails (connection error, 5xx) is retried with
 exponential back-off and jitter, *the same page*: the walk never restarts.
-429 and 503 answers are retried after their ``Retry-After``; 429 (admission
+429 and 503 answers are retried after their ``Retry-After`` (a 503 is also what
+a route answers while its authorizer cannot be asked); 429 (admission
 control: the server is healthy, only busy) does not use up ``max_attempts``
 but is bounded in time by ``max_wait``. ``fetch_one`` and ``fetch_many``
 (the batch form ``?ids=``) use the same policy.
 
 It must never restart a walk on its own, hold more than two pages, retry
-without a bound, or retry a request the server refused as malformed (4xx).
+without a bound, or retry a request the server refused as malformed or not
+allowed (4xx: 401 and 403 are for good).
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ async def _get(
             f" and {attempts.busy_waited:.1f}s waiting on busy answers (last: {what})",
             url=shown,
             status=last_status,
+            retry_after=exc.retry_after if isinstance(exc, _Retryable) else None,
         ) from exc
     raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 

@@ -192,7 +192,8 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint",
         metavar="FILE",
         help="keep the cursor (and, with --mirror, the mirrors) in this SQLite file: "
-        "a run resumes where the last one stopped",
+        "a run resumes where the last one stopped (one run per file at a time; "
+        "exit status 1 when its saves are failing at the end)",
     )
     listen.add_argument(
         "--mirror",

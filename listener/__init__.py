@@ -71,6 +71,7 @@ from ._config import ListenerConfig
 from ._controller import Controller, ControllerStats
 from ._errors import (
     CheckpointError,
+    CheckpointRefused,
     ListenerConfigError,
     ListenerError,
     RegistrationRefused,
@@ -98,6 +99,7 @@ __all__ = [
     "ChangeKind",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointRefused",
     "CheckpointStatus",
     "CheckpointStore",
     "ConnectionState",

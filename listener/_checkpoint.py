@@ -124,7 +124,10 @@ class Checkpoint:
 class CheckpointStore(Protocol):
     """Where a listener keeps its checkpoint: ``SqliteCheckpointStore``, or your own.
 
-    Both methods are coroutines: run blocking I/O off the event loop.
+    Both methods are coroutines: run blocking I/O off the event loop. A store may
+    also have a ``close()`` coroutine: the listener awaits it when it closes (the
+    SQLite store closes its connection and lets go of its file then); ``load``
+    and ``save`` may be called again after it.
     """
 
     async def load(self) -> Checkpoint | None:
@@ -161,6 +164,10 @@ class CheckpointStatus:
         saves: checkpoints saved.
         whole_saves: of which whole.
         save_failures: saves that failed.
+        consecutive_failures: saves that failed since the last one that succeeded
+            (0: the last save succeeded, or none was tried). While it is above 0
+            the store does not hold where the listener got to: a restart replays
+            (or bootstraps) more; ``failing`` says so.
         last_save_seconds: how long the last successful save took.
         last_save_items: resources the last successful save wrote.
         last_saved_at: when the last successful save was taken (epoch seconds).
@@ -176,11 +183,17 @@ class CheckpointStatus:
     saves: int = 0
     whole_saves: int = 0
     save_failures: int = 0
+    consecutive_failures: int = 0
     last_save_seconds: float = 0.0
     last_save_items: int = 0
     last_saved_at: float | None = None
     last_error: str | None = None
     frozen: bool = False
+
+    @property
+    def failing(self) -> bool:
+        """The last save failed: what the store holds is behind (see ``last_error``)."""
+        return self.consecutive_failures > 0
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}

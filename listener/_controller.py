@@ -254,6 +254,10 @@ class Controller(Intake[T], Reconciling[T]):
         self._retry = ItemBackoff(retry or DEFAULT_ITEM_BACKOFF, rng)
         self._failure: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
+        self._host: asyncio.Task[Any] | None = None  # the task inside ``async with``
+        self._host_cancelled = False  # ... which this controller's failure cancelled
+        self._closing = False
+        self._ran = False  # run() has begun
         self._sink: ControllerSink | None = None
         if isinstance(listener, Listener):
             assert resource is not None
@@ -368,8 +372,12 @@ class Controller(Intake[T], Reconciling[T]):
         listener stops.
 
         Raises:
-            RegistrationRefused, RetriesExhausted: from the listener.
+            RegistrationRefused, RetriesExhausted: the listener stopped for good.
+            ListenerConfigError: another controller attached to the listener did
+                not run (``ListenerConfig.controller_start_timeout``).
+            CheckpointRefused: the listener's checkpoint store is another listener's.
         """
+        self._ran = True
         helpers = [
             asyncio.create_task(self._work(), name=f"changefeed-worker-{self.name}-{n}")
             for n in range(self.concurrency)
@@ -403,10 +411,35 @@ class Controller(Intake[T], Reconciling[T]):
             if self._sink is not None and isinstance(self.listener, Listener):
                 await self.listener._controller_done(self._sink)
 
+    def done(self) -> bool:
+        """Whether the controller has stopped: ``run`` returned or raised."""
+        return self._ended.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The error that stopped the controller for good (``RegistrationRefused``,
+        ``RetriesExhausted``, ...); None while it runs, or when it stopped because it
+        was closed or cancelled, or its listener was."""
+        return self._failure
+
     async def __aenter__(self) -> Self:
-        """Run in a background task until the block exits."""
+        """Run in a background task until the block exits. Should the controller stop
+        for good meanwhile (the registration refused, retries exhausted), the block is
+        cancelled, as a ``TaskGroup`` cancels it for a failed task, and its exit raises
+        that error."""
+        self._closing = False
+        self._host = asyncio.current_task()
         self._task = asyncio.create_task(self.run(), name=f"changefeed-controller-{self.name}")
+        self._task.add_done_callback(self._stopped)
         return self
+
+    def _stopped(self, task: asyncio.Task[None]) -> None:
+        """The background task ended: a failure cancels the block it runs beside."""
+        if task.cancelled() or task.exception() is None or self._closing:
+            return
+        host = self._host
+        if host is not None and not host.done():
+            self._host_cancelled = True
+            host.cancel()
 
     async def __aexit__(
         self,
@@ -414,15 +447,39 @@ class Controller(Intake[T], Reconciling[T]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.close()
+        """Stop the background task. Raises the error that stopped the controller, unless
+        the block raised one of its own (then that one goes on; ``exception()`` still
+        tells)."""
+        self._closing = True
+        host, self._host = self._host, None
+        ours = self._host_cancelled and host is not None and host.uncancel() == 0
+        self._host_cancelled = False
+        try:
+            await self.close()
+        except Exception:
+            if exc is None or (ours and isinstance(exc, asyncio.CancelledError)):
+                raise
+            # The block's own exception wins; the controller's is in exception().
 
     async def close(self) -> None:
-        """Stop the background task started by ``async with`` (idempotent)."""
+        """Stop the background task started by ``async with`` (idempotent). A controller
+        that has not run is detached from its listener, which then no longer waits
+        for it to run.
+
+        Raises:
+            RegistrationRefused, RetriesExhausted, ...: the error that stopped the
+                controller (``exception()``), each time it is called: a controller
+                that stopped for good cannot be closed as if it had not.
+        """
+        self._closing = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            if self._sink is not None and isinstance(self.listener, Listener):
-                # Also when the task was cancelled before ``run`` began: the listener
-                # must not wait for this controller to start.
-                await self.listener._controller_done(self._sink)
+        if (task is not None or not self._ran) and self._sink is not None:
+            assert isinstance(self.listener, Listener)
+            # Also when it never ran (or its task was cancelled before ``run`` began):
+            # the listener must not wait for this controller to start.
+            await self.listener._controller_done(self._sink)
+        if self._failure is not None:
+            raise self._failure

@@ -12,8 +12,12 @@ The sink also answers for the controller's mirror in checkpoints
 (``_controller_checkpoint``).
 
 Taking change items only marks their ids stale and queues them; the workers
-(``_reconcile``) fetch. It must never hold the listener up for anything but
-room in the work queue, nor for a controller that stopped.
+(``_reconcile``) fetch. A controller that stopped while the listener goes on
+(its checkpoints cover the others) is *parked*: it takes bootstraps into its
+mirror and marks changed ids pending, without a worker or a callback, so
+that a checkpoint taken later is still consistent for it, and a restart
+resumes it too. It must never hold the listener up for anything but room in
+the work queue, nor for a controller that stopped.
 """
 
 from __future__ import annotations
@@ -112,12 +116,23 @@ class ControllerSink:
         await self._controller._wait_room(self._gone)
 
     def resynced(self, event: Resynced) -> None:
-        if not self._gone():
+        # A controller that stopped while the listener goes on still takes its
+        # bootstraps into its mirror (no callbacks: its workers are gone), so that the
+        # listener's checkpoints stay consistent for it; see ``changed``.
+        if not self._gone() or self._parked():
             self._controller._apply_resync(event)
 
     def changed(self, items: Sequence[ChangeItem]) -> None:
         if not self._gone():
             self._controller._take_items(items)
+        elif self._parked():
+            # Only marked pending: a checkpoint then saves these ids as pending, and
+            # a restart fetches and calls them back, as if the controller had run on.
+            self._controller._stale.update(item.changed_resource_id for item in items)
+
+    def _parked(self) -> bool:
+        """It ran and stopped, and its listener still hands it events (for checkpoints)."""
+        return self._stopped is not None and self._controller._ended.is_set()
 
     @property
     def name(self) -> str:

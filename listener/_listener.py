@@ -26,15 +26,19 @@ nothing that was buffered and then cleared is lost.
 Several controllers share one listener (one connection per publisher per
 process, as client-go's shared informers): each attaches to one resource
 before the listener starts, the listener starts once every attached
-controller runs, and it closes when the last one stops.
+controller runs (or stops with a ``ListenerConfigError`` when one has not run
+within ``controller_start_timeout`` of the first), and it closes when the
+last one stops.
 
 With a checkpoint store (``_checkpointer``), the listener loads the last
 checkpoint before it first registers (its controllers start from their saved
 mirrors, and it registers with the saved cursor), and saves one at intervals
-and when it or its first controller stops. The cursor saved is the position
-the application is done with: for controllers, that of the last event handed
-to them (their mirrors and pending ids are taken in the same step); for
-``async for``, that of the event before the one handed out last.
+and when it or the last controller running stops. A controller that stops
+while others run on is parked (``_controller_done``), so checkpoints go on.
+The cursor saved is the position the application is done with: for
+controllers, that of the last event handed to them (their mirrors and
+pending ids are taken in the same step); for ``async for``, that of the
+event before the one handed out last.
 
 It must never hand the application an item of a connection before that
 connection's ``Resynced`` events, never retry without back-off, and never
@@ -242,6 +246,8 @@ class Listener(ConnectionLoop, HandingOut):
         self._attached = 0
         self._running: set[Sink] = set()
         self._dispatcher: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None  # see _controllers_must_run
+        self._parked: set[Sink] = set()  # stopped, still checkpointed (_controller_done)
         if checkpoint is not None:
             self._use_checkpoint(checkpoint)
         if registry is not None:
@@ -356,6 +362,7 @@ class Listener(ConnectionLoop, HandingOut):
             samples += [
                 Sample(p + "checkpoint_saves", checkpoint.saves),
                 Sample(p + "checkpoint_save_failures", checkpoint.save_failures),
+                Sample(p + "checkpoint_failing_saves", checkpoint.consecutive_failures),
                 Sample(p + "checkpoint_save_seconds", checkpoint.last_save_seconds),
                 Sample(
                     p + "checkpoint_age_seconds",
@@ -392,6 +399,9 @@ class Listener(ConnectionLoop, HandingOut):
     async def close(self) -> None:
         """Stop: save the last checkpoint (with a store), close the connection, drop the
         buffer, end iteration. Idempotent."""
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None and watchdog is not asyncio.current_task():
+            watchdog.cancel()
         if self._checkpointer is not None:
             self._checkpointer.final("listener closed")
         task, self._task = self._task, None
@@ -547,38 +557,86 @@ class Listener(ConnectionLoop, HandingOut):
             )
 
     def _controller_stopping(self, sink: Sink) -> None:
-        """An attached controller is about to stop taking events: the last checkpoint is
-        taken now, while its mirror still follows the cursor."""
-        if self._checkpointer is not None and sink in self._running:
+        """An attached controller is about to stop taking events. The last one running
+        takes the last checkpoint now, while every mirror still follows the cursor.
+        One that stops while others run is parked instead (``_controller_done``), and
+        checkpoints go on."""
+        if self._checkpointer is not None and self._running == {sink}:
             self._checkpointer.final(f"controller {sink.name} stopped")
 
     def _controller_running(self, sink: Sink) -> None:
-        """An attached controller runs; the listener starts once all of them do."""
+        """An attached controller runs; the listener starts once all of them do. On a
+        listener that has stopped, it stops at once, the way the listener did."""
+        if self.state is S.STOPPED:
+            sink.stopped(self._fatal)
+            return
         self._running.add(sink)
         self._start_when_all_run()
 
     def _start_when_all_run(self) -> None:
         if len(self._running) >= self._attached:
             self.start()
-        else:
-            log_event(
-                log,
-                "listener.waiting_for_controllers",
-                **self._fields(),
-                running=len(self._running),
-                attached=self._attached,
+            return
+        log_event(
+            log,
+            "listener.waiting_for_controllers",
+            **self._fields(),
+            running=len(self._running),
+            attached=self._attached,
+        )
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.create_task(
+                self._controllers_must_run(), name=f"changefeed-watchdog-{self.name}"
             )
 
+    async def _controllers_must_run(self) -> None:
+        """Stop the listener (and so the controllers that run) with a clear error when
+        the others attached to it have not run within ``controller_start_timeout``."""
+        timeout = self.config.controller_start_timeout
+        await asyncio.sleep(timeout)
+        idle = [sink.name for sink in self._controllers() if sink not in self._running]
+        if self._task is not None or self.state is not S.IDLE or not idle or not self._running:
+            return  # started, or nobody waits any more
+        error = ListenerConfigError(
+            "controllers",
+            f"{', '.join(idle)} attached to listener {self.name} did not run within "
+            f"{timeout:g}s of the first that did (ListenerConfig.controller_start_timeout): "
+            "run every controller made with a listener, or close() those you do not run",
+        )
+        log_event(
+            log,
+            "listener.controllers_not_running",
+            logging.ERROR,
+            **self._fields(),
+            idle=idle,
+            running=sorted(sink.name for sink in self._running),
+            waited=timeout,
+        )
+        self._stop_with(error)
+        self._stop_sinks(error)
+
     async def _controller_done(self, sink: Sink) -> None:
-        """An attached controller stopped: it gets nothing more, and the listener no
-        longer waits for it to start; once started, the last one running closes it."""
+        """An attached controller stopped: the listener no longer waits for it to start;
+        once started, the last one running closes it. One that stops while others
+        run stays attached, *parked*, when there are checkpoints: it then takes its
+        events into its mirror and pending ids only (``_controller_sink``), so that
+        the checkpoints taken after it stopped are still consistent for it. Without
+        checkpoints it gets nothing more."""
+        if sink in self._parked:
+            return
+        started = self._task is not None or self.state is not S.IDLE
+        was_running = sink in self._running
+        self._running.discard(sink)
+        if was_running and self._running and started and self._checkpointer is not None:
+            self._parked.add(sink)
+            self._attached -= 1
+            log_event(log, "listener.controller_parked", **self._fields(), controller=sink.name)
+            return
         for resource, sinks in list(self._sinks.items()):
             if sink in sinks:
                 self._sinks[resource] = [s for s in sinks if s is not sink]
                 self._attached -= 1
-        started = self._task is not None or self.state is not S.IDLE
-        if sink in self._running:
-            self._running.discard(sink)
+        if was_running:
             if not self._running and started:
                 await self.close()
         elif self._running and not started:

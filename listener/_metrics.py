@@ -71,6 +71,11 @@ _LISTENER: tuple[_Spec, ...] = (
     ),
     ("changefeed_listener_checkpoint_saves", "counter", "Checkpoints saved"),
     ("changefeed_listener_checkpoint_save_failures", "counter", "Checkpoint saves that failed"),
+    (
+        "changefeed_listener_checkpoint_failing_saves",
+        "gauge",
+        "Checkpoint saves failed since the last that succeeded (above 0: the store is behind)",
+    ),
     ("changefeed_listener_checkpoint_save_seconds", "gauge", "How long the last save took"),
     (
         "changefeed_listener_checkpoint_age_seconds",

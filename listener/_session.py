@@ -114,6 +114,12 @@ def _absolute(api_url: str, route: str) -> str:
     return url
 
 
+def _retry_after(value: str) -> float | None:
+    """A ``Retry-After`` header in seconds (an HTTP date is not worth honouring here)."""
+    value = value.strip()
+    return float(value) if value.isascii() and value.isdigit() else None
+
+
 def _closed(exc: ConnectionClosed) -> PublisherClosed:
     code = exc.rcvd.code if exc.rcvd is not None else None
     reason = exc.rcvd.reason if exc.rcvd is not None else str(exc)
@@ -194,7 +200,11 @@ class Session:
             raise
         except InvalidStatus as exc:
             status = exc.response.status_code
-            raise PublisherClosed(f"handshake refused: HTTP {status}", status=status) from None
+            raise PublisherClosed(
+                f"handshake refused: HTTP {status}",
+                status=status,
+                retry_after=_retry_after(exc.response.headers.get("Retry-After", "")),
+            ) from None
         except InvalidURI as exc:
             raise RegistrationRefused("bad_url", str(exc)) from None
         except ConnectionClosed as exc:
@@ -274,7 +284,9 @@ class Session:
             failure = None if walk.cancelled() else walk.exception()
             if isinstance(failure, BootstrapError):
                 raise BootstrapFailed(
-                    f"bootstrap walk of {resource} failed: {failure}", failure.status
+                    f"bootstrap walk of {resource} failed: {failure}",
+                    failure.status,
+                    retry_after=getattr(failure, "retry_after", None),
                 ) from None
             if failure is not None:  # e.g. httpx.InvalidURL: still this session's failure
                 # Not one the pager expects (possibly a bug): its traceback goes to the log.

@@ -10,9 +10,10 @@ catches up, and a receiver, which takes whatever the listener sends
 answering pings only while someone reads) and notices the disconnect.
 
 Refusals: a missing or bad bearer token is refused at the handshake with HTTP
-401 (503 when the authorizer is unavailable), before anything is read from
-the listener; every later refusal is an error frame followed by a documented
-close code (changefeed.schemas.closecodes). Nothing a listener sends can stop
+401 (503 and ``Retry-After`` when the authorizer is unavailable; the decision
+is changefeed.schemas.access's), before anything is read from the listener;
+every later refusal is an error frame followed by a documented close code
+(changefeed.schemas.closecodes). Nothing a listener sends can stop
 the publisher from serving the others: every wait on a listener is bounded
 (``registration_timeout``, ``close_timeout``, and ``stall_timeout`` through
 the publisher's watch), and a connection's failure ends that connection only.
@@ -30,9 +31,8 @@ from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 
 from changefeed.logs import log_event
-from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
+from changefeed.schemas import ERROR_CLOSE_CODES, AccessDenied, ErrorFrame
 
-from .auth import AuthUnavailable
 from .catchup import Filled
 from .delivery import Closing, Delivery
 from .entries import Item
@@ -75,8 +75,6 @@ _REFUSALS = ("frame_too_large", "bad_frame")
 """Server closes that refuse what the listener sent (counted as refusals)."""
 
 _KEEPALIVE_MESSAGE = "no answer to pings, and no progress meanwhile (keepalive timeout)"
-
-_HTTP_STATUS = {"unauthorized": 401, "forbidden": 403, "unavailable": 503}
 
 
 class _Gone(Exception):
@@ -150,13 +148,9 @@ class _Connection:
 
     async def _serve(self) -> None:
         host = self.host
-        try:
-            access = await host.authenticate(Headers(scope=self.scope))
-        except AuthUnavailable as exc:
-            await self._refuse_handshake("unavailable", str(exc))
-            return
-        if access is None:
-            await self._refuse_handshake("unauthorized", "missing or invalid bearer token")
+        access = await host.access(Headers(scope=self.scope), self.peer)
+        if isinstance(access, AccessDenied):
+            await self._refuse_handshake(access)
             return
         await self.send({"type": "websocket.accept"})
         full = host.capacity()
@@ -170,7 +164,7 @@ class _Connection:
             return
         except _Gone:
             return
-        outcome = await host.register(text, access, self.peer)
+        outcome = await host.register(text, access.resources, self.peer)
         if isinstance(outcome, Refusal):
             await self._refuse(outcome)
             return
@@ -194,27 +188,20 @@ class _Connection:
 
     # -- refusals and closing ----------------------------------------------
 
-    async def _refuse_handshake(self, code: str, message: str) -> None:
-        """Refuse before accepting: an HTTP answer where the server can send one
-        (ASGI websocket denial response), else accept, error frame, close code."""
-        self.host.refused(code, "websocket", self.peer, message)
+    async def _refuse_handshake(self, denied: AccessDenied) -> None:
+        """Refuse before accepting (``host.access`` counted it): an HTTP answer where the
+        server can send one (ASGI websocket denial response), else accept, error
+        frame, close code."""
         if "websocket.http.response" not in self.scope.get("extensions", {}):
             await self.send({"type": "websocket.accept"})
-            await self._close(ERROR_CLOSE_CODES[code], ErrorFrame(code, message))
+            await self._close(denied.close_code, denied.frame())
             return
         headers = [(b"content-type", b"application/json")]
-        if code == "unauthorized":
-            headers.append((b"www-authenticate", b"Bearer"))
-        elif code == "unavailable":
-            headers.append((b"retry-after", b"1"))
+        headers += [(k.lower().encode(), v.encode()) for k, v in denied.headers().items()]
         await self.send(
-            {
-                "type": "websocket.http.response.start",
-                "status": _HTTP_STATUS[code],
-                "headers": headers,
-            }
+            {"type": "websocket.http.response.start", "status": denied.status, "headers": headers}
         )
-        body = ErrorFrame(code, message).encode().encode()
+        body = denied.frame().encode().encode()
         await self.send({"type": "websocket.http.response.body", "body": body})
 
     async def _refuse(self, refusal: Refusal) -> None:

@@ -24,7 +24,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from .auth import AuthUnavailable, BearerAuth
+from changefeed.schemas import AccessDenied
+
+from .auth import BearerAuth
 
 __all__ = ["DASHBOARD_PATH", "dashboard_routes"]
 
@@ -50,6 +52,12 @@ _SECURITY_HEADERS = {
 
 _CHALLENGE = 'Basic realm="changefeed", charset="UTF-8"'
 
+_SIGN_IN = (
+    "This dashboard needs a bearer token. Reload the page and sign in with any\n"
+    "user name and the token as the password, or send it as\n"
+    "'Authorization: Bearer <token>'.\n"
+)
+
 Refused = Callable[[str, str, str, str], None]
 """Counts a refusal: (error code, endpoint, peer, reason), as ``Publisher.refused``."""
 
@@ -74,27 +82,17 @@ def dashboard_routes(auth: BearerAuth, refused: Refused) -> list[BaseRoute]:
         assets[name] = (content, media_type, etag)
 
     async def page(request: Request) -> Response:
-        peer = f"{request.client.host}:{request.client.port}" if request.client else ""
-        try:
-            allowed = await auth.resolve(request.headers.get("authorization", ""), basic=True)
-        except AuthUnavailable as exc:
-            refused("unavailable", "http", peer, str(exc))
-            headers = {**_SECURITY_HEADERS, "Retry-After": "1", "Cache-Control": "no-store"}
-            return PlainTextResponse(f"{exc}\n", 503, headers)
-        if allowed is None:
-            refused("unauthorized", "http", peer, request.url.path)
+        outcome = await auth.check(request.headers.get("authorization", ""), basic=True)
+        if isinstance(outcome, AccessDenied):
+            peer = f"{request.client.host}:{request.client.port}" if request.client else ""
+            refused(outcome.code, "http", peer, f"{request.url.path}: {outcome.message}")
             headers = {
                 **_SECURITY_HEADERS,
-                "WWW-Authenticate": _CHALLENGE,
+                **outcome.headers(challenge=_CHALLENGE),
                 "Cache-Control": "no-store",
             }
-            return PlainTextResponse(
-                "This dashboard needs a bearer token. Reload the page and sign in with any\n"
-                "user name and the token as the password, or send it as\n"
-                "'Authorization: Bearer <token>'.\n",
-                401,
-                headers,
-            )
+            text = _SIGN_IN if outcome.code == "unauthorized" else f"{outcome.message}\n"
+            return PlainTextResponse(text, outcome.status, headers)
         return Response(
             page_bytes,
             media_type="text/html; charset=utf-8",

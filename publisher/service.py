@@ -27,9 +27,9 @@ from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
 
 from changefeed.logs import log_event
-from changefeed.schemas import Position, apply_schema, notify_channel
+from changefeed.schemas import AccessDenied, AccessGranted, Position, apply_schema, notify_channel
 
-from .auth import Authorizer, AuthUnavailable, BearerAuth
+from .auth import Authorizer, BearerAuth
 from .broadcast import Broadcast
 from .config import PublisherConfig
 from .counters import Counters
@@ -281,26 +281,28 @@ class Publisher:
         """Count and log one refusal (bad input, auth, limits) with its error code."""
         self.sessions.refused(code, endpoint, peer, reason)
 
-    async def authorize_request(self, request: HTTPConnection, resource: str | None = None) -> bool:
+    async def authorize_request(
+        self, request: HTTPConnection, resource: str | None = None
+    ) -> AccessGranted | AccessDenied:
         """For the embedding API's own routes (bootstrap routes): may this request go on?
+
+        The answer is true when it may. A refusal (false) says how to answer it,
+        as every route of the publisher does (``changefeed.schemas.access``):
+        ``status`` 401 ``unauthorized`` (no token, or an unknown one), 403
+        ``forbidden`` (a token not allowed ``resource``) or 503 ``unavailable``
+        (the authorizer failed or took longer than 5 s; ``Retry-After``), with
+        ``headers()`` and the error body ``frame()``. ``BootstrapRoute`` answers it
+        so. A refusal is counted (``changefeed_refusals_total``, stats).
 
         Args:
             request: the request (its ``Authorization: Bearer`` header).
             resource: when given, the token must also be allowed to read this resource.
-
-        A refusal is counted (``changefeed_refusals_total``, stats) as ``unauthorized``
-        or ``forbidden``; an unavailable authorizer refuses too (the caller answers 401).
         """
-        try:
-            allowed = await self.authenticate(request.headers)
-        except AuthUnavailable:
-            allowed = None
-        ok = allowed is not None and (resource is None or "*" in allowed or resource in allowed)
-        if not ok:
+        outcome = await self.auth.check(request.headers.get("authorization", ""), resource=resource)
+        if isinstance(outcome, AccessDenied):
             peer = f"{request.client.host}:{request.client.port}" if request.client else ""
-            code = "unauthorized" if allowed is None else "forbidden"
-            self.refused(code, "http", peer, request.url.path)
-        return ok
+            self.refused(outcome.code, "http", peer, f"{request.url.path}: {outcome.message}")
+        return outcome
 
     async def wait_ready(self) -> bool:
         """True once the tailer knows its position (it may be briefly reconnecting)."""

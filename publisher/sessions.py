@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 import asyncpg
 
 from changefeed.logs import log_event
-from changefeed.schemas import ERROR_CLOSE_CODES, Ack, Cursor
+from changefeed.schemas import ERROR_CLOSE_CODES, AccessDenied, AccessGranted, Ack, Cursor
 
 from .auth import BearerAuth
 from .catchup import Catchup
@@ -124,6 +124,14 @@ class Sessions:
             AuthUnavailable: the authorizer raised or took longer than 5 s.
         """
         return await self.auth.resolve(headers.get("authorization", ""))
+
+    async def access(self, headers: Mapping[str, str], peer: str) -> AccessGranted | AccessDenied:
+        """Whether a websocket handshake may go on (``BearerAuth.check``); a refusal
+        is counted and logged."""
+        outcome = await self.auth.check(headers.get("authorization", ""))
+        if isinstance(outcome, AccessDenied):
+            self.refused(outcome.code, "websocket", peer, outcome.message)
+        return outcome
 
     def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None:
         """Count and log one refusal (bad input, auth, limits) with its error code."""

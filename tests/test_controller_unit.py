@@ -291,12 +291,16 @@ async def test_max_pending_stops_reading_the_source() -> None:
 
 
 async def test_wait_synced_raises_when_the_source_fails() -> None:
+    """... and so does the block's exit, though the block caught it: the controller
+    stopped for good (``exception()``)."""
     source, api = Source(), Api()
     controller = Controller(source, fetch=api.fetch)
-    async with controller:
-        source.send(RegistrationRefused("unknown_resource", "no feed for 'vmz'", 4001))
-        with pytest.raises(RegistrationRefused):
-            await controller.wait_synced(5)
+    with pytest.raises(RegistrationRefused) as exited:
+        async with controller:
+            source.send(RegistrationRefused("unknown_resource", "no feed for 'vmz'", 4001))
+            with pytest.raises(RegistrationRefused) as waited:
+                await controller.wait_synced(5)
+    assert exited.value is waited.value is controller.exception()
 
 
 async def test_run_returns_when_the_source_ends() -> None:

@@ -86,6 +86,7 @@ PUBLIC = {
     "RegistrationRefused",
     "RetriesExhausted",
     "CheckpointError",
+    "CheckpointRefused",
 }
 
 
