@@ -7,6 +7,15 @@ snapshot horizon (see ``FeedReader``), from its own in-memory position, so a
 reconnect after a dropped connection or a PostgreSQL restart carries on
 exactly where it stopped: nothing lost, nothing repeated. It never claims,
 marks or deletes entries: every publisher instance tails every entry (HA).
+
+On a hot standby (``standby``) it cannot LISTEN: the doorbell rings from a
+connection to the primary (``doorbell``), naming the writer's transaction.
+The standby may not have replayed that transaction yet when the doorbell
+rings, so the tailer reads, and reads again after 1, 2, 4 ... 32 ms, until
+the horizon of what it read has passed every transaction rung (or
+``poll_interval`` has): waiting only as long as replay takes, and only
+while there is news. A read that replay cancelled (SQLSTATE 40001, a
+conflict with recovery) is read again on the same connection.
 """
 
 from __future__ import annotations
@@ -41,6 +50,25 @@ _UNEXPECTED_RETRIES = 3
 """Failures in a row that are not database errors (a bug, most likely) after which
 the tailer gives up instead of retrying them forever."""
 
+_FIRST_HURRY = 0.001
+_LONGEST_HURRY = 0.032
+"""Seconds between two reads of a standby that has not yet replayed a transaction
+the doorbell named, growing from the first to the longest."""
+_MOST_AWAITED = 4096
+"""Transactions named by the doorbell that a tailer awaits at once, at most: past
+that (a standby far behind) the poll reads what arrives."""
+_FIRST_CONFLICT_PAUSE = 0.01
+_LONGEST_CONFLICT_PAUSE = 1.0
+"""Seconds before reading again after a read was cancelled by replay."""
+
+
+def _txid(payload: object) -> int | None:
+    """The transaction a doorbell names (its payload), or None (an older writer's
+    empty payload, or anything else)."""
+    if isinstance(payload, str) and payload.isdigit() and len(payload) < 21:
+        return int(payload)
+    return None
+
 
 class Tailer:
     """Follows one feed table and calls ``sink`` with each batch of final entries.
@@ -61,6 +89,9 @@ class Tailer:
             ``unavailable`` (the tailer keeps retrying).
         fanned_out: awaited after a full batch, before the next read: returns once
             the fan-out's flush has given every listener its turn of what ``sink`` took.
+        standby: ``connect`` opens connections to a hot standby: no LISTEN on them
+            (``ring`` is called from elsewhere), and reads again until the
+            transactions the doorbell names have been replayed.
     """
 
     def __init__(
@@ -75,6 +106,7 @@ class Tailer:
         retry_budget: float = 30.0,
         fanned_out: Callable[[], Awaitable[None]] | None = None,
         join: Join | None = None,
+        standby: bool = False,
     ) -> None:
         self._connect = connect
         self._reader = reader
@@ -85,6 +117,11 @@ class Tailer:
         self._retry_budget = retry_budget
         self._fanned_out = fanned_out
         self._join = join
+        self._standby = standby
+        self._awaited: dict[int, float] = {}
+        """Transactions the doorbell named that the standby had not replayed at the
+        last read -> until when to read again for them (monotonic)."""
+        self._hurry = _FIRST_HURRY
         self._unexpected = 0
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -103,10 +140,19 @@ class Tailer:
         self.lag_seconds = 0.0
         self.fanout_wait_seconds = 0.0
         """Time spent waiting for the fan-out between full batches (see _drain)."""
+        self.replay_waits_total = 0
+        """Reads made again because the standby had not replayed a rung transaction."""
+        self.replay_conflicts_total = 0
+        """Reads the standby cancelled for a conflict with replay (read again)."""
 
-    def ring(self, *_: Any) -> None:
-        """Doorbell: read now (called by NOTIFY, or by anyone who knows there is news)."""
+    def ring(self, *args: Any) -> None:
+        """Doorbell: read now (called by NOTIFY, or by anyone who knows there is news).
+        The last argument is the notification's payload: the writer's transaction."""
         self.doorbells_total += 1
+        if self._standby and args and len(self._awaited) < _MOST_AWAITED:
+            txid = _txid(args[-1])
+            if txid is not None:
+                self._awaited[txid] = time.monotonic() + self._poll_interval
         self._wake.set()
 
     async def run(self) -> None:
@@ -170,7 +216,8 @@ class Tailer:
         self.ready.clear()
         conn = await self._connect()
         try:
-            await conn.add_listener(self._channel, self.ring)
+            if not self._standby:
+                await conn.add_listener(self._channel, self.ring)
             first = self.position is None
             if self._join is not None:
                 self.position, self.stamp = await self._join(conn, self.position, self.stamp)
@@ -189,13 +236,23 @@ class Tailer:
             self.failing_since = None
             self.last_error = None
             self.ready.set()
+            conflict_pause = _FIRST_CONFLICT_PAUSE
             while True:
                 self._wake.clear()
-                await self._drain(conn)
+                try:
+                    await self._drain(conn)
+                except asyncpg.SerializationError as exc:
+                    # Replay cancelled the read (a standby's conflict with
+                    # recovery): nothing was handed on; read again.
+                    self._replay_conflict(exc, conflict_pause)
+                    await asyncio.sleep(conflict_pause)
+                    conflict_pause = min(conflict_pause * 2, _LONGEST_CONFLICT_PAUSE)
+                    continue
+                conflict_pause = _FIRST_CONFLICT_PAUSE
                 with contextlib.suppress(TimeoutError):
                     # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
                     # cancellation that races the doorbell, and stop() then hangs.
-                    async with asyncio.timeout(self._poll_interval):
+                    async with asyncio.timeout(self._next_read()):
                         await self._wake.wait()
                 self.polls_total += 1
         finally:
@@ -205,11 +262,47 @@ class Tailer:
             if not conn.is_closed():
                 conn.terminate()
 
+    def _next_read(self) -> float:
+        """Seconds until the next read unless the doorbell rings first: soon while a
+        rung transaction has not been replayed, else ``poll_interval``."""
+        if not self._awaited:
+            self._hurry = _FIRST_HURRY
+            return self._poll_interval
+        self.replay_waits_total += 1
+        pause, self._hurry = self._hurry, min(self._hurry * 2, _LONGEST_HURRY)
+        return pause
+
+    def _replayed(self, horizon: int) -> None:
+        """Forget the rung transactions the standby's horizon has passed (and those
+        awaited long enough: the poll takes over)."""
+        if self._awaited:
+            now = time.monotonic()
+            awaited = self._awaited.items()
+            self._awaited = {t: until for t, until in awaited if t >= horizon and until > now}
+
+    def _replay_conflict(self, exc: Exception, pause: float) -> None:
+        self.replay_conflicts_total += 1
+        log_event(
+            log,
+            "tailer.replay_conflict",
+            logging.WARNING,
+            error=f"{type(exc).__name__}: {exc}",
+            retry_in=pause,
+            conflicts=self.replay_conflicts_total,
+        )
+
+    async def _read(self, conn: asyncpg.Connection, after: Position) -> list[FeedEntry]:
+        if not self._standby:
+            return await self._reader.read_after(conn, after, self._batch)
+        entries, horizon = await self._reader.read_after_horizon(conn, after, self._batch)
+        self._replayed(horizon)
+        return entries
+
     async def _drain(self, conn: asyncpg.Connection) -> None:
         assert self.position is not None
         while True:
             read_from = time.monotonic()
-            entries = await self._reader.read_after(conn, self.position, self._batch)
+            entries = await self._read(conn, self.position)
             self.last_read_at = time.monotonic()
             if not entries:
                 self._unexpected = 0  # a round got through: whatever failed did not repeat
@@ -258,4 +351,6 @@ class Tailer:
             "polls": self.polls_total,
             "reconnects": self.reconnects_total,
             "lastError": self.last_error,
+            "replayWaits": self.replay_waits_total,
+            "replayConflicts": self.replay_conflicts_total,
         }
