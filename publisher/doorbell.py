@@ -7,13 +7,19 @@ with each notification. The notification names the writer's transaction
 (schema migration 7): the tailer then reads its standby, and reads again,
 briefly, until the standby has replayed that transaction (``Tailer``).
 
-What this costs the primary is an idle connection per publisher and, per
+What this costs the primary is a connection per publisher and, per
 committed write, the work of handing one notification to each listening
-connection. No feed table is read on the primary (docs/capacity.md).
+connection: some tens of microseconds. So the doorbell rests (UNLISTEN)
+while the feed flows and the tailer reads on its own anyway (``pacing``),
+and listens again once the feed is quiet. No feed table is read on the
+primary (docs/capacity.md).
 
-While the primary is away (a restart, a failover) the tailer goes on reading
-its standby every ``poll_interval``; the doorbell reconnects with back-off,
-and rings once when it is back, for whatever was committed meanwhile.
+Each time it starts listening (at start-up, after a reconnect, after a rest)
+it rings once naming the newest transaction that began before its LISTEN
+took effect: the tailer then reads until its standby has replayed every such
+transaction, so nothing committed while nobody listened waits for the poll.
+While the primary is away (a restart, a failover) the tailer reads its
+standby every ``poll_interval`` and the doorbell reconnects with back-off.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -66,8 +71,9 @@ class Doorbell:
         self.status = "starting"
         self.last_error: str | None = None
         self.reconnects_total = 0
-        self.since: float | None = None
-        """When the current connection started listening (monotonic)."""
+        self.rests_total = 0
+        self._resting = False
+        self._changed = asyncio.Event()
 
     async def run(self) -> None:
         """LISTEN forever, reconnecting with back-off whenever the primary goes away."""
@@ -93,28 +99,46 @@ class Doorbell:
             attempt=state.attempt_number,
         )
 
+    def rest(self, resting: bool) -> None:
+        """Rest (UNLISTEN) while the tailer reads on its own, or listen again
+        (``Tailer.on_rest``)."""
+        self._resting = resting
+        self._changed.set()
+
     async def _listen(self) -> None:
         conn = await self._connect()
-        lost = asyncio.Event()
+        listening = False
         try:
-            conn.add_termination_listener(lambda _: lost.set())
-            await conn.add_listener(self._channel, self._ring)
+            conn.add_termination_listener(lambda _: self._changed.set())
             if self.status != "starting":
                 log_event(log, "doorbell.reconnected")
-            self.status = "listening"
             self.last_error = None
-            self.since = time.monotonic()
-            self._ring()  # whatever was committed while nobody listened
             while True:
+                self._changed.clear()
+                if conn.is_closed():
+                    raise ConnectionError("the doorbell's connection to the primary closed")
+                if not self._resting and not listening:
+                    await conn.add_listener(self._channel, self._ring)
+                    listening = True
+                    # Every transaction that began before the LISTEN took effect:
+                    # its ring, if it commits later, is heard; if it committed
+                    # before, the tailer waits until the standby has replayed it.
+                    xmax = await conn.fetchval(
+                        "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint"
+                    )
+                    self._ring(None, None, self._channel, str(int(xmax) - 1))
+                elif self._resting and listening:
+                    await conn.remove_listener(self._channel, self._ring)
+                    listening = False
+                    self.rests_total += 1
+                self.status = "listening" if listening else "resting"
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_CHECK_INTERVAL):
-                        await lost.wait()
-                if lost.is_set():
-                    raise ConnectionError("the doorbell's connection to the primary closed")
-                async with asyncio.timeout(_CHECK_TIMEOUT):
-                    await conn.fetchval("SELECT 1")
+                        await self._changed.wait()
+                if not self._changed.is_set():
+                    async with asyncio.timeout(_CHECK_TIMEOUT):
+                        await conn.fetchval("SELECT 1")
         finally:
-            self.since = None
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(2.0):
                     await conn.close()
@@ -125,6 +149,7 @@ class Doorbell:
         """The doorbell's part of the tailer's stats."""
         return {
             "status": self.status,
+            "rests": self.rests_total,
             "reconnects": self.reconnects_total,
             "lastError": self.last_error,
         }

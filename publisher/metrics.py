@@ -96,8 +96,8 @@ _HELP = {
         "Time the tailer waited, between full batches, for the fan-out to reach every listener"
     ),
     "doorbell_up": (
-        "1 while the doorbell of a tailer reading a standby LISTENs on the primary"
-        " (always 1 for a tailer reading the primary)"
+        "1 while the doorbell of a tailer reading a standby is connected to the primary,"
+        " listening or resting while the feed flows (always 1 for a tailer reading the primary)"
     ),
     "replay_waits": (
         "Reads of a standby made again because it had not yet replayed a transaction"

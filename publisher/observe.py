@@ -198,7 +198,7 @@ def metrics_snapshot(observed: Observed) -> MetricsSnapshot:
             "tailer_lag_seconds": tailer.lag_seconds,
             "tailer_up": 1.0 if tailer.status == "running" else 0.0,
             "doorbell_up": 1.0
-            if observed.doorbell is None or observed.doorbell.status == "listening"
+            if observed.doorbell is None or observed.doorbell.status in ("listening", "resting")
             else 0.0,
             "tailer_position": float(tailer.position.id) if tailer.position else 0.0,
             "oldest_open_transaction_seconds": health.oldest_writer_seconds,

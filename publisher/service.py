@@ -116,6 +116,8 @@ class Publisher:
             Doorbell(self._connect_primary, channel, self.tailer.ring) if self.standby else None
         )
         """The LISTEN on the primary that rings a tailer reading a standby."""
+        if self.doorbell is not None:
+            self.tailer.on_rest = self.doorbell.rest
         self.sessions = Sessions(
             config,
             identity=self.identity,

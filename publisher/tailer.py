@@ -9,13 +9,11 @@ exactly where it stopped: nothing lost, nothing repeated. It never claims,
 marks or deletes entries: every publisher instance tails every entry (HA).
 
 On a hot standby (``standby``) it cannot LISTEN: the doorbell rings from a
-connection to the primary (``doorbell``), naming the writer's transaction.
-The standby may not have replayed that transaction yet when the doorbell
-rings, so the tailer reads, and reads again after 1, 2, 4 ... 32 ms, until
-the horizon of what it read has passed every transaction rung (or
-``poll_interval`` has): waiting only as long as replay takes, and only
-while there is news. A read that replay cancelled (SQLSTATE 40001, a
-conflict with recovery) is read again on the same connection.
+connection to the primary (``doorbell``), naming the writer's transaction,
+and the tailer reads until the standby has replayed it; while the feed flows
+the doorbell rests and the tailer reads on its own (``pacing``). A read that
+replay cancelled (SQLSTATE 40001, a conflict with recovery) is read again on
+the same connection.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from changefeed.logs import log_event
 from changefeed.schemas import Position, stamp_of
 
 from .feed import DB_ERRORS, FeedEntry, FeedReader
+from .pacing import StandbyPacing
 
 __all__ = ["Join", "Tailer"]
 
@@ -50,13 +49,6 @@ _UNEXPECTED_RETRIES = 3
 """Failures in a row that are not database errors (a bug, most likely) after which
 the tailer gives up instead of retrying them forever."""
 
-_FIRST_HURRY = 0.001
-_LONGEST_HURRY = 0.032
-"""Seconds between two reads of a standby that has not yet replayed a transaction
-the doorbell named, growing from the first to the longest."""
-_MOST_AWAITED = 4096
-"""Transactions named by the doorbell that a tailer awaits at once, at most: past
-that (a standby far behind) the poll reads what arrives."""
 _FIRST_CONFLICT_PAUSE = 0.01
 _LONGEST_CONFLICT_PAUSE = 1.0
 """Seconds before reading again after a read was cancelled by replay."""
@@ -90,8 +82,7 @@ class Tailer:
         fanned_out: awaited after a full batch, before the next read: returns once
             the fan-out's flush has given every listener its turn of what ``sink`` took.
         standby: ``connect`` opens connections to a hot standby: no LISTEN on them
-            (``ring`` is called from elsewhere), and reads again until the
-            transactions the doorbell names have been replayed.
+            (``ring`` is called from elsewhere), and reads paced by ``pacing``.
     """
 
     def __init__(
@@ -117,11 +108,10 @@ class Tailer:
         self._retry_budget = retry_budget
         self._fanned_out = fanned_out
         self._join = join
-        self._standby = standby
-        self._awaited: dict[int, float] = {}
-        """Transactions the doorbell named that the standby had not replayed at the
-        last read -> until when to read again for them (monotonic)."""
-        self._hurry = _FIRST_HURRY
+        self._pacing = StandbyPacing(poll_interval) if standby else None
+        self.on_rest: Callable[[bool], None] | None = None
+        """Told True when the feed flows and the doorbell may rest, False when it
+        must ring again (``Doorbell.rest``)."""
         self._unexpected = 0
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -140,8 +130,6 @@ class Tailer:
         self.lag_seconds = 0.0
         self.fanout_wait_seconds = 0.0
         """Time spent waiting for the fan-out between full batches (see _drain)."""
-        self.replay_waits_total = 0
-        """Reads made again because the standby had not replayed a rung transaction."""
         self.replay_conflicts_total = 0
         """Reads the standby cancelled for a conflict with replay (read again)."""
 
@@ -149,10 +137,8 @@ class Tailer:
         """Doorbell: read now (called by NOTIFY, or by anyone who knows there is news).
         The last argument is the notification's payload: the writer's transaction."""
         self.doorbells_total += 1
-        if self._standby and args and len(self._awaited) < _MOST_AWAITED:
-            txid = _txid(args[-1])
-            if txid is not None:
-                self._awaited[txid] = time.monotonic() + self._poll_interval
+        if self._pacing is not None:
+            self._pacing.rung(_txid(args[-1]) if args else None, time.monotonic())
         self._wake.set()
 
     async def run(self) -> None:
@@ -216,7 +202,7 @@ class Tailer:
         self.ready.clear()
         conn = await self._connect()
         try:
-            if not self._standby:
+            if self._pacing is None:
                 await conn.add_listener(self._channel, self.ring)
             first = self.position is None
             if self._join is not None:
@@ -263,22 +249,8 @@ class Tailer:
                 conn.terminate()
 
     def _next_read(self) -> float:
-        """Seconds until the next read unless the doorbell rings first: soon while a
-        rung transaction has not been replayed, else ``poll_interval``."""
-        if not self._awaited:
-            self._hurry = _FIRST_HURRY
-            return self._poll_interval
-        self.replay_waits_total += 1
-        pause, self._hurry = self._hurry, min(self._hurry * 2, _LONGEST_HURRY)
-        return pause
-
-    def _replayed(self, horizon: int) -> None:
-        """Forget the rung transactions the standby's horizon has passed (and those
-        awaited long enough: the poll takes over)."""
-        if self._awaited:
-            now = time.monotonic()
-            awaited = self._awaited.items()
-            self._awaited = {t: until for t, until in awaited if t >= horizon and until > now}
+        """Seconds until the next read unless the doorbell rings first."""
+        return self._poll_interval if self._pacing is None else self._pacing.delay()
 
     def _replay_conflict(self, exc: Exception, pause: float) -> None:
         self.replay_conflicts_total += 1
@@ -292,10 +264,14 @@ class Tailer:
         )
 
     async def _read(self, conn: asyncpg.Connection, after: Position) -> list[FeedEntry]:
-        if not self._standby:
+        if self._pacing is None:
             return await self._reader.read_after(conn, after, self._batch)
         entries, horizon = await self._reader.read_after_horizon(conn, after, self._batch)
-        self._replayed(horizon)
+        rest = self._pacing.read(horizon, bool(entries), time.monotonic())
+        if rest is not None:
+            log_event(log, "tailer.doorbell_rests" if rest else "tailer.doorbell_listens")
+            if self.on_rest is not None:
+                self.on_rest(rest)
         return entries
 
     async def _drain(self, conn: asyncpg.Connection) -> None:
@@ -354,3 +330,8 @@ class Tailer:
             "replayWaits": self.replay_waits_total,
             "replayConflicts": self.replay_conflicts_total,
         }
+
+    @property
+    def replay_waits_total(self) -> int:
+        """Reads made again because the standby had not replayed a rung transaction."""
+        return 0 if self._pacing is None else self._pacing.replay_waits

@@ -373,3 +373,39 @@ async def test_a_standby_restart_reaches_no_listener_as_an_error(
         )
         await staying.close()
         await again.close()
+
+
+async def test_the_doorbell_rests_while_the_feed_flows_and_nothing_waits_for_the_poll(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """Writes at a few hundred commits a second: after a second the doorbell stops
+    listening on the primary (each ring costs the primary a wake-up per publisher)
+    and the tailer reads the standby on its own; once the writes stop it listens
+    again. Every change arrives once, in order, all the while, and one written after
+    the rest is delivered by the doorbell, long before the 30 s poll."""
+    async with on_standby(feed_dsn, standby_dsn, poll_interval=30.0) as pub:
+        doorbell = pub.publisher.doorbell
+        assert doorbell is not None
+        ws, _ = await register(pub.ws_url, registration(batch=True))
+        conn = await asyncpg.connect(feed_dsn)
+        written: list[str] = []
+        try:
+            async with asyncio.timeout(30):
+                while doorbell.status != "resting":  # written until it rests (a second or so)
+                    rid = f"w{len(written)}"
+                    async with conn.transaction():
+                        await publish(conn, "vm", ["nic"], rid)
+                    written.append(rid)
+            for _ in range(100):  # and a while longer, while it rests
+                rid = f"w{len(written)}"
+                async with conn.transaction():
+                    await publish(conn, "vm", ["nic"], rid)
+                written.append(rid)
+        finally:
+            await conn.close()
+        assert ids_of(await receive_items(ws, len(written), timeout=30)) == written
+        await wait_until(lambda: doorbell.status == "listening", message="listening again")
+        assert doorbell.rests_total >= 1
+        await publish_each(feed_dsn, ["after"])
+        assert ids_of(await receive_items(ws, 1, timeout=10)) == ["after"]
+        await ws.close()
