@@ -15,12 +15,18 @@ publishers reading the primary; then the same reading the standby, with
 * deliveries/s per publisher and in total, and each publisher's CPU per
   delivery;
 * commit -> listener latency p50 / p99 over every listener;
-* the primary's CPU (every process of the cluster, from /proc, in cores, and
-  above the writer-only baseline) and its feed reads per second (scans of the
-  feed table and its state, pg_stat_user_tables, above the baseline); the
-  CPU of the publishers' own connections to the primary (by application
-  name: the tailer, the doorbell and the pool); the standby's CPU and feed
-  reads.
+* the primary's CPU (its processes, from /proc, in cores, and above the
+  writer-only baseline: the WAL sender, background processes and the
+  publishers' connections; the writer's own backend, the same in every
+  configuration, connects for each run and is not among them) and its feed
+  reads per second (scans of the feed table and its state,
+  pg_stat_user_tables, above the baseline); the CPU of the publishers' own
+  connections to the primary (by application name: the tailer, the doorbell
+  and the pool) and of the WAL sender; the standby's CPU and feed reads.
+
+Beside them, what a doorbell that never rested would cost the primary: bare
+LISTEN connections on the feed's channel, per commit, against the writer
+alone.
 
 Then memory: one publisher process holding ``--idle`` idle listeners, RSS per
 listener, beside a bare ``websockets`` server holding as many idle
@@ -61,7 +67,7 @@ from common import ClientFleet, raise_nofile, rss_bytes, say
 from latency import SCHEMA, WARMUP, fill_history, run_writer
 
 from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
-from changefeed.schemas import apply_schema
+from changefeed.schemas import apply_schema, notify_channel
 
 PUBLISHER_APPS = ("changefeed-tailer", "changefeed-doorbell", "changefeed-pool")
 """Application names of the publishers' connections (the pool's comes with the DSN)."""
@@ -92,8 +98,8 @@ def cpu_time(pid: int) -> float:
 
 
 def cluster_cpu(server: EmbeddedPostgres) -> float:
-    """CPU seconds so far of every process of ``server`` (postmaster, backends,
-    walsender or walreceiver, background workers), from /proc."""
+    """CPU seconds so far of every process of ``server`` running now (postmaster,
+    backends, walsender or walreceiver, background workers), from /proc."""
     pid = int((server.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
     total = 0.0
     for process in (pid, *_children(pid)):
@@ -417,6 +423,31 @@ def show(figures: Figures, base: Figures) -> None:
     )
 
 
+# --------------------------------------------------------------------------- the doorbell's cost
+
+
+async def listen_cost(args: argparse.Namespace, primary: EmbeddedPostgres, listeners: int) -> float:
+    """Primary CPU seconds per commit of each of ``listeners`` bare LISTEN connections
+    on the feed's channel (what a doorbell that never rested would cost), against the
+    writer alone, in the same run."""
+    changes = int(args.rate * args.seconds)
+
+    async def cluster_per_commit(count: int) -> float:
+        conns = [await asyncpg.connect(primary.dsn) for _ in range(count)]
+        try:
+            for conn in conns:
+                await conn.add_listener(notify_channel(SCHEMA), lambda *_: None)
+            before = cluster_cpu(primary)
+            await run_writer(primary.dsn, "publish", args.rate, changes)
+            return (cluster_cpu(primary) - before) / changes
+        finally:
+            for conn in conns:
+                await conn.close()
+
+    alone = await cluster_per_commit(0)
+    return (await cluster_per_commit(listeners) - alone) / listeners
+
+
 # --------------------------------------------------------------------------- idle memory
 
 
@@ -540,6 +571,7 @@ async def main(args: argparse.Namespace) -> None:
                     )
                     runs.setdefault((figures.label, count), []).append(figures)
                     show(figures, base)
+        rings = [await listen_cost(args, primary, 4) for _ in range(args.rounds)]
         memory = await measure_idle(primary.dsn, args.idle) if args.idle else None
     medians = {key: median_of(found) for key, found in runs.items()}
     base = medians["writer alone", 0]
@@ -571,6 +603,16 @@ async def main(args: argparse.Namespace) -> None:
                 f"{backends * 100:+.2f} %; target reading the standby <= 1 %), the standby "
                 f"{standby_slope * 100:+.2f} %"
             )
+    walsender = statistics.median(f.walsender_cpu for key, found in runs.items() for f in found)
+    say(f"  => the WAL sender streaming to the standby: {walsender * 100:.2f} % of a core")
+    ring = statistics.median(rings)
+    say(
+        f"  => a LISTEN connection that never rested would cost the primary "
+        f"{ring * 1e6:.1f} us per commit ({ring * args.rate * 100:.2f} % of a core at "
+        f"{args.rate:g} commits/s) per publisher (runs: "
+        + ", ".join(f"{r * 1e6:.1f}" for r in rings)
+        + " us)"
+    )
     if memory is not None:
         publisher, bare = memory
         say(
