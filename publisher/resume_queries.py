@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 import asyncpg
 
 from changefeed.logs import log_event
-from changefeed.schemas import Cursor, Position
+from changefeed.schemas import Cursor, PgConnection, Position
 
 from .feed import DB_ERRORS, FeedReader, ResumeFacts
 from .registration import plan_resume
@@ -162,8 +162,7 @@ class ResumeQueries:
         async with self._pool().acquire(timeout=self._timeout) as conn:
             if not await wait_replayed(conn, target, wait):
                 return None
-            async with asyncio.timeout(self._timeout):
-                return await self._reader.resume_facts(conn, position)
+            return await self._retried(lambda: self._on(conn, position))
 
     async def _retried(self, ask: Callable[[], Awaitable[ResumeFacts]]) -> ResumeFacts:
         for attempt in range(_CONFLICT_RETRIES + 1):
@@ -178,11 +177,13 @@ class ResumeQueries:
 
     async def _ask(self, pool: asyncpg.Pool, position: Position) -> ResumeFacts:
         async with pool.acquire(timeout=self._timeout) as conn:
-            async with asyncio.timeout(self._timeout):
-                return await self._reader.resume_facts(conn, position)
+            return await self._on(conn, position)
+
+    async def _on(self, conn: PgConnection, position: Position) -> ResumeFacts:
+        async with asyncio.timeout(self._timeout):
+            return await self._reader.resume_facts(conn, position)
 
     async def _ask_primary(self, position: Position) -> ResumeFacts:
         assert self._standby is not None
         async with self._standby.primary() as conn:
-            async with asyncio.timeout(self._timeout):
-                return await self._reader.resume_facts(conn, position)
+            return await self._on(conn, position)

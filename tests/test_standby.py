@@ -36,6 +36,7 @@ from changefeed.publisher import publish
 from changefeed.publisher.feed import FeedEntry, FeedReader, ReplicaBehind
 from changefeed.publisher.tailer import Tailer
 from changefeed.schemas import ORIGIN, Position, apply_schema, notify_channel
+from changefeed.stats_view import render_stats
 
 
 async def publish_each(dsn: str, ids: Sequence[str]) -> None:
@@ -109,6 +110,8 @@ async def test_a_publisher_reading_a_standby_delivers_every_change_once_in_order
         on_primary = await application_names(feed_dsn)
         assert "changefeed-tailer" not in on_primary and "changefeed-doorbell" in on_primary
         assert "changefeed-tailer" in await application_names(standby_dsn)
+        # What `changefeed stats` shows of it.
+        assert "reads read_dsn; doorbell listening" in render_stats(pub.publisher.stats())
         await ws.close()
 
 
