@@ -333,11 +333,13 @@ async def measure(
     label = "writer alone" if not count else "standby" if read_standby else "primary"
     reads_before = await feed_reads(primary.dsn), await feed_reads(standby.dsn)
     async with contextlib.AsyncExitStack() as stack:
-        fleet = await stack.enter_async_context(ClientFleet(nofile=count * args.listeners + 1024))
         pubs = Publishers()
         if count:
             read_dsn = standby.dsn if read_standby else None
             pubs = await stack.enter_async_context(publishers(count, primary.dsn, read_dsn))
+        # Entered after the publishers, so left first: they stop with no listener to drain.
+        fleet = await stack.enter_async_context(ClientFleet(nofile=count * args.listeners + 1024))
+        if count:
             frame = registration()
             for url in pubs.urls:
                 done = await fleet.connect(
@@ -634,8 +636,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--history", type=int, default=100_000, help="older entries in the feed")
     args = parser.parse_args()
     if args.quick:
-        args.publishers, args.listeners, args.rate, args.seconds = "1,2", 5, 200.0, 2.0
-        args.idle, args.history, args.rounds = 500, 1000, 1
+        args.publishers, args.listeners, args.rate, args.seconds = "1,2", 3, 200.0, 1.0
+        args.idle, args.history, args.rounds = 200, 1000, 1
     return args
 
 

@@ -194,9 +194,11 @@ class Publisher:
                 self.config.dsn, min_size=1, max_size=4, timeout=5.0, command_timeout=30.0
             )
         if self.config.read_dsn and self._read_pool is None:
+            # min_size 0: a standby that is down when the publisher starts delays
+            # its reads (the tailer retries), not the embedding API's start-up.
             self._read_pool = await asyncpg.create_pool(
                 self.config.read_dsn,
-                min_size=1,
+                min_size=0,
                 max_size=4,
                 timeout=5.0,
                 command_timeout=30.0,

@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
-from helpers import standby_caught_up, wait_until
+from helpers import free_port, standby_caught_up, wait_until
 from publisher_fixtures import (
     PublisherUnderTest,
     receive_items,
@@ -29,6 +31,7 @@ from publisher_fixtures import (
     registration,
     running_publisher,
 )
+from test_deploy_support import ChangefeedServer, stopping
 from websockets.asyncio.client import ClientConnection
 
 from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
@@ -412,3 +415,36 @@ async def test_the_doorbell_rests_while_the_feed_flows_and_nothing_waits_for_the
         await publish_each(feed_dsn, ["after"])
         assert ids_of(await receive_items(ws, 1, timeout=10)) == ["after"]
         await ws.close()
+
+
+async def test_example_api_read_dsn_from_the_command_line(
+    feed_dsn: str, standby_dsn: str, tmp_path: Path
+) -> None:
+    """``changefeed example-api --dsn PRIMARY --read-dsn STANDBY``: the API writes to the
+    primary, its publisher reads the standby, and a listener gets the API's change."""
+    port = free_port()
+    api = ChangefeedServer(
+        "api", ["example-api", "--dsn", feed_dsn, "--read-dsn", standby_dsn, "--port", str(port)],
+        port, tmp_path,
+    )  # fmt: skip
+    api.start()
+    async with stopping(api):
+        await api.wait_ready()
+        assert (await api.stats())["tailer"]["reads"] == "read_dsn"
+        ws, _ = await register(api.ws_url, registration())
+        async with httpx.AsyncClient(base_url=api.url, timeout=10) as http:
+            created = await http.post("/vms", json={"alias": "via-the-standby", "nics": []})
+            assert created.status_code == 201, created.text
+        (item,) = await receive_items(ws, 1, timeout=10)
+        assert item["changedResourceId"] == created.json()["uuid"]
+        await ws.close()
+    # A --read-dsn that cannot be reached is refused at start-up, naming the option.
+    refused = ChangefeedServer(
+        "refused",
+        ["example-api", "--dsn", feed_dsn, "--read-dsn", "postgresql://postgres@127.0.0.1:9/x"],
+        free_port(), tmp_path,
+    )  # fmt: skip
+    refused.start()
+    async with stopping(refused):
+        assert await refused.wait_exit(30) != 0
+    assert "--read-dsn" in refused.log()
