@@ -118,7 +118,8 @@ class PublisherConfig:
             "With `read_dsn`: how long a registration whose cursor the standby has not "
             "replayed yet (a fresher publisher issued it) is held while the standby catches "
             "up; after that it is answered `unavailable` (4010) with `retryAfter`, never "
-            "`resumed: false`.",
+            "`resumed: false`. Keep it below the listeners' wait for an ack "
+            "(changefeed.listener's `ack_timeout`: 10 s).",
             "seconds",
         ),
     )
