@@ -94,7 +94,7 @@ class Sessions:
         self._fanout = fanout
         self._catchup = catchup
         self._tailer = tailer
-        self.resume_queries = ResumeQueries(reader, pool, _READY_TIMEOUT, standby=standby)
+        self._resume_queries = ResumeQueries(reader, pool, _READY_TIMEOUT, standby=standby)
         self.registry = Registry()
         self.draining = False
         self.direct_writes: bool | None = None
@@ -208,7 +208,7 @@ class Sessions:
         feed_id = self._identity.feed_id
         assert feed_id is not None
         try:
-            resumed, reason = await self.resume_queries.plan(
+            resumed, reason = await self._resume_queries.plan(
                 cursor,
                 feed_id=feed_id,
                 head=self._window.head,

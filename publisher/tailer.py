@@ -269,7 +269,8 @@ class Tailer:
         entries, horizon = await self._reader.read_after_horizon(conn, after, self._batch)
         rest = self._pacing.read(horizon, bool(entries), time.monotonic())
         if rest is not None:
-            log_event(log, "tailer.doorbell_rests" if rest else "tailer.doorbell_listens")
+            event = "tailer.doorbell_rests" if rest else "tailer.doorbell_listens"
+            log_event(log, event, logging.DEBUG)  # counted in stats: doorbell.rests
             if self.on_rest is not None:
                 self.on_rest(rest)
         return entries
