@@ -13,6 +13,7 @@ settings and the roles are run on a real standby in test_deploy_postgres.py.)
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -21,11 +22,14 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from test_deploy_support import DEPLOY, NGINX, Nginx
 
 from changefeed.cli import _parser
+from changefeed.embedded import temporary
 from changefeed.publisher.config import config_from_dict, load_service_config
+from changefeed.schemas import apply_schema
 
 COMPOSE = DEPLOY / "compose"
 SETTING = re.compile(r"^\s*([a-z0-9_.]+)\s*=\s*('(?:[^']*)'|[^#\s]+)\s*(?:#.*)?$")
@@ -179,3 +183,47 @@ def test_the_slow_listener_sysctl_is_one_this_kernel_has() -> None:
     if not proc.exists():
         pytest.skip("no /proc/sys here")
     assert int(proc.read_text()) > 0  # a real, readable setting
+
+
+PSQL = shutil.which("psql") or next(
+    (str(p) for p in sorted(Path("/usr/lib/postgresql").glob("*/bin/psql"))), None
+)
+
+
+@pytest.mark.skipif(PSQL is None, reason="needs psql")
+async def test_compose_db_roles_applies_the_roles_and_the_password(tmp_path: Path) -> None:
+    """db-roles' command, as compose runs it (``$$`` is a ``$``), against a real server
+    with the feed schema: the roles exist, and changefeed_publisher has the password."""
+    assert PSQL is not None
+    service = compose()["services"]["db-roles"]
+    script = service["command"][-1].replace("$$", "$")
+    server = temporary()
+    try:
+        server.start()
+        conn = await asyncpg.connect(server.dsn)
+        try:
+            await apply_schema(conn)
+        finally:
+            await conn.close()
+        script = script.replace("-h primary", f"-h 127.0.0.1 -p {server.port}")
+        script = script.replace("-d app", "-d postgres").replace("psql ", f"{PSQL} ")
+        roles = tmp_path / "roles.sql"
+        roles.write_text((DEPLOY / "postgresql" / "roles.sql").read_text())
+        script = script.replace("/roles.sql", str(roles))
+        env = {**os.environ, "PUBLISHER_PASSWORD": "it's a secret"}
+        shell = await asyncio.create_subprocess_exec(
+            "sh", "-c", script, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(shell.communicate(), 60)
+        assert shell.returncode == 0, err.decode()
+        conn = await asyncpg.connect(server.dsn)
+        try:
+            password = await conn.fetchval(
+                "SELECT rolpassword FROM pg_authid WHERE rolname = 'changefeed_publisher'"
+            )
+        finally:
+            await conn.close()
+        assert password and password.startswith("SCRAM-SHA-256$")
+    finally:
+        server.close()
