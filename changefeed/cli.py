@@ -419,6 +419,35 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
+_COMMAND_EXTRAS = {
+    "demo": "serve",
+    "example-api": "serve",
+    "serve": "serve",
+    "db": "publisher",
+    "compact": "spark",
+}
+"""The extra of the distribution each command needs beyond a plain ``pip install
+changefeed`` (which has what ``listen`` and ``stats`` need)."""
+
+_EXTRA_MODULES = frozenset(
+    {"asyncpg", "starlette", "prometheus_client", "uvicorn", "pyspark", "rich"}
+)
+"""Top-level modules that only an extra installs (pyproject.toml)."""
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> CommandError | None:
+    """The one clear line for a command run without the extra it needs (None: the
+    missing module is no extra's, a real error)."""
+    module = (exc.name or "").partition(".")[0]
+    extra = _COMMAND_EXTRAS.get(command)
+    if extra is None or module not in _EXTRA_MODULES:
+        return None
+    return CommandError(
+        f"needs changefeed[{extra}], which is not installed here (no module {module!r}):"
+        f" pip install 'changefeed[{extra}]'"
+    )
+
+
 _ASYNC_COMMANDS = {
     "db": _db_init,
     "stats": _stats,
@@ -442,6 +471,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"changefeed {args.command}: {exc}", file=sys.stderr)
         return exc.status
+    except ModuleNotFoundError as exc:
+        missing = _missing_extra(args.command, exc)
+        if missing is None:
+            raise
+        print(f"changefeed {args.command}: {missing}", file=sys.stderr)
+        return missing.status
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the last line of defence: one clear line
