@@ -681,7 +681,9 @@ def say(*parts: object) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_publisher(config: Any, **server: Any) -> AsyncIterator[tuple[str, Any]]:
+async def serve_publisher(
+    config: Any, *, fast_path: bool = True, **server: Any
+) -> AsyncIterator[tuple[str, Any]]:
     """Run ``Publisher(config)`` in a Starlette app on uvicorn (the publisher's own
     server settings, ``server`` overriding them) on a free loopback port; yield its
     websocket URL and the publisher. The garbage collector is tuned once the
@@ -694,7 +696,7 @@ async def serve_publisher(config: Any, **server: Any) -> AsyncIterator[tuple[str
 
     publisher = Publisher(config)
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
-    runner = uvicorn.Server(server_config(app, "127.0.0.1", 0, **server))
+    runner = uvicorn.Server(server_config(app, "127.0.0.1", 0, fast_path=fast_path, **server))
     task = asyncio.create_task(runner.serve())
     await until(lambda: runner.started, 30)
     port = runner.servers[0].sockets[0].getsockname()[1]

@@ -144,8 +144,7 @@ async def running_publisher(
         queue_size=queue_size,
         create_schema=False,
     )
-    server = {"ws": "websockets-sansio"} if asgi else {}
-    async with serve_publisher(config, **server) as served:
+    async with serve_publisher(config, fast_path=not asgi) as served:
         yield served
 
 

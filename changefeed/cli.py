@@ -317,19 +317,20 @@ async def _stats(args: argparse.Namespace) -> int:
 
 async def _example_api(args: argparse.Namespace) -> int:
     from changefeed.example.vmapi import create_app
-    from changefeed.http_timeouts import DEFAULT_HEAD_TIMEOUT, head_timeout_protocol
+    from changefeed.publisher.config import ServerConfig
     from changefeed.serving import DrainingServer, server_config
     from changefeed.standalone import check_database
 
-    header_timeout = DEFAULT_HEAD_TIMEOUT if args.header_timeout is None else args.header_timeout
+    header_timeout = args.header_timeout
+    if header_timeout is None:
+        header_timeout = ServerConfig().header_timeout
     if not header_timeout > 0:
         raise CommandError(f"--header-timeout: must be positive, got {header_timeout}", 2)
     dsn = _dsn(args)
     await check_database(dsn, None)
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
     app = create_app(dsn, **overrides)
-    http = head_timeout_protocol(header_timeout)
-    config = server_config(app, args.host, args.port, http=http)
+    config = server_config(app, args.host, args.port, fast_path=True, head_timeout=header_timeout)
     server = DrainingServer(config, [app.state.publisher], owns_process=True)
     print(
         f"example VM API with publisher on http://{args.host}:{args.port} "
