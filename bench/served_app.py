@@ -16,8 +16,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 
+from changefeed.collector import tune_collector
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig
-from changefeed.serving import tune_collector
 
 _settings = json.loads(os.environ.get("CHANGEFEED_BENCH_SETTINGS", "{}"))
 publisher = Publisher(

@@ -299,9 +299,8 @@ async def _exercise_deadlines() -> str | None:
     for http in ("httptools", "h11"):
         with contextlib.suppress(ImportError):
             __import__(http)
-            config = uvicorn.Config(
-                app, http=head_timeout_protocol(_PROBE_DEADLINE, http), lifespan="off", log_config=None
-            )
+            deadline = head_timeout_protocol(_PROBE_DEADLINE, http)
+            config = uvicorn.Config(app, http=deadline, lifespan="off", log_config=None)
             config.load()
             for sent in (
                 b"GET / HTTP/1.1\r\nHost: self-check\r\n",

@@ -16,7 +16,6 @@ after the listening socket stopped accepting, and within a bounded time.
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import socket
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from changefeed import fast_path as guard
+from changefeed.collector import tune_collector
 from changefeed.logs import log_event
 from changefeed.publisher import Publisher
 from changefeed.tcp_liveness import NOTSENT_LOWAT, set_notsent_lowat
@@ -47,27 +47,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_YOUNG_THRESHOLD = 10_000
-
 PLAIN_WS = "websockets-sansio"
 """uvicorn's ``ws`` setting for plain ASGI: its own websockets sans-I/O protocol
 (uvicorn 0.35 and later), the one the fast path extends."""
-
-
-def tune_collector() -> None:
-    """Garbage-collector settings for a long-running server process (CPython).
-
-    Everything alive once the server has started (modules, the app, pools)
-    lives as long as the process: ``gc.freeze`` takes it out of every later
-    collection. Young collections then run after 10,000 new container objects
-    instead of 700: a bootstrap page of thousands of rows (each a record, a
-    dict) otherwise triggers several collections that find nothing to free,
-    and each promotion brings the next full collection closer.
-    """
-    gc.collect()
-    gc.freeze()
-    young, middle, old = gc.get_threshold()
-    gc.set_threshold(max(young, _YOUNG_THRESHOLD), middle, old)
 
 
 def fast_path_unavailable() -> str | None:

@@ -11,9 +11,10 @@ handshake, the HTTP routes, RFD 5's v2 registration and heartbeats) and the
 burst test (100 listeners, each gets every item, none starved).
 
 * ``uvicorn-0.35``: the oldest uvicorn supported, with its defaults;
-* ``uvicorn-newest`` with its defaults, and ``uvicorn-newest-fast`` with the
-  fast path (``--ws changefeed.serving:FanoutWebSocketProtocol``), on the
-  newest uvicorn the fast path claims (changefeed.fast_path.TESTED_UVICORN);
+* ``uvicorn-newest`` with its defaults, on the newest uvicorn there is;
+* ``uvicorn-newest-fast`` with the fast path (``--ws
+  changefeed.serving:FanoutWebSocketProtocol``), on the newest uvicorn the
+  fast path claims (changefeed.fast_path.TESTED_UVICORN);
 * ``hypercorn`` (a FastAPI app) and ``granian``, newest.
 
 What differs between servers is what the ASGI spec leaves to them, and the
@@ -45,6 +46,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from wheel_envs import Served, Venvs, serve, server_command
 
+from changefeed.fast_path import TESTED_UVICORN
 from changefeed.publisher import publish_many
 from changefeed.schemas import Ack, ChangeItem, apply_schema, validate
 
@@ -74,10 +76,14 @@ class Server:
     framework: str = "starlette"
 
 
+_LOW, _HIGH = TESTED_UVICORN
+FAST_UVICORN = f"uvicorn[standard]>={_LOW[0]}.{_LOW[1]},<{_HIGH[0]}.{_HIGH[1]}"
+"""The newest uvicorn the fast path claims (the newest overall may be past it)."""
+
 SERVERS = {
     "uvicorn-0.35": Server("uvicorn-0.35", "publisher", ("uvicorn[standard]==0.35.0",), "uvicorn"),
     "uvicorn-newest": Server("uvicorn-newest", "serve", (), "uvicorn"),
-    "uvicorn-newest-fast": Server("uvicorn-newest", "serve", (), "uvicorn-fast"),
+    "uvicorn-newest-fast": Server("uvicorn-fast", "serve", (FAST_UVICORN,), "uvicorn-fast"),
     "hypercorn": Server("hypercorn", "publisher", ("hypercorn", "fastapi"), "hypercorn", "fastapi"),
     "granian": Server("granian", "publisher", ("granian",), "granian"),
 }

@@ -48,6 +48,17 @@ def test_the_core_dependencies_leave_the_server_side_to_the_extras() -> None:
     assert not [d for d in extras["serve"] + extras["publisher"] if "<" in d]
 
 
+def test_the_tests_run_the_fast_path_on_the_uvicorn_it_claims() -> None:
+    """The development and CI environment (the test extra) holds the newest uvicorn
+    of the fast path's tested range, so that its tests run it there."""
+    from changefeed.fast_path import TESTED_UVICORN
+
+    (low, high) = TESTED_UVICORN
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = [d for d in extras["optional-dependencies"]["test"] if d.startswith("uvicorn")]
+    assert pinned == [f"uvicorn[standard]>={low[0]}.{low[1]},<{high[0]}.{high[1]}"]
+
+
 @pytest.mark.parametrize(
     ("argv", "blocked", "extra"),
     [

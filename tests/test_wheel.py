@@ -16,6 +16,7 @@ extra or without) and what it depends on (tests/wheel_envs.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import tarfile
 import uuid
@@ -198,3 +199,23 @@ async def test_the_readme_listener_runs_from_a_listener_only_install(
                 follower.kill()
                 await follower.wait()
     assert "server-side modules loaded: []" in rest.decode(), "".join(out) + rest.decode()
+
+
+def test_the_fast_path_asked_of_an_untested_uvicorn_is_plain_asgi_and_says_why(
+    wheel_venvs: Venvs, tmp_path: Path
+) -> None:
+    """uvicorn 0.35 (supported, through plain ASGI) is outside the versions the fast
+    path was tested on: asking for it gives uvicorn's own protocol and one warning."""
+    old = wheel_venvs.get("uvicorn-0.35", "publisher", "uvicorn[standard]==0.35.0")
+    code = (
+        "from changefeed.logs import configure_logging\n"
+        "configure_logging('info', json_output=True)\n"
+        "from changefeed.serving import FanoutWebSocketProtocol\n"
+        "print(FanoutWebSocketProtocol.__module__)\n"
+    )
+    done = old.run(["python", "-c", code], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "uvicorn.protocols.websockets.websockets_sansio_impl"
+    [line] = [json.loads(x) for x in done.stderr.splitlines() if '"serving.fast_path"' in x]
+    assert line["level"] == "warning" and line["path"] == "plain ASGI"
+    assert line["why"] == "uvicorn 0.35.0 is outside the tested versions (>=0.54,<0.55)"
