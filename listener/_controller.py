@@ -36,9 +36,7 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from types import TracebackType
-from typing import Any, Self
-
-from prometheus_client import CollectorRegistry
+from typing import TYPE_CHECKING, Any, Self
 
 from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
 from ._checkpoint import CheckpointStore
@@ -58,6 +56,9 @@ from ._lifecycle import ConnectionState
 from ._listener import Listener
 from ._metrics import Sample, register_controller
 from ._reconcile import Reconciling
+
+if TYPE_CHECKING:  # prometheus-client: needed only by whoever passes a registry
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["Controller", "ControllerStats"]
 

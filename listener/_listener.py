@@ -53,11 +53,10 @@ import random
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from prometheus_client import CollectorRegistry
 
 from changefeed.bootstrap import bearer_headers
 from changefeed.logs import log_event
@@ -77,6 +76,9 @@ from ._lifecycle import ConnectionState, Lifecycle
 from ._listener_state import S, log
 from ._metrics import Sample, register_listener
 from ._sink import Sink
+
+if TYPE_CHECKING:  # prometheus-client: needed only by whoever passes a registry
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["Listener"]
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+if TYPE_CHECKING:  # prometheus-client is needed only by whoever passes a registry
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 __all__ = ["MetricSource", "Sample", "register_controller", "register_listener"]
 
@@ -125,7 +125,9 @@ _CONTROLLER: tuple[_Spec, ...] = (
 )
 
 
-class _Collector(Collector):
+class _Collector:
+    """A prometheus_client collector (its ``describe`` and ``collect``)."""
+
     def __init__(self) -> None:
         self._sources: weakref.WeakSet[MetricSource] = weakref.WeakSet()
 
@@ -133,6 +135,8 @@ class _Collector(Collector):
         self._sources.add(source)
 
     def _families(self) -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for specs, label in ((_LISTENER, "listener"), (_CONTROLLER, "controller")):
             for name, kind, doc, *rest in specs:
