@@ -244,13 +244,14 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         """A ping's deadline passed without its pong.
 
         A listener that reads slowly answers a ping only once it has read the
-        frames before it. While it makes progress (its TCP acknowledges more of
-        the stream, or it sends anything), the deadline is
-        extended: a listener that reads is never cut off here, and one that
-        stops is for the publisher's stall timeout (changefeed.tcp_liveness).
-        Otherwise uvicorn fails the connection, and the app hears of it at once
-        and why, not only once the socket has closed (which, for a peer that
-        stopped reading too, is when ``run_asgi`` aborts it)."""
+        frames before it. The deadline is extended until the connection has
+        shown no progress (its TCP acknowledged nothing more, it sent nothing)
+        for ``PingWatch.PATIENCE + 1`` deadlines in a row: a listener that reads
+        is never cut off here, and one that stops is for the publisher's stall
+        timeout (changefeed.tcp_liveness). Then uvicorn fails the connection, and
+        the app hears of it at once and why, not only once the socket has closed
+        (which, for a peer that stopped reading too, is when ``run_asgi`` aborts
+        it)."""
         watch = self._ping_watch
         timeout = self.ping_timeout
         if (
