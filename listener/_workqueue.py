@@ -90,6 +90,10 @@ class WorkQueue(Generic[K]):
         """Every id that still needs processing (queued, requeued or delayed; a snapshot)."""
         return self._dirty | self._due.keys()
 
+    def is_queued(self, key: K) -> bool:
+        """Whether ``key`` still needs processing: queued, requeued, or delayed."""
+        return key in self._dirty or key in self._due
+
     def is_processing(self, key: K) -> bool:
         return key in self._processing
 

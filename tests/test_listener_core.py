@@ -19,15 +19,15 @@ from changefeed.listener import (
     ListenerError,
 )
 from changefeed.listener._backoff import Backoff, BackoffPolicy
-from changefeed.listener._buffer import (
+from changefeed.listener._errors import BadPublisherFrame, LifecycleError
+from changefeed.listener._inbox import (
     BUFFER_KINDS,
     Buffer,
     MemoryBuffer,
+    decode_frame,
     make_buffer,
     register_buffer_kind,
 )
-from changefeed.listener._errors import BadPublisherFrame, LifecycleError
-from changefeed.listener._frames import decode_frame
 from changefeed.listener._lifecycle import (
     MAX_RETRY_AFTER,
     TRANSITIONS,
