@@ -304,10 +304,52 @@ class Listener:
     def buffer(self) -> Buffer:
         return self._inbox.buffer
 
+    # The counters of ``status()`` that the listener also shows as attributes.
+
     @property
     def attempts(self) -> int:
         """Connection attempts since start."""
         return self._connection.attempts
+
+    @property
+    def registrations(self) -> int:
+        """Acks received."""
+        return self._connection.registrations
+
+    @property
+    def resumes(self) -> int:
+        """Registrations that sent ``since`` and were answered ``resumed: true``."""
+        return self._connection.resumes
+
+    @property
+    def bootstraps(self) -> int:
+        """Bootstrap walks completed."""
+        return self._connection.bootstraps
+
+    @property
+    def aborts(self) -> int:
+        """Connections that ended."""
+        return self._connection.aborts
+
+    @property
+    def overflows(self) -> int:
+        """Times the buffer overflowed."""
+        return self._inbox.overflows
+
+    @property
+    def items_received(self) -> int:
+        """Change items decoded from the socket."""
+        return self._inbox.received
+
+    @property
+    def frames_received(self) -> int:
+        """Websocket frames received."""
+        return self._connection.frames
+
+    @property
+    def last_error(self) -> str | None:
+        """The last failure, as text."""
+        return self._connection.last_error
 
     @property
     def items_delivered(self) -> int:
