@@ -3,6 +3,7 @@
     python bench/keepalive.py [--dsn DSN] [--quick] [--rounds 3] [--listeners 20]
                               [--backlog 10000] [--pause 5] [--read-seconds 15]
                               [--rates 500,100] [--pong-wait 60]
+                              [--servers direct,asgi,asgi-host-default,raw-websockets]
 
 A websocket pong is written behind every byte sent before it, so a listener
 catching up on a backlog gets the answer to its ping only once it has read
@@ -49,6 +50,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import math
 import multiprocessing
 import socket
 import statistics
@@ -212,7 +214,10 @@ async def _clients(
                 continue  # a ping written while nothing was ahead of it
             own = ping["own"] / speed
             server = max(0.0, ping["ahead"] - ping["own"])
-            pings.append((ping["latency"], own, server / speed, server, ping.get("censored", 0)))
+            censored = ping.get("censored", 0.0)
+            # A pong that never came: its wait is a lower bound, and what was ahead unknown.
+            added = math.nan if censored else server / speed
+            pings.append((ping["latency"], own, added, math.nan if censored else server, censored))
         listener.sock.close()
     conn.send(pings)
 
@@ -349,7 +354,9 @@ async def measure(args: argparse.Namespace, dsn: str, server: str, rate: float) 
 
 def summary(pings: list[Any]) -> dict[str, float]:
     columns = list(zip(*pings, strict=True)) if pings else [[], [], [], [], []]
-    latency, own, added, held, censored = (sorted(c) for c in columns)
+    latency, own, added, held, censored = (
+        sorted(x for x in column if not math.isnan(x)) for column in columns
+    )
     return {
         "censored": float(sum(censored)),
         "p50": percentile(latency, 0.5),
@@ -366,9 +373,10 @@ async def main(args: argparse.Namespace) -> None:
     rates = [float(r) for r in args.rates.split(",")]
     with database(args.dsn) as dsn:
         found: dict[tuple[str, float], list[dict[str, float]]] = {}
+        servers = [s for s in SERVERS if s in args.servers.split(",")]
         for round_ in range(args.rounds):
             for rate in rates:
-                for server in SERVERS:
+                for server in servers:
                     result = summary(await measure(args, dsn, server, rate))
                     found.setdefault((server, rate), []).append(result)
                     say(
@@ -387,8 +395,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{'added p50':>10} {'added p99':>10} {'held p50':>9} {'vs raw':>7}"
         )
         for rate in rates:
-            raw = _median(found[("raw-websockets", rate)], "p50")
-            for server in SERVERS:
+            raw = _median(found.get(("raw-websockets", rate), [{"p50": math.nan}]), "p50")
+            for server in servers:
                 runs = found[(server, rate)]
                 p50 = _median(runs, "p50")
                 missing = sum(run["censored"] for run in runs)
@@ -418,6 +426,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--pong-wait", type=float, default=60.0, help="seconds to wait for late pongs"
     )
+    parser.add_argument("--servers", default=",".join(SERVERS), help="which servers to run")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.listeners, args.backlog = 1, 5, 3_000

@@ -52,10 +52,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _YOUNG_THRESHOLD = 10_000
-_WRITE_BUFFER_HIGH = 16 * 1024
+_WRITE_BUFFER_HIGH = 4 * 1024
 """Bytes a listener's transport buffers above the kernel before the publisher's
 writes to it wait: with ``TCP_NOTSENT_LOWAT`` below it, what sits ahead of a
-ping or a pong stays small (changefeed.tcp_liveness)."""
+ping or a pong stays small (changefeed.tcp_liveness). It is checked after a
+write: one turn of frames may go past it."""
 _ABORT_MARGIN = 1.0
 """Seconds past uvicorn's close handshake timeout before a connection whose app
 is done is dropped (see FanoutWebSocketProtocol.run_asgi)."""
