@@ -41,7 +41,7 @@ from changefeed.bootstrap import PagerProgress
 from changefeed.logs import log_event
 from changefeed.schemas import RESUME_REASONS, Ack, ChangeKind, Registration
 
-from ._backoff import Backoff
+from ._backoff import RegistrationBackoff
 from ._config import ListenerConfig
 from ._errors import (
     BufferOverflow,
@@ -52,7 +52,7 @@ from ._errors import (
 )
 from ._events import BootstrapProgress, Resynced
 from ._inbox import Inbox
-from ._lifecycle import ConnectionState, Disposition, Lifecycle, disposition, retry_floor
+from ._lifecycle import ConnectionState, Disposition, Lifecycle, disposition
 from ._log import log
 from ._session import Session
 
@@ -89,7 +89,7 @@ class ConnectionLoop:
         change_kinds: tuple[ChangeKind, ...],
         config: ListenerConfig,
         token: str | None,
-        backoff: Backoff,
+        backoff: RegistrationBackoff,
         name: str,
         on_resumed: Callable[[], None],
     ) -> None:
@@ -229,7 +229,7 @@ class ConnectionLoop:
             self._inbox.cursor.forget()
         backoff = self.backoff
         was_reset = backoff.resets
-        delay = backoff.failure(self._clock(), retry_floor(retry_after))
+        delay = backoff.failure(self._clock(), retry_after)
         limit = self._config.max_attempts
         if limit is not None and backoff.failures >= limit:
             raise RetriesExhausted(backoff.failures, self.last_error)

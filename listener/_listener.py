@@ -61,7 +61,7 @@ from changefeed.logs import log_event
 from changefeed.schemas import ChangeKind, Registration
 
 from ._attachments import Attached, Attachments, ControllerLink, Stopped
-from ._backoff import Backoff
+from ._backoff import RegistrationBackoff
 from ._checkpoint import CheckpointStore
 from ._checkpointer import Checkpointer
 from ._checks import check_change_kinds, check_registration
@@ -251,7 +251,7 @@ class Listener:
             change_kinds=self.change_kinds,
             config=self.config,
             token=token,
-            backoff=Backoff(self.config.backoff, rng),
+            backoff=RegistrationBackoff(self.config.backoff, rng),
             name=self.name,
             on_resumed=self._resumed,
         )

@@ -236,7 +236,7 @@ class Reconciler(Generic[T]):
     def _failed(self, record: IdState) -> float:
         """One more failure of an id: the delay before it is tried again."""
         record.failures += 1
-        return self._retry.delay(record.failures, self._rng)[0]
+        return self._retry.delay(record.failures, self._rng)
 
     def wake(self) -> None:
         """Whoever waits for room looks again (the listener stopped)."""
