@@ -70,7 +70,7 @@ from ._checkpoint import (
     MirrorCheckpoint,
 )
 from ._config import ListenerConfig
-from ._controller import Controller, ControllerStats
+from ._controller import Controller
 from ._errors import (
     CheckpointError,
     CheckpointRefused,
@@ -79,7 +79,7 @@ from ._errors import (
     RegistrationRefused,
     RetriesExhausted,
 )
-from ._events import BootstrapProgress, Event, ListenerStatus, Resynced
+from ._events import BootstrapProgress, ControllerStats, Event, ListenerStatus, Resynced
 from ._handlers import (
     AddHandler,
     DeleteHandler,

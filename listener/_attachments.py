@@ -8,8 +8,9 @@ others run on is *parked* when there are checkpoints: it stays attached and
 takes its resource's events into its mirror, so that later checkpoints stay
 consistent for it.
 
-* ``Attached`` is what the listener needs of an attached controller: the
-  dispatch's ``Sink``, the checkpoint's ``MirrorSource``, and being told the
+* ``Attached`` is what the listener needs of an attached controller: its
+  ``Sink``, which the dispatch hands its resource's events (the controller's
+  core itself), the checkpoint's ``MirrorSource``, and being told the
   listener resumed or stopped.
 * ``ControllerLink`` is what a controller may ask of its listener, handed to
   it by ``Listener._attach``: its one way in.
@@ -34,8 +35,12 @@ from ._inbox import Sink
 __all__ = ["Attached", "Attachments", "ControllerLink", "Stopped"]
 
 
-class Attached(Sink, MirrorSource, Protocol):
+class Attached(MirrorSource, Protocol):
     """An attached controller, as its listener sees it."""
+
+    @property
+    def sink(self) -> Sink:
+        """What the dispatch hands its resource's events."""
 
     def stopped(self, error: BaseException | None) -> None:
         """The listener stopped: closed (None), or for good with ``error``."""
@@ -89,8 +94,9 @@ class Attachments:
 
     def __init__(self) -> None:
         self.by_resource: dict[str, list[Attached]] = {}
-        """The consumers of each resource's events, in the order they attached (the
-        dispatch reads it)."""
+        """The controllers attached to each resource, in the order they attached."""
+        self.consumers: dict[str, list[Sink]] = {}
+        """Their sinks, by resource: what the dispatch reads (kept in step)."""
         self.running: set[Attached] = set()
         self.parked: set[Attached] = set()
 
@@ -103,6 +109,14 @@ class Attachments:
 
     def attach(self, resource: str, sink: Attached) -> None:
         self.by_resource[resource] = [*self.by_resource.get(resource, ()), sink]
+        self._sync()
+
+    def _sync(self) -> None:
+        # In place: the dispatch holds the dict.
+        for resource, attached in self.by_resource.items():
+            self.consumers[resource] = [a.sink for a in attached]
+        for resource in self.consumers.keys() - self.by_resource.keys():
+            del self.consumers[resource]
 
     def detach(self, sink: Attached) -> None:
         for resource, sinks in list(self.by_resource.items()):
@@ -112,6 +126,7 @@ class Attachments:
                     self.by_resource[resource] = rest
                 else:
                     del self.by_resource[resource]
+        self._sync()
 
     def waited_for(self) -> list[Attached]:
         """Attached controllers the listener waits for: not running, not parked."""
@@ -136,8 +151,9 @@ class Attachments:
         if was_running and self.running and started and checkpoints:
             self.parked.add(sink)
             return Stopped.PARKED
-        for resource, sinks in self.by_resource.items():  # in place: the dispatch reads it
+        for resource, sinks in self.by_resource.items():
             self.by_resource[resource] = [s for s in sinks if s is not sink]
+        self._sync()
         if was_running:
             return Stopped.CLOSE if not self.running and started else Stopped.NOTHING
         if self.running and not started:

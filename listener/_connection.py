@@ -122,7 +122,6 @@ class ConnectionLoop:
         self.resumes = 0
         self.bootstraps = 0
         self.aborts = 0
-        self.frames = 0
         self.last_error: str | None = None
 
     @property
@@ -184,6 +183,7 @@ class ConnectionLoop:
         )
         return Session(
             self,
+            self._inbox,
             url=self._url,
             api_url=self._api_url,
             registration=registration.encode(),
@@ -315,7 +315,3 @@ class ConnectionLoop:
         self._inbox.live()
         if self._resumed_now:
             self._on_resumed()
-
-    async def received(self, frame: str | bytes) -> None:
-        self.frames += 1
-        await self._inbox.receive(frame)

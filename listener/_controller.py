@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any, Generic, Self
 
@@ -45,7 +44,7 @@ from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy
 from ._checkpoint import CheckpointStore, MirrorCheckpoint
 from ._checks import check_count, check_seconds
 from ._errors import ListenerConfigError, ListenerError
-from ._events import Resynced
+from ._events import ControllerStats, Resynced
 from ._handlers import (
     AddHandler,
     DeleteHandler,
@@ -56,57 +55,11 @@ from ._handlers import (
 )
 from ._lifecycle import ConnectionState
 from ._listener import Listener
-from ._metrics import Sample, register_controller
-from ._reconcile import Reconciler, T
+from ._metrics import Sample, register_controller, samples_of
+from ._reconcile import Intake, Reconciler, T
 from ._workqueue import WorkQueue
 
 __all__ = ["Controller", "ControllerStats"]
-
-
-@dataclass(frozen=True, slots=True)
-class ControllerStats:
-    """A snapshot of a controller (``controller.stats()``); also its metrics.
-
-    Attributes:
-        depth: ids ready to be processed.
-        pending: ids queued, requeued behind a running worker, or waiting out a retry.
-        processing: ids held by workers.
-        adds: ids added to the work queue.
-        coalesced: adds of an id that was already queued.
-        retries: rate-limited re-adds after a failed fetch or callback.
-        items: change items taken from the listener.
-        fetches: resources fetched.
-        fetch_requests: fetch calls (one per batch).
-        fetch_errors: fetch calls that failed.
-        decode_errors: resources ``decode`` refused (retried like a failed fetch).
-        reconciles: callbacks completed.
-        reconcile_errors: callbacks that raised.
-        resyncs: bootstraps applied to the mirror.
-        periodic_resyncs: passes of ``resync_period`` over the mirror.
-        mirror_items: resources in the mirror.
-        synced: the first bootstrap has been applied and each id it queued processed once.
-    """
-
-    depth: int
-    pending: int
-    processing: int
-    adds: int
-    coalesced: int
-    retries: int
-    items: int
-    fetches: int
-    fetch_requests: int
-    fetch_errors: int
-    decode_errors: int
-    reconciles: int
-    reconcile_errors: int
-    resyncs: int
-    periodic_resyncs: int
-    mirror_items: int
-    synced: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _listener_resource(listener: Listener, resource: str | None) -> str:
@@ -339,25 +292,7 @@ class Controller(Generic[T]):
 
     def metric_samples(self) -> list[Sample]:
         """This controller's values for the work-queue and controller metrics."""
-        st = self.stats()
-        w, c = "changefeed_workqueue_", "changefeed_controller_"
-        return [
-            Sample(w + "depth", st.depth),
-            Sample(w + "pending", st.pending),
-            Sample(w + "processing", st.processing),
-            Sample(w + "adds", st.adds),
-            Sample(w + "coalesced", st.coalesced),
-            Sample(w + "retries", st.retries),
-            Sample(c + "fetches", st.fetches),
-            Sample(c + "fetch_requests", st.fetch_requests),
-            Sample(c + "fetch_errors", st.fetch_errors),
-            Sample(c + "decode_errors", st.decode_errors),
-            Sample(c + "reconciles", st.reconciles),
-            Sample(c + "reconcile_errors", st.reconcile_errors),
-            Sample(c + "resyncs", st.resyncs),
-            Sample(c + "periodic_resyncs", st.periodic_resyncs),
-            Sample(c + "mirror_items", st.mirror_items),
-        ]
+        return samples_of("changefeed_", self.stats())
 
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Wait until the first bootstrap is in the mirror and the callbacks it called
@@ -430,8 +365,6 @@ class Controller(Generic[T]):
                 # checkpoint must see its mirror with the cursor it has reached.
                 self._link.stopping()
             self._ended.set()
-            if self._sink is not None:
-                self._sink.end()
             core.stop()  # a dispatch task waiting for this controller's room goes on
             for helper in helpers:
                 helper.cancel()
@@ -445,12 +378,12 @@ class Controller(Generic[T]):
         async for event in source:
             if isinstance(event, Resynced):
                 if resource is None or event.resource in ("", resource):
-                    core.resynced(event)
+                    core.resync(event)
             elif isinstance(event, ChangeItem):
                 if resource is not None and event.change_kind.resource != resource:
                     continue
-                while core.room() <= 0:
-                    await core.wait_room()
+                while core.room_left() <= 0:
+                    await core.wait_room_left()
                 core.take((event,))
 
     async def _resync_every(self, period: float) -> None:
@@ -461,11 +394,11 @@ class Controller(Generic[T]):
 
     async def _fetch_from_listener(self, ids: Sequence[str]) -> Mapping[str, Any]:
         """The default fetch: the listener's bootstrap client on the resource's route."""
-        link, sink = self._link, self._sink
-        assert link is not None and sink is not None and self.resource is not None
+        link = self._link
+        assert link is not None and self.resource is not None
         # The latest ack's route: a resumed reconnect may name another than the
         # last bootstrap's, and the old one may answer 404, which reads as a delete.
-        route = link.routes().get(self.resource) or sink.route
+        route = link.routes().get(self.resource) or self._core.route
         if route is None:
             # Ids loaded from a checkpoint as pending are fetched from the route
             # the first ack names.
@@ -562,24 +495,18 @@ class Controller(Generic[T]):
 
 
 class ListenerSink(Generic[T]):
-    """The controller's side of a shared listener (``_attachments.Attached``): what the
-    listener's dispatch task hands it, and what its checkpoints read and load. A
-    separate object, so that these calls are not part of the controller's public face.
-
-    A controller that stopped while its listener goes on (its checkpoints cover the
-    others) is *parked*: it takes bootstraps into its mirror and marks changed ids
-    pending, without a worker or a callback, so that a checkpoint taken later is
-    still consistent for it, and a restart resumes it too. It must never hold the
-    listener up for anything but room in the work queue, nor once it stopped.
+    """The controller's side of a shared listener (``_attachments.Attached``): how the
+    listener stops it, tells it of a resume, and reads and loads its mirror in
+    checkpoints. A separate object, so that these calls are not part of the
+    controller's public face. The dispatch hands events to the controller's core
+    itself (``sink``), as far as its work queue has room; a controller that
+    stopped while the listener goes on is parked there (``_reconcile.Intake``).
     """
 
     def __init__(self, core: Reconciler[T], *, can_checkpoint: bool) -> None:
         self._core = core
         self._can_checkpoint = can_checkpoint
         self._stopped: asyncio.Future[None] | None = None
-        self._ended = False
-        self.route: str | None = None
-        """The route of the last bootstrap (fetches use the latest ack's first)."""
 
     @property
     def name(self) -> str:
@@ -589,45 +516,16 @@ class ListenerSink(Generic[T]):
     def resource(self) -> str:
         return self._core.resource
 
+    @property
+    def sink(self) -> Reconciler[T]:
+        return self._core
+
     def running(self) -> asyncio.Future[None]:
-        """A future that ends the way the listener stops (``Controller.run`` awaits it)."""
+        """The controller runs: a future that ends the way the listener stops
+        (``Controller.run`` awaits it)."""
         self._stopped = asyncio.get_running_loop().create_future()
+        self._core.intake = Intake.OPEN
         return self._stopped
-
-    def end(self) -> None:
-        """The controller stopped: it takes no more work (see ``_parked``)."""
-        self._ended = True
-
-    def _gone(self) -> bool:
-        return self._stopped is None or self._stopped.done() or self._ended
-
-    def _parked(self) -> bool:
-        """It ran and stopped, and its listener still hands it events (for checkpoints)."""
-        return self._stopped is not None and self._ended
-
-    def room(self) -> int:
-        if self._gone():
-            return 1 << 30  # a stopped controller never holds the others up
-        return self._core.room()
-
-    async def wait_room(self) -> None:
-        await self._core.wait_room(self._gone)
-
-    def resynced(self, event: Resynced) -> None:
-        self.route = event.route
-        # A parked controller still takes its bootstraps into its mirror (no
-        # callbacks: its workers are gone), so that the listener's checkpoints stay
-        # consistent for it; see ``changed``.
-        if not self._gone() or self._parked():
-            self._core.resynced(event)
-
-    def changed(self, items: Sequence[ChangeItem]) -> None:
-        if not self._gone():
-            self._core.take(items)
-        elif self._parked():
-            # Only marked pending: a checkpoint then saves these ids as pending, and
-            # a restart fetches and calls them back, as if the controller had run on.
-            self._core.mark(items)
 
     def stopped(self, error: BaseException | None) -> None:
         stopped = self._stopped
@@ -637,10 +535,10 @@ class ListenerSink(Generic[T]):
             stopped.set_result(None)
         else:
             stopped.set_exception(error)
-        self._core.wake()
+        self._core.close_intake()
 
     def resumed(self, replay: float) -> None:
-        if not self._gone():
+        if self._core.intake is Intake.OPEN:
             self._core.resumed(replay)
 
     def checkpoint_problem(self) -> str | None:

@@ -343,6 +343,8 @@ class Inbox:
         self._high = False
         self.peak = 0
         """The most items held at once."""
+        self.frames = 0
+        """Frames received (error and bad frames too)."""
         self.received = 0
         """Change items decoded from frames."""
         self.overflows = 0
@@ -369,6 +371,7 @@ class Inbox:
                 of a resource this connection did not register.
             BufferOverflow: its items do not fit.
         """
+        self.frames += 1
         items = decode_frame(frame)
         if isinstance(items, ErrorFrame):
             raise publisher_error(items, "publisher error")

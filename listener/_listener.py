@@ -72,7 +72,7 @@ from ._events import Event, ListenerStatus
 from ._inbox import Buffer, Cursor, Inbox, make_buffer
 from ._lifecycle import ConnectionState
 from ._log import log
-from ._metrics import Sample, register_listener
+from ._metrics import Sample, register_listener, samples_of
 
 __all__ = ["Listener"]
 
@@ -344,7 +344,7 @@ class Listener:
     @property
     def frames_received(self) -> int:
         """Websocket frames received."""
-        return self._connection.frames
+        return self._inbox.frames
 
     @property
     def last_error(self) -> str | None:
@@ -382,7 +382,7 @@ class Listener:
             cursor=self._cursor.resume,
             items_received=inbox.received,
             items_delivered=inbox.delivered,
-            frames_received=connection.frames,
+            frames_received=inbox.frames,
             live_for=0.0 if live_since is None else time.monotonic() - live_since,
             route=self.route,
             resources=self.resources,
@@ -395,51 +395,7 @@ class Listener:
 
     def metric_samples(self) -> list[Sample]:
         """This listener's values for the ``changefeed_listener_*`` metrics."""
-        st = self.status()
-        p = "changefeed_listener_"
-        samples = [
-            Sample(p + "state", 1.0 if st.state is state else 0.0, (("state", state.value),))
-            for state in ConnectionState
-        ]
-        samples += [
-            Sample(p + "connection_attempts", st.attempts),
-            Sample(p + "registrations", st.registrations),
-            Sample(p + "resumes", st.resumes),
-            Sample(p + "bootstraps", st.bootstraps),
-            Sample(p + "aborts", st.aborts),
-            Sample(p + "overflows", st.overflows),
-            Sample(p + "buffer_items", st.buffer_size),
-            Sample(p + "buffer_capacity", st.buffer_capacity),
-            Sample(p + "backoff_seconds", st.backoff_delay),
-            Sample(p + "backoff_failures", st.failures),
-            Sample(p + "items_received", st.items_received),
-            Sample(p + "items_delivered", st.items_delivered),
-        ]
-        samples += [
-            Sample(p + "not_resumed", count, (("reason", reason),))
-            for reason, count in sorted(st.not_resumed.items())
-        ]
-        checkpoint = st.checkpoint
-        if checkpoint is not None:
-            saved_at = checkpoint.last_saved_at
-            samples += [
-                Sample(p + "checkpoint_saves", checkpoint.saves),
-                Sample(p + "checkpoint_save_failures", checkpoint.save_failures),
-                Sample(p + "checkpoint_failing_saves", checkpoint.consecutive_failures),
-                Sample(p + "checkpoint_save_seconds", checkpoint.last_save_seconds),
-                Sample(
-                    p + "checkpoint_age_seconds",
-                    0.0 if saved_at is None else max(0.0, time.time() - saved_at),
-                ),
-            ]
-        for progress in st.bootstrap:
-            labels = (("resource", progress.resource),)
-            samples += [
-                Sample(p + "bootstrap_items", progress.items, labels),
-                Sample(p + "bootstrap_pages", progress.pages, labels),
-                Sample(p + "bootstrap_items_per_second", progress.rate, labels),
-            ]
-        return samples
+        return samples_of("changefeed_listener_", self.status())
 
     def start(self) -> None:
         """Start the connection lifecycle in a background task (idempotent)."""
@@ -554,7 +510,7 @@ class Listener:
         """Hand every attached controller its resource's events until the listener stops."""
         ending: BaseException | None = None
         try:
-            await self._inbox.dispatch(self._attachments.by_resource)
+            await self._inbox.dispatch(self._attachments.consumers)
         except Exception as exc:
             if exc is not self._fatal:  # a bug here: stop loudly rather than hang the controllers
                 log_event(

@@ -44,6 +44,7 @@ arrived while its id was being fetched, or let a stale fetch be the last word.
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 import logging
 import math
@@ -65,7 +66,7 @@ from ._handlers import AddHandler, DeleteHandler, Fetcher, ReconcileHandler, Upd
 from ._mirror import Mirror
 from ._workqueue import WorkQueue
 
-__all__ = ["IdState", "Reconciler", "T", "log"]
+__all__ = ["IdState", "Intake", "Reconciler", "T", "log"]
 
 # The controller's logger: its events keep one logger name, whichever part logs them.
 log = logging.getLogger("changefeed.listener.controller")
@@ -126,6 +127,21 @@ class IdState:
     def idle(self) -> bool:
         """Nothing to remember: the record can go."""
         return not (self.pending or self.resync or self.failures or self.awaited or self.skip)
+
+
+class Intake(enum.Enum):
+    """Whether a controller on a shared listener takes the events its dispatch hands it."""
+
+    WAITING = "waiting"
+    """It has not run yet: the dispatch does not wait for it."""
+    OPEN = "open"
+    """It runs: it takes events as far as its work queue has room."""
+    CLOSED = "closed"
+    """The listener stopped it."""
+    PARKED = "parked"
+    """It ran and stopped, and its listener goes on for the others: it takes
+    bootstraps into its mirror and marks changed ids pending (no workers, no
+    callbacks), so that the listener's later checkpoints stay consistent for it."""
 
 
 class _Batch:
@@ -208,6 +224,10 @@ class Reconciler(Generic[T]):
         checkpoint (None: no checkpoint is kept)."""
         self._room = asyncio.Event()
         self._stopped = False
+        self.intake = Intake.WAITING
+        self.route: str | None = None
+        """The route of the last bootstrap (a default fetch asks the latest ack's first)."""
+        """On a shared listener: whether it takes what the dispatch hands it."""
         self.synced = asyncio.Event()
         self._resynced_once = False
         self._awaiting = 0
@@ -238,32 +258,56 @@ class Reconciler(Generic[T]):
         record.failures += 1
         return self._retry.delay(record.failures, self._rng)
 
-    def wake(self) -> None:
-        """Whoever waits for room looks again (the listener stopped)."""
+    def close_intake(self) -> None:
+        """The listener stopped: it takes nothing more, and the dispatch does not wait."""
+        if self.intake is Intake.OPEN:
+            self.intake = Intake.CLOSED
         self._room.set()
 
     def stop(self) -> None:
-        """The controller stopped: no worker takes anything more, nobody waits for room."""
+        """The controller stopped: no worker takes anything more, nobody waits for room;
+        on a shared listener it ran on, it is parked."""
         self._stopped = True
+        if self.intake in (Intake.OPEN, Intake.CLOSED):
+            self.intake = Intake.PARKED
         self._room.set()
         self.queue.shut_down()
 
     # -- in -----------------------------------------------------------------------------
 
-    def room(self) -> int:
-        """How many more change items it takes now."""
+    def room_left(self) -> int:
+        """How many more change items it takes before its work queue is full."""
         return self._max_pending - self.queue.pending
 
-    async def wait_room(self, gone: Callable[[], bool] | None = None) -> None:
-        """Return once there is room, it stopped, or ``gone()`` says so."""
-        while self.room() <= 0 and not self._stopped:
-            if gone is not None and gone():
-                return
+    async def wait_room_left(self) -> None:
+        """Return once there is room, or it stopped."""
+        while self.room_left() <= 0 and not self._stopped:
             self._room.clear()
             await self._room.wait()
 
+    # The dispatch of a shared listener (``_inbox.Sink``): a controller that does not
+    # take events (not running yet, stopped) never holds the others up.
+
+    def room(self) -> int:
+        return self.room_left() if self.intake is Intake.OPEN else 1 << 30
+
+    async def wait_room(self) -> None:
+        while self.intake is Intake.OPEN and self.room_left() <= 0 and not self._stopped:
+            self._room.clear()
+            await self._room.wait()
+
+    def changed(self, items: Sequence[ChangeItem]) -> None:
+        if self.intake is Intake.OPEN:
+            self.take(items)
+        elif self.intake is Intake.PARKED:
+            self.mark(items)
+
+    def resynced(self, event: Resynced) -> None:
+        if self.intake in (Intake.OPEN, Intake.PARKED):
+            self.resync(event)
+
     def take(self, items: Sequence[ChangeItem]) -> None:
-        """Change items (never more than ``room()``): their ids need a fetch."""
+        """Change items (never more than ``room_left()``): their ids need a fetch."""
         self.items += len(items)
         ids = [item.changed_resource_id for item in items]
         records = self._ids
@@ -280,13 +324,15 @@ class Reconciler(Generic[T]):
         self.queue.add_many(ids)
 
     def mark(self, items: Sequence[ChangeItem]) -> None:
-        """Change items for a stopped (parked) controller: only marked pending, so that
-        a checkpoint saves their ids as pending, and a restart fetches them."""
+        """Change items for a parked controller: only marked pending, so that a
+        checkpoint saves their ids as pending, and a restart fetches them as if the
+        controller had run on."""
         for item in items:
             self._record(item.changed_resource_id).fetch = True
 
-    def resynced(self, event: Resynced) -> None:
+    def resync(self, event: Resynced) -> None:
         """A bootstrap: the fresh list replaces the mirror; what changed is queued."""
+        self.route = event.route
         fresh: dict[str, T] = {}
         refetch: list[str] = []
         for obj in event.items:

@@ -5,8 +5,8 @@ The websockets / httpx adapter of the listener. The connection loop
 only ends by raising ``SessionError``, and classifying that, clearing and
 backing off stay with the loop. A session owns nothing that outlives its
 connection: what it learns goes to its ``SessionHost`` (the connection loop),
-and each frame it reads goes, undecoded, to the host, which puts it into the
-inbox (``_inbox``: decoding, the buffer, the hand-out).
+and each frame it reads goes, undecoded, to the inbox (``_inbox``: decoding,
+the buffer, the hand-out).
 
 A registration of several change kinds (v2) is answered with one bootstrap
 route per kind; when the publisher does not resume, every route is walked at
@@ -45,6 +45,18 @@ from ._log import log
 __all__ = ["Session", "SessionHost", "bootstrap_routes"]
 
 
+class Frames(Protocol):
+    """Where a session's frames go: the listener's inbox (``_inbox.Inbox``)."""
+
+    async def receive(self, frame: str | bytes) -> None:
+        """A frame arrived, undecoded (error and bad frames too).
+
+        Raises:
+            SessionError: it ends the session (an error frame, a bad frame, an
+                overflow of the buffer).
+        """
+
+
 class SessionHost(Protocol):
     """What a session reports to its listener, in the order it happens."""
 
@@ -68,14 +80,6 @@ class SessionHost(Protocol):
 
     def live(self) -> None:
         """Resumed or bootstrapped: items now flow to the application."""
-
-    async def received(self, frame: str | bytes) -> None:
-        """A frame arrived, undecoded (error and bad frames too).
-
-        Raises:
-            SessionError: it ends the session (an error frame, a bad frame, an
-                overflow of the buffer).
-        """
 
 
 def bootstrap_routes(
@@ -128,7 +132,8 @@ class Session:
     """One connection to the publisher, from the handshake to its end.
 
     Args:
-        host: the listener it reports to.
+        host: the connection loop it reports to.
+        frames: where its frames go (the inbox).
         url: the publisher's websocket endpoint.
         api_url: what the ack's bootstrap routes are resolved against.
         registration: the encoded registration frame (with ``since`` when resuming).
@@ -146,6 +151,7 @@ class Session:
     def __init__(
         self,
         host: SessionHost,
+        frames: Frames,
         *,
         url: str,
         api_url: str,
@@ -160,6 +166,7 @@ class Session:
         first_bootstrap: bool,
     ) -> None:
         self._host = host
+        self._frames = frames
         self._url = url
         self._api_url = api_url
         self._registration = registration
@@ -354,11 +361,11 @@ class Session:
 
     async def _receive(self, ws: ClientConnection) -> None:
         """Read frames into the host until the connection ends; always raises SessionError."""
-        received = self._host.received
+        receive = self._frames.receive
         while True:
             try:
                 # Undecoded: the frame decoder checks the UTF-8 of what it keeps.
                 raw = await ws.recv(decode=False)
             except ConnectionClosed as exc:
                 raise _closed(exc) from None
-            await received(raw)
+            await receive(raw)
