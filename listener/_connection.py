@@ -23,7 +23,7 @@ reports to this loop as its ``SessionHost``):
 The loop owns the connection's state: the lifecycle, the back-off, the
 routes the last ack named, the bootstrap's progress and the counts of
 attempts, registrations, resumes, bootstraps and aborts. The items belong to
-the inbox, the cursor to the inbox's ``Cursor``. It must never retry without
+the inbox, and so does the cursor. It must never retry without
 back-off, and never swallow a failure without logging and counting it.
 """
 
@@ -170,7 +170,7 @@ class ConnectionLoop:
 
     def _session(self, http: httpx.AsyncClient) -> Session:
         """The next attempt's session (counted and logged here)."""
-        since = self._inbox.cursor.resume if self._config.resume else None
+        since = self._inbox.resume if self._config.resume else None
         self.attempts += 1
         log_event(log, "listener.connecting", **self.fields(), url=self._url, since=since)
         registration = Registration(
@@ -226,7 +226,7 @@ class ConnectionLoop:
         if verdict is Disposition.RETRY_FRESH or (
             isinstance(ending, BufferOverflow) and self._config.resync_on_overflow
         ):
-            self._inbox.cursor.forget()
+            self._inbox.forget()
         backoff = self.backoff
         was_reset = backoff.resets
         delay = backoff.failure(self._clock(), retry_after)
@@ -243,7 +243,7 @@ class ConnectionLoop:
             ceiling=round(backoff.ceiling, 4),
             failures=backoff.failures,
             reset=backoff.resets > was_reset,
-            resume=self._inbox.cursor.resume is not None and self._config.resume,
+            resume=self._inbox.resume is not None and self._config.resume,
         )
         await asyncio.sleep(delay)
 
@@ -258,7 +258,7 @@ class ConnectionLoop:
             attempt=self.attempts,
         )
         if new is S.LIVE:
-            log_event(log, "listener.live", **self.fields(), cursor=self._inbox.cursor.resume)
+            log_event(log, "listener.live", **self.fields(), cursor=self._inbox.resume)
 
     # -- what a session reports (SessionHost) -------------------------------------------
 

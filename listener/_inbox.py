@@ -15,8 +15,10 @@ This is the listener's core between the socket and the application, in four part
   against the buffer's capacity: a frame that does not fit is an overflow,
   which ends the session (abort, clear, back off, register again): the socket
   is read as fast as it delivers, never slower because the application is.
-* **The cursor** (``Cursor``): where the application is in the feed, moved
-  only by what is handed out.
+* **The cursor**: where the application is in the feed, moved only by what
+  is handed out, and read two ways: ``resume`` (what a reconnect resumes
+  from) and ``done`` (what the application is done with: what a checkpoint
+  saves).
 * **The hand-out**, in feed order: a bootstrap's ``Resynced`` events first
   (one per change kind, all with the ack's cursor), then the buffered items.
   ``async for`` takes the whole buffer at a time and hands it out one item at
@@ -55,7 +57,6 @@ from ._log import log
 __all__ = [
     "BUFFER_KINDS",
     "Buffer",
-    "Cursor",
     "Inbox",
     "MemoryBuffer",
     "Sink",
@@ -237,47 +238,6 @@ def make_buffer(kind: str, capacity: int) -> Buffer:
     return factory(capacity)
 
 
-# -- the cursor -------------------------------------------------------------------------
-
-
-class Cursor:
-    """Where the application is in the feed: one cursor, read two ways.
-
-    Attributes:
-        handed: the cursor of the last event handed out whole: a change item,
-            or the last ``Resynced`` of a bootstrap (the others are not
-            consistent with its cursor on their own).
-        resume: what a reconnect resumes from: ``handed``, or None after a
-            failure that calls for a fresh bootstrap (until the next one is
-            handed out).
-        done: what the application is done with, which a checkpoint saves:
-            for ``async for``, ``handed`` as of the moment it asked for the
-            next event; for controllers, ``handed`` (their mirrors take each
-            chunk in the same step).
-    """
-
-    __slots__ = ("done", "handed", "resume")
-
-    def __init__(self, cursor: str | None = None) -> None:
-        self.handed = self.resume = self.done = cursor
-
-    def hand_out(self, cursor: str) -> None:
-        """An event was handed out whole."""
-        self.handed = self.resume = cursor
-
-    def finish(self) -> None:
-        """The application is done with everything handed out."""
-        self.done = self.handed
-
-    def forget(self) -> None:
-        """The next registration must bootstrap: resume from nothing."""
-        self.resume = None
-
-    def restore(self, cursor: str | None) -> None:
-        """Start from ``cursor`` (a checkpoint's)."""
-        self.handed = self.resume = self.done = cursor
-
-
 # -- the hand-out -------------------------------------------------------------------------
 
 
@@ -304,9 +264,19 @@ _LOW_WATER = 0.5
 class Inbox:
     """The frames of the current connection in, the events out to the application.
 
+    The cursor is that of the last event handed out *whole*: a change item, or
+    the last ``Resynced`` of a bootstrap (the others are not consistent with
+    its cursor on their own). ``resume`` is that cursor, or None after a
+    failure that calls for a fresh bootstrap (``forget``), until the next one
+    is handed out. ``done`` is what the application is done with: for ``async
+    for``, the cursor as of the moment it asked for the next event; for
+    controllers, the same as ``resume`` (their mirrors take each chunk in the
+    step that hands it over). ``async for`` hands a batch out by moving an
+    index over it, and both readings are worked out from that index when read.
+
     Args:
         buffer: where items wait.
-        cursor: where the application is; the inbox moves it as it hands out.
+        cursor: the cursor to start from (a saved one).
         resources: the registered resources, in registration order.
         multi: several change kinds (v2): each item must be of a registered
             resource, and the dispatch cuts runs by resource.
@@ -317,7 +287,7 @@ class Inbox:
     def __init__(
         self,
         buffer: Buffer,
-        cursor: Cursor,
+        cursor: str | None = None,
         *,
         resources: tuple[str, ...],
         multi: bool,
@@ -325,13 +295,21 @@ class Inbox:
         fields: Callable[[], dict[str, Any]],
     ) -> None:
         self.buffer = buffer
-        self.cursor = cursor
+        self._handed = cursor
+        """The cursor of the last event handed out whole, before the staged batch."""
+        self._done = cursor
+        """What the application was done with, before the staged batch."""
+        self._fresh = False
+        """Resume from nothing: a failure called for a fresh bootstrap."""
         self._resources = resources
         self._registered = frozenset(resources) if multi else None
         self._high_water = high_water
         self._fields = fields
         self._resyncs: deque[Resynced] = deque()
-        self._staged: deque[ChangeItem] = deque()
+        self._staged: list[ChangeItem] = []
+        """The batch ``async for`` hands out, one item at a time ..."""
+        self._next = 0
+        """... and the index of its next item: those before it are handed out."""
         self._in_hand = 0
         """Items the dispatch took from the buffer and has not handed over yet."""
         self._live = False
@@ -355,12 +333,51 @@ class Inbox:
 
     def held(self) -> int:
         """Items decoded and not handed out: buffered, staged, or in the dispatch's hand."""
-        return len(self.buffer) + len(self._staged) + self._in_hand
+        return len(self.buffer) + len(self._staged) - self._next + self._in_hand
 
     @property
     def delivered(self) -> int:
         """Change items handed to the application (``async for`` or controllers)."""
-        return self._staged_total - len(self._staged) + self._dispatched
+        return self._staged_total - (len(self._staged) - self._next) + self._dispatched
+
+    # -- the cursor ---------------------------------------------------------------------
+
+    @property
+    def resume(self) -> str | None:
+        """The cursor a reconnect resumes from (None: bootstrap)."""
+        return None if self._fresh and not self._next else self._handed_now()
+
+    @property
+    def done(self) -> str | None:
+        """The cursor of what the application is done with (what a checkpoint saves)."""
+        k = self._next
+        if k >= 2:
+            return self._staged[k - 2].cursor
+        return self._handed if k == 1 else self._done
+
+    def _handed_now(self) -> str | None:
+        k = self._next
+        return self._staged[k - 1].cursor if k else self._handed
+
+    def forget(self) -> None:
+        """The next registration must bootstrap: resume from nothing."""
+        self._fold()
+        self._fresh = True
+
+    def restore(self, cursor: str | None) -> None:
+        """Start from ``cursor`` (a checkpoint's)."""
+        self._fold()
+        self._handed = self._done = cursor
+        self._fresh = False
+
+    def _fold(self) -> None:
+        """Take what was handed out of the staged batch into the cursor."""
+        k = self._next
+        if k:
+            self._done, self._handed = self.done, self._handed_now()
+            self._fresh = False
+            del self._staged[:k]
+            self._next = 0
 
     async def receive(self, frame: str | bytes) -> None:
         """One frame of the connection: its items into the buffer.
@@ -424,10 +441,11 @@ class Inbox:
         """The connection ended: drop what it left (a reconnect resumes from the cursor,
         so the publisher sends it again). Returns how many items were dropped."""
         dropped = self.held()
+        self._fold()
         self._live = False
         self._generation += 1
         self._staged_total -= len(self._staged)
-        self._staged.clear()
+        self._staged = []
         self._resyncs.clear()
         self._high = False
         await self.buffer.clear()
@@ -477,23 +495,29 @@ class Inbox:
             StopAsyncIteration: the listener was closed.
             ListenerError: it stopped for good.
         """
-        cursor = self.cursor
+        i = self._next
+        staged = self._staged
+        if i < len(staged):  # the per-item path: the next item of a batch taken already
+            self._next = i + 1
+            return staged[i]
+        return await self._next_event()
+
+    async def _next_event(self) -> Event:
+        self._fold()
         # Asking for the next event means the application is done with the last one
         # (with a bootstrap's last ``Resynced``: the others do not count on their own).
         if not self._resyncs:
-            cursor.done = cursor.handed  # Cursor.finish, inlined: the per-item path
-        staged = self._staged
-        if not staged:
-            unit = await self._next_unit()
-            if isinstance(unit, Resynced):
-                if not self._resyncs:  # a reconnect before the last one must bootstrap again
-                    cursor.hand_out(unit.cursor)
-                return unit
-            self._staged_total += len(unit)
-            staged.extend(unit)
-        item = staged.popleft()
-        cursor.handed = cursor.resume = item.cursor  # Cursor.hand_out, inlined
-        return item
+            self._done = self._handed
+        unit = await self._next_unit()
+        if isinstance(unit, Resynced):
+            if not self._resyncs:  # a reconnect before the last one must bootstrap again
+                self._handed = unit.cursor
+                self._fresh = False
+            return unit
+        self._staged_total += len(unit)
+        self._staged = unit
+        self._next = 1
+        return unit[0]
 
     async def dispatch(self, sinks: Mapping[str, Sequence[Sink]]) -> None:
         """Hand each attached controller its resource's events until the listener stops
@@ -502,7 +526,6 @@ class Inbox:
         Raises:
             ListenerError: the listener stopped for good.
         """
-        cursor = self.cursor
         try:
             while True:
                 unit = await self._next_unit()
@@ -510,8 +533,8 @@ class Inbox:
                     for sink in sinks.get(unit.resource, ()):
                         sink.resynced(unit)
                     if not self._resyncs:  # every resource of the bootstrap is in
-                        cursor.hand_out(unit.cursor)
-                        cursor.finish()
+                        self._handed = self._done = unit.cursor
+                        self._fresh = False
                     continue
                 self._in_hand = len(unit)
                 try:
@@ -528,7 +551,6 @@ class Inbox:
         its controllers have room for; the cursor follows each chunk handed over (their
         mirrors take it in the same step, so they are done with it too)."""
         generation = self._generation
-        cursor = self.cursor
         runs = _runs(items) if self._registered is not None else [(self._resources[0], items)]
         for resource, run in runs:
             start, end = 0, len(run)
@@ -547,7 +569,8 @@ class Inbox:
                 start += len(chunk)
                 self._in_hand -= len(chunk)
                 self._dispatched += len(chunk)
-                cursor.handed = cursor.resume = cursor.done = chunk[-1].cursor
+                self._handed = self._done = chunk[-1].cursor
+                self._fresh = False
 
 
 def _runs(items: list[ChangeItem]) -> list[tuple[str, list[ChangeItem]]]:

@@ -11,7 +11,7 @@ composes the parts that do, each owning its own state:
   the loop;
 * ``_inbox.Inbox``: each frame's items into the buffer, and out to the
   application in feed order: ``async for``, or a dispatch task that hands
-  each attached controller its resource's events; its ``Cursor`` is where
+  each attached controller its resource's events; its cursor is where
   the application is;
 * ``_attachments.Attachments``: the attached controllers, which run and which
   are parked;
@@ -34,7 +34,7 @@ With a checkpoint store, the listener loads the last checkpoint before it
 first registers (its controllers start from their saved mirrors, and it
 registers with the saved cursor), and saves one at intervals and when it or
 the last controller running stops. A controller that stops while others run
-on is parked, so checkpoints go on. The cursor saved is ``Cursor.done``.
+on is parked, so checkpoints go on. The cursor saved is ``Inbox.done``.
 
 It must never hand the application an item of a connection before that
 connection's ``Resynced`` events, never retry without back-off, and never
@@ -69,7 +69,7 @@ from ._config import ListenerConfig
 from ._connection import ConnectionLoop
 from ._errors import ListenerConfigError, ListenerError
 from ._events import Event, ListenerStatus
-from ._inbox import Buffer, Cursor, Inbox, make_buffer
+from ._inbox import Buffer, Inbox, make_buffer
 from ._lifecycle import ConnectionState
 from ._log import log
 from ._metrics import Sample, register_listener, samples_of
@@ -233,10 +233,9 @@ class Listener:
         self._token = token
         self._http = http
         self._own_http = http is None
-        self._cursor = Cursor(cursor)
         self._inbox = Inbox(
             buffer or make_buffer(self.config.buffer_kind, self.config.buffer_size),
-            self._cursor,
+            cursor,
             resources=self.resources,
             multi=multi,
             high_water=self.config.high_water,
@@ -281,7 +280,7 @@ class Listener:
     @property
     def cursor(self) -> str | None:
         """The cursor a reconnect resumes from: that of the last event handed out."""
-        return self._cursor.resume
+        return self._inbox.resume
 
     @property
     def route(self) -> str | None:
@@ -379,7 +378,7 @@ class Listener:
             backoff_ceiling=backoff.ceiling,
             backoff_resets=backoff.resets,
             last_error=connection.last_error,
-            cursor=self._cursor.resume,
+            cursor=self._inbox.resume,
             items_received=inbox.received,
             items_delivered=inbox.delivered,
             frames_received=inbox.frames,
@@ -496,7 +495,7 @@ class Listener:
         """The connection lifecycle, after loading the checkpoint (with a store)."""
         try:
             if self._checkpointer is not None:
-                self._cursor.restore(await self._checkpointer.restore(self.config.resume))
+                self._inbox.restore(await self._checkpointer.restore(self.config.resume))
             await self._connection.run(self.http)
         except asyncio.CancelledError:
             raise
@@ -577,7 +576,7 @@ class Listener:
             if self._checkpointer.store is store:
                 return
             raise ListenerConfigError("checkpoint", f"listener {self.name} has another store")
-        if self._cursor.resume is not None:
+        if self._inbox.resume is not None:
             raise ListenerConfigError(
                 "checkpoint", "give a cursor or a checkpoint store, not both: it keeps the cursor"
             )
@@ -585,11 +584,11 @@ class Listener:
             raise ListenerConfigError("checkpoint", "give the store before the listener starts")
         for sink in self._attachments.all():
             self._check_checkpointable(sink)
-        cursor = self._cursor
+        inbox = self._inbox
         self._checkpointer = Checkpointer(
             store,
             self.change_kinds,
-            position=lambda: cursor.done,
+            position=lambda: inbox.done,
             sources=self._attachments.all,
             interval=self.config.checkpoint_interval,
             load_timeout=self.config.checkpoint_load_timeout,

@@ -17,7 +17,7 @@ import changefeed.listener as listener_pkg
 from changefeed.listener import BackoffPolicy, RegistrationRefused, Resynced
 from changefeed.listener._attachments import Attachments, Stopped
 from changefeed.listener._errors import BadPublisherFrame, BufferOverflow, PublisherClosed
-from changefeed.listener._inbox import Cursor, Inbox, MemoryBuffer
+from changefeed.listener._inbox import Inbox, MemoryBuffer
 from changefeed.listener._reconcile import Intake, Reconciler
 from changefeed.schemas import ChangeItem, ChangeKind, ErrorFrame
 
@@ -37,7 +37,7 @@ def resynced(resource: str, cursor: str = "ack") -> Resynced:
 def inbox(capacity: int = 10, resources: tuple[str, ...] = ("vm",)) -> Inbox:
     return Inbox(
         MemoryBuffer(capacity),
-        Cursor(),
+        None,
         resources=resources,
         multi=len(resources) > 1,
         high_water=0.8,
@@ -56,7 +56,7 @@ async def test_frames_in_events_out_in_feed_order_resynced_first() -> None:
     events = [await box.__anext__() for _ in range(3)]
     assert isinstance(events[0], Resynced)
     assert [e.cursor for e in events] == ["ack", "c1", "c2"]
-    assert box.cursor.resume == "c2" and box.cursor.done == "c1"  # done: the one before
+    assert box.resume == "c2" and box.done == "c1"  # done: the one before
     assert (box.frames, box.received, box.delivered, box.held()) == (1, 2, 2, 0)
 
 
@@ -86,18 +86,18 @@ async def test_a_reconnect_between_resynced_events_moves_no_cursor() -> None:
     ``async for`` used to save the ack's cursor then, though the application never got
     the other resource's bootstrap)."""
     box = inbox(resources=("vm", "server"))
-    box.cursor.restore("before")
+    box.restore("before")
     box.bootstrapped([resynced("vm", "ack"), resynced("server", "ack")])
     box.live()
     assert (await box.__anext__()).resource == "vm"
     await box.clear()  # the connection ended
-    box.cursor.forget()  # ... in a way that needs a fresh bootstrap
+    box.forget()  # ... in a way that needs a fresh bootstrap
     box.bootstrapped([resynced("vm", "ack2"), resynced("server", "ack2")])
     box.live()
     assert (await box.__anext__()).resource == "vm"
-    assert (box.cursor.resume, box.cursor.done) == (None, "before")
+    assert (box.resume, box.done) == (None, "before")
     assert (await box.__anext__()).resource == "server"
-    assert box.cursor.resume == "ack2"
+    assert box.resume == "ack2"
 
 
 async def test_stop_ends_iteration_or_raises_what_stopped_it() -> None:
@@ -145,12 +145,12 @@ async def test_the_dispatch_hands_each_resource_its_run_as_far_as_there_is_room(
     await box.receive(frame(item(1), item(2), item(3), item(4, "server")))
     await asyncio.sleep(0.01)
     assert vms.got == [["resynced:vm"], ["c1", "c2"]] and servers.got == [["resynced:server"]]
-    assert box.cursor.done == "c2" and box.held() == 2  # c3 and c4 wait for vms' room
+    assert box.done == "c2" and box.held() == 2  # c3 and c4 wait for vms' room
     vms.space = 10
     vms.more.set()
     await asyncio.sleep(0.01)
     assert vms.got[-1] == ["c3"] and servers.got[-1] == ["c4"]
-    assert box.cursor.done == box.cursor.resume == "c4" and box.delivered == 4
+    assert box.done == box.resume == "c4" and box.delivered == 4
     box.stop(None)
     await asyncio.wait_for(dispatch, 1)
 
