@@ -135,12 +135,14 @@ class WorkQueue(Generic[K]):
             return
         keys = list(keys)
         dirty, processing = self._dirty, self._processing
-        # In order, each key once, and only keys not queued already: set work in C.
-        fresh = [key for key in dict.fromkeys(keys) if key not in dirty]
+        # In order, each key once, and only keys not queued already; set work in C, and
+        # a step in Python only per key that was queued or is being processed.
+        fresh = dict.fromkeys(keys)
+        for key in dirty.intersection(fresh):
+            del fresh[key]
         dirty.update(fresh)
-        self._queue.extend(
-            fresh if not processing else [key for key in fresh if key not in processing]
-        )
+        busy = processing.intersection(fresh) if processing else None
+        self._queue.extend([key for key in fresh if key not in busy] if busy else fresh)
         self.adds += len(keys)
         self.coalesced += len(keys) - len(fresh)
         if self._queue:
@@ -189,8 +191,12 @@ class WorkQueue(Generic[K]):
         until ``done``."""
         self._promote(self._clock() if now is None else now)
         queue = self._queue
-        popleft = queue.popleft
-        taken = [popleft() for _ in range(min(most, len(queue)))]
+        if most >= len(queue):
+            taken = list(queue)
+            queue.clear()
+        else:
+            popleft = queue.popleft
+            taken = [popleft() for _ in range(most)]
         self._dirty.difference_update(taken)
         self._processing.update(taken)
         if not queue:
@@ -230,14 +236,11 @@ class WorkQueue(Generic[K]):
 
     def done_many(self, keys: Iterable[K]) -> None:
         """``done`` for each of ``keys`` (a worker's whole batch)."""
-        processing, dirty, queue = self._processing, self._dirty, self._queue
-        requeued = False
-        for key in keys:
-            processing.discard(key)
-            if key in dirty:
-                queue.append(key)
-                requeued = True
-        if requeued:
+        keys = list(keys)
+        self._processing.difference_update(keys)
+        again = self._dirty.intersection(keys)
+        if again:  # added while processed: queued again now, in the batch's order
+            self._queue.extend([key for key in keys if key in again])
             self._wake.set()
         self._changed()
 
