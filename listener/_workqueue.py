@@ -25,7 +25,6 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
@@ -43,7 +42,10 @@ class WorkQueue(Generic[K]):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._queue: deque[K] = deque()
+        self._queue: list[K] = []
+        """Ids ready to be handed out: those from ``_head`` on (a list sliced in C, the
+        part handed out dropped now and then, rather than a deque popped per id)."""
+        self._head = 0
         self._dirty: set[K] = set()
         self._processing: set[K] = set()
         self._waiting: list[tuple[float, int, K]] = []
@@ -66,7 +68,7 @@ class WorkQueue(Generic[K]):
 
     def __len__(self) -> int:
         """Depth: ids ready to be handed out."""
-        return len(self._queue)
+        return len(self._queue) - self._head
 
     def __contains__(self, key: object) -> bool:
         return key in self._dirty or key in self._processing or key in self._due
@@ -145,7 +147,7 @@ class WorkQueue(Generic[K]):
         self._queue.extend([key for key in fresh if key not in busy] if busy else fresh)
         self.adds += len(keys)
         self.coalesced += len(keys) - len(fresh)
-        if self._queue:
+        if len(self._queue) > self._head:
             self._wake.set()
         self._changed()
 
@@ -190,16 +192,19 @@ class WorkQueue(Generic[K]):
         """Hand out up to ``most`` ready ids (possibly none); each stays "processing"
         until ``done``."""
         self._promote(self._clock() if now is None else now)
-        queue = self._queue
-        if most >= len(queue):
-            taken = list(queue)
+        queue, head = self._queue, self._head
+        taken = queue[head : head + most]
+        head += len(taken)
+        if head == len(queue):
             queue.clear()
-        else:
-            popleft = queue.popleft
-            taken = [popleft() for _ in range(most)]
+            head = 0
+        elif head > 1024 and head * 2 > len(queue):
+            del queue[:head]
+            head = 0
+        self._head = head
         self._dirty.difference_update(taken)
         self._processing.update(taken)
-        if not queue:
+        if len(queue) == head:
             self._wake.clear()
         self.processed += len(taken)
         return taken
