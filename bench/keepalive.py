@@ -171,7 +171,7 @@ class _Listener:
         """Read at ``rate`` items/s for ``seconds``, pinging every PING_EVERY s, then
         on, without pinging, until every ping has its pong or ``wait`` more seconds
         have passed (a pong still missing then counts with the time waited so far);
-        returns the bytes per second read."""
+        returns the bytes per second of its pace."""
         started = time.monotonic()
         first = self.consumed
         taken = 0
@@ -183,9 +183,11 @@ class _Listener:
                     next_ping += PING_EVERY
             elif not self._pending:
                 break
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(max(0.01, started + seconds + wait - now)):
                     await self.next_frame()
+            except TimeoutError:
+                break
             taken += 1
             await asyncio.sleep(max(0.0, started + taken / self.rate - time.monotonic()))
         now = time.monotonic()
@@ -194,7 +196,9 @@ class _Listener:
             ping["ahead"] = ping["own"]  # unknown: counted as all the client's own
             ping["censored"] = 1.0
             self.pings.append(ping)
-        return (self.consumed - first) / (now - started)
+        # Bytes a second at the pace it reads (not counting the wait once the
+        # backlog is read): what turns bytes ahead of a pong into seconds.
+        return self.rate * (self.consumed - first) / max(1, taken)
 
 
 async def _clients(

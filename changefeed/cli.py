@@ -137,11 +137,23 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=_port, default=0, help="API port (default: a free one)")
     demo.add_argument("--rate", type=_positive_rate, default=5.0, help="VM writes per second")
     demo.add_argument("--data-dir", help="embedded PostgreSQL data directory")
+    demo.add_argument(
+        "--standby",
+        action="store_true",
+        help="also start an embedded hot standby (streaming replication) and let the "
+        "publisher read the feed there",
+    )
 
     api = command(
         "example-api", "Serve only the example VM API (VMs and servers) with its publisher."
     )
     api.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
+    api.add_argument(
+        "--read-dsn",
+        default=None,
+        metavar="DSN",
+        help="a hot standby of --dsn to read the feed from ([publisher] read_dsn, docs/config.md)",
+    )
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=_port, default=8080)
     api.add_argument(
@@ -328,6 +340,9 @@ async def _example_api(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     await check_database(dsn, None)
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
+    if args.read_dsn:
+        await check_database(args.read_dsn, None, key="--read-dsn")
+        overrides["read_dsn"] = args.read_dsn
     app = create_app(dsn, **overrides)
     http = head_timeout_protocol(header_timeout)
     config = server_config(app, args.host, args.port, http=http)

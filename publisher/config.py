@@ -103,6 +103,27 @@ class PublisherConfig:
             kind="string",
         ),
     )
+    read_dsn: str | None = field(
+        default=None,
+        metadata=_doc(
+            "PostgreSQL DSN of a hot standby of `dsn` to read the feed from: tailing, "
+            "catch-up pages and resume checks go there, and `dsn` (the primary) keeps only "
+            "the doorbell (LISTEN), schema changes, retention and the writers' age. None: "
+            'everything reads `dsn` (docs/design.md, "Reading from a standby").',
+            kind="string",
+        ),
+    )
+    standby_wait: float = field(
+        default=5.0,
+        metadata=_doc(
+            "With `read_dsn`: how long a registration whose cursor the standby has not "
+            "replayed yet (a fresher publisher issued it) is held while the standby catches "
+            "up; after that it is answered `unavailable` (4010) with `retryAfter`, never "
+            "`resumed: false`. Keep it below the listeners' wait for an ack "
+            "(changefeed.listener's `ack_timeout`: 10 s).",
+            "seconds",
+        ),
+    )
     schema: str = field(default="changefeed", metadata=_doc("Schema holding the feed table."))
     create_schema: bool = field(
         default=True, metadata=_doc("Create or upgrade the feed schema at start-up.")
@@ -323,6 +344,7 @@ _DURATION_KEYS = {
     "window_max_age",
     "send_interval",
     "db_retry_budget",
+    "standby_wait",
     "ping_interval",
     "ping_timeout",
     "drain_grace",
@@ -366,6 +388,10 @@ def _check(config: PublisherConfig, source: str | None) -> None:
             "publisher.cursor_key",
             "must be at least 16 characters (or left out: the feed's own key is used)",
             source,
+        )
+    if config.read_dsn is not None and not config.read_dsn.strip():
+        raise ConfigError(
+            "publisher.read_dsn", "must not be empty (leave it out to read dsn)", source
         )
     if config.queue_size < config.tail_batch:
         raise ConfigError(

@@ -211,6 +211,17 @@ COUNTERS: tuple[CounterFigure, ...] = (
         lambda r: r.tailer.fanout_wait_seconds,
         metric="tailer_fanout_wait_seconds",
     ),
+    CounterFigure(
+        "Reads of a standby made again because it had not yet replayed a transaction"
+        " the doorbell named",
+        lambda r: r.tailer.replay_waits_total,
+        metric="replay_waits",
+    ),
+    CounterFigure(
+        "Reads of a standby cancelled by a conflict with replay, and read again",
+        lambda r: r.tailer.replay_conflicts_total,
+        metric="replay_conflicts",
+    ),
 )
 """Every counter of the publisher, in the order the stats document lists them."""
 

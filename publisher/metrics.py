@@ -17,7 +17,8 @@ Names (all prefixed ``changefeed_``): ``listeners``, ``open_connections``,
 ``catchup_page_reads_total``, ``catchup_pages_shared_total``,
 ``window_bytes``, ``window_entries``, ``queue_depth_max``, ``queued_items``,
 ``lag_seconds_max``, ``tailer_lag_seconds``, ``tailer_up``,
-``tailer_position``, ``tailer_fanout_wait_seconds_total``,
+``tailer_position``, ``tailer_fanout_wait_seconds_total``, ``doorbell_up``,
+``replay_waits_total``, ``replay_conflicts_total``,
 ``oldest_open_transaction_seconds``, ``feed_oldest_entry_seconds``,
 ``feed_max_age_seconds``, ``feed_bytes``, and the histograms
 ``flush_seconds`` (the CPU time of each fan-out flush) and
@@ -79,6 +80,10 @@ _GAUGE_HELP = {
     "tailer_lag_seconds": "Age of the newest entry at the time the tailer read it",
     "tailer_up": "1 while the tailer is connected and running",
     "tailer_position": "Identity of the last entry the tailer read (grows while it makes progress)",
+    "doorbell_up": (
+        "1 while the doorbell of a tailer reading a standby is connected to the primary,"
+        " listening or resting while the feed flows (always 1 for a tailer reading the primary)"
+    ),
     "oldest_open_transaction_seconds": (
         "Age of the oldest open write transaction holding the horizon back"
     ),

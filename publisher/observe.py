@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from .broadcast import Broadcast
 from .config import PublisherConfig
 from .counters import Counters
+from .doorbell import Doorbell
 from .feed import FeedHealth
 from .figures import COUNTERS, Reading
 from .metrics import MetricsSnapshot
@@ -37,6 +38,8 @@ class Observed(Protocol):
     def broadcast(self) -> Broadcast: ...
     @property
     def tailer(self) -> Tailer: ...
+    @property
+    def doorbell(self) -> Doorbell | None: ...
     @property
     def feed_health(self) -> FeedHealth: ...
     @property
@@ -105,6 +108,10 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
         "tailer": {
             **observed.tailer.stats(),
             "oldestOpenTransactionSeconds": round(health.oldest_writer_seconds, 3),
+            # Where the feed is read: the primary (dsn), or a standby (read_dsn),
+            # whose doorbell then rings from the primary.
+            "reads": "dsn" if observed.doorbell is None else "read_dsn",
+            **({} if observed.doorbell is None else {"doorbell": observed.doorbell.stats()}),
         },
         "feed": {
             "head": list(window.head),
@@ -170,6 +177,9 @@ def metrics_snapshot(observed: Observed) -> MetricsSnapshot:
             "lag_seconds_max": max((now - t for t in oldest), default=0.0),
             "tailer_lag_seconds": tailer.lag_seconds,
             "tailer_up": 1.0 if tailer.status == "running" else 0.0,
+            "doorbell_up": 1.0
+            if observed.doorbell is None or observed.doorbell.status in ("listening", "resting")
+            else 0.0,
             "tailer_position": float(tailer.position.id) if tailer.position else 0.0,
             "oldest_open_transaction_seconds": health.oldest_writer_seconds,
             "feed_oldest_entry_seconds": health.oldest_entry_seconds,

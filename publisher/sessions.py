@@ -33,13 +33,13 @@ from .registration import (
     Request,
     check_capacity,
     check_registration,
-    plan_resume,
     quote,
     read_cursor,
 )
 from .registry import Registry, Session
-from .resume_queries import ResumeQueries
+from .resume_queries import ResumeQueries, StandbyBehind
 from .stall import stalled
+from .standby import Standby
 from .tailer import Tailer
 from .window import Window
 
@@ -48,6 +48,9 @@ __all__ = ["Sessions"]
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT = 5.0
+_STANDBY_RETRY = 2.0
+"""retryAfter (seconds) for a cursor this publisher's standby has not caught up with:
+by then it most likely has, or the balancer sends the listener elsewhere."""
 
 
 class Sessions:
@@ -63,7 +66,9 @@ class Sessions:
         catchup: refills connections that are behind.
         tailer: the feed's tailer (ready once it knows its position).
         reader: the feed's queries.
-        pool: the publisher's pool, once started.
+        pool: the pool of the server the publisher reads (``read_dsn``, or the
+            primary's), once started.
+        standby: the primary beside it, when the publisher reads a standby.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class Sessions:
         tailer: Tailer,
         reader: FeedReader,
         pool: Callable[[], asyncpg.Pool],
+        standby: Standby | None = None,
     ) -> None:
         self._config = config
         self._identity = identity
@@ -88,7 +94,7 @@ class Sessions:
         self._fanout = fanout
         self._catchup = catchup
         self._tailer = tailer
-        self._resume_queries = ResumeQueries(reader, pool, _READY_TIMEOUT)
+        self._resume_queries = ResumeQueries(reader, pool, _READY_TIMEOUT, standby=standby)
         self.registry = Registry()
         self.draining = False
         self.direct_writes: bool | None = None
@@ -204,22 +210,23 @@ class Sessions:
         self, cursor: Cursor, peer: str
     ) -> tuple[Cursor | None, str | None] | Refusal:
         """Ask the feed about a resume cursor: the cursor to start from, or None and
-        why not; a refusal (4010, retry) while the database cannot be asked, never a
-        ``resumed: false`` that would cost the listener a bootstrap."""
+        why not; a refusal (4010, retry) while the database cannot be asked, or while
+        this publisher's standby is behind the cursor, never a ``resumed: false``
+        that would cost the listener a bootstrap."""
         feed_id = self._identity.feed_id
         assert feed_id is not None
         try:
-            facts = await self._resume_queries.facts(cursor.position)
+            resumed, reason = await self._resume_queries.plan(
+                cursor,
+                feed_id=feed_id,
+                head=self._window.head,
+                replay_limit=self._config.replay_limit,
+            )
+        except StandbyBehind as exc:
+            return Refusal("unavailable", str(exc), _STANDBY_RETRY)
         except DB_ERRORS as exc:
             log_event(log, "resume.unavailable", logging.WARNING, exc=exc, peer=peer)
             return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
-        resumed, reason = plan_resume(
-            cursor,
-            facts,
-            feed_id=feed_id,
-            head=self._window.head,
-            replay_limit=self._config.replay_limit,
-        )
         return (cursor if resumed else None), reason
 
     def _admit(
