@@ -510,7 +510,8 @@ class Reconciler(Generic[T]):
             for key in records.keys() & ids:
                 records[key].fetch = False
         batch.fetching = ids
-        started = time.monotonic()
+        debug = log.isEnabledFor(logging.DEBUG)
+        started = time.monotonic() if debug else 0.0
         try:
             found = await self._fetch(ids)
         except BaseException as exc:
@@ -536,15 +537,16 @@ class Reconciler(Generic[T]):
         batch.fetching = ()
         self.fetch_requests += 1
         self.fetches += len(ids)
-        log_event(
-            log,
-            "controller.fetched",
-            logging.DEBUG,
-            controller=self.name,
-            ids=len(ids),
-            found=len(found),
-            elapsed=round(time.monotonic() - started, 4),
-        )
+        if debug:  # per batch: not even its arguments otherwise
+            log_event(
+                log,
+                "controller.fetched",
+                logging.DEBUG,
+                controller=self.name,
+                ids=len(ids),
+                found=len(found),
+                elapsed=round(time.monotonic() - started, 4),
+            )
         if not found and not self.mirror.holds_any(ids):
             return set()  # absent before and after: nothing changed
         return self._write(ids, found)

@@ -25,7 +25,7 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Generic, TypeVar
 
 __all__ = ["WorkQueue"]
@@ -139,10 +139,17 @@ class WorkQueue(Generic[K]):
         dirty, processing = self._dirty, self._processing
         # In order, each key once, and only keys not queued already; set work in C, and
         # a step in Python only per key that was queued or is being processed.
-        fresh = dict.fromkeys(keys)
-        for key in dirty.intersection(fresh):
-            del fresh[key]
-        dirty.update(fresh)
+        fresh: Collection[K]
+        if dirty.isdisjoint(keys):
+            before = len(dirty)
+            dirty.update(keys)
+            # Every key new, and each once (the common case): queued as they came.
+            fresh = keys if len(dirty) - before == len(keys) else dict.fromkeys(keys)
+        else:
+            fresh = dict.fromkeys(keys)
+            for key in dirty.intersection(fresh):
+                del fresh[key]
+            dirty.update(fresh)
         busy = processing.intersection(fresh) if processing else None
         self._queue.extend([key for key in fresh if key not in busy] if busy else fresh)
         self.adds += len(keys)
