@@ -245,8 +245,7 @@ async def changefeed_server(dsn: str, server: str) -> AsyncIterator[str]:
     )
     publisher = Publisher(config)
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
-    overrides: dict[str, Any] = {} if server == "direct" else {"ws": "websockets-sansio"}
-    settings = server_config(app, "127.0.0.1", 0, **overrides)
+    settings = server_config(app, "127.0.0.1", 0, fast_path=server == "direct")
     runner: uvicorn.Server
     if server == "asgi-host-default":
         runner = uvicorn.Server(settings)

@@ -364,7 +364,7 @@ async def vm_api(dsn: str) -> AsyncIterator[str]:
     app = create_app(dsn, poll_interval=0.05, retention=False, max_limit=1000)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", 0, fast_path=True))
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     async with asyncio.timeout(30):

@@ -330,11 +330,13 @@ async def _stats(args: argparse.Namespace) -> int:
 
 async def _example_api(args: argparse.Namespace) -> int:
     from changefeed.example.vmapi import create_app
-    from changefeed.http_timeouts import DEFAULT_HEAD_TIMEOUT, head_timeout_protocol
+    from changefeed.publisher.config import ServerConfig
     from changefeed.serving import DrainingServer, server_config
     from changefeed.standalone import check_database
 
-    header_timeout = DEFAULT_HEAD_TIMEOUT if args.header_timeout is None else args.header_timeout
+    header_timeout = args.header_timeout
+    if header_timeout is None:
+        header_timeout = ServerConfig().header_timeout
     if not header_timeout > 0:
         raise CommandError(f"--header-timeout: must be positive, got {header_timeout}", 2)
     dsn = _dsn(args)
@@ -344,8 +346,7 @@ async def _example_api(args: argparse.Namespace) -> int:
         await check_database(args.read_dsn, None, key="--read-dsn")
         overrides["read_dsn"] = args.read_dsn
     app = create_app(dsn, **overrides)
-    http = head_timeout_protocol(header_timeout)
-    config = server_config(app, args.host, args.port, http=http)
+    config = server_config(app, args.host, args.port, fast_path=True, head_timeout=header_timeout)
     server = DrainingServer(config, [app.state.publisher], owns_process=True)
     print(
         f"example VM API with publisher on http://{args.host}:{args.port} "
@@ -435,6 +436,35 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
+_COMMAND_EXTRAS = {
+    "demo": "serve",
+    "example-api": "serve",
+    "serve": "serve",
+    "db": "publisher",
+    "compact": "spark",
+}
+"""The extra of the distribution each command needs beyond a plain ``pip install
+changefeed`` (which has what ``listen`` and ``stats`` need)."""
+
+_EXTRA_MODULES = frozenset(
+    {"asyncpg", "starlette", "prometheus_client", "uvicorn", "pyspark", "rich"}
+)
+"""Top-level modules that only an extra installs (pyproject.toml)."""
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> CommandError | None:
+    """The one clear line for a command run without the extra it needs (None: the
+    missing module is no extra's, a real error)."""
+    module = (exc.name or "").partition(".")[0]
+    extra = _COMMAND_EXTRAS.get(command)
+    if extra is None or module not in _EXTRA_MODULES:
+        return None
+    return CommandError(
+        f"needs changefeed[{extra}], which is not installed here (no module {module!r}):"
+        f" pip install 'changefeed[{extra}]'"
+    )
+
+
 _ASYNC_COMMANDS = {
     "db": _db_init,
     "stats": _stats,
@@ -458,6 +488,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"changefeed {args.command}: {exc}", file=sys.stderr)
         return exc.status
+    except ModuleNotFoundError as exc:
+        missing = _missing_extra(args.command, exc)
+        if missing is None:
+            raise
+        print(f"changefeed {args.command}: {missing}", file=sys.stderr)
+        return missing.status
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the last line of defence: one clear line

@@ -36,8 +36,8 @@ from changefeed.bootstrap import Pager
 from changefeed.embedded import EmbeddedPostgres, default_data_dir, standby_of
 from changefeed.example.dns import DnsController, Record
 from changefeed.example.vmapi import create_app
-from changefeed.http_timeouts import head_timeout_protocol
 from changefeed.listener import ListenerConfig
+from changefeed.publisher.config import ServerConfig
 from changefeed.publisher.standby import wait_replayed
 from changefeed.serving import DrainingServer, server_config
 
@@ -268,7 +268,13 @@ async def _run(
         overrides["read_dsn"] = standby.dsn_for("changefeed_demo_vmapi")
     app = create_app(api_dsn, poll_interval=0.2, **overrides)
     publisher = app.state.publisher
-    config = server_config(app, "127.0.0.1", args.port, http=head_timeout_protocol())
+    config = server_config(
+        app,
+        "127.0.0.1",
+        args.port,
+        fast_path=True,
+        head_timeout=ServerConfig().header_timeout,
+    )
     server = DrainingServer(config, [publisher], grace=3.0, owns_process=True)
     serving = asyncio.create_task(server.serve(), name="demo-api")
     async with asyncio.timeout(30):

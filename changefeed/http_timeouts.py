@@ -39,8 +39,12 @@ not one line per socket: peers choose how many sockets time out, so the first
 and the rest are counted and logged as one ``http.timeouts_held`` line when
 that window ends (``changefeed.log_budget``).
 
-Use it as uvicorn's ``http`` setting: ``uvicorn.Config(app,
-http=head_timeout_protocol(15.0))``.
+These deadlines are first the proxy's job (nginx ``client_header_timeout`` and
+``client_body_timeout``, granian's ``--http1-header-read-timeout``;
+docs/security.md). This is an opt-in layer for uvicorn, on its private HTTP
+protocols (changefeed.uvicorn_private): ask for it with
+``changefeed.serving.server_config(app, host, port, head_timeout=15.0)``, which
+uses it only where changefeed.fast_path's checks pass, and otherwise says why.
 """
 
 from __future__ import annotations

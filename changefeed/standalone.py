@@ -14,7 +14,6 @@ import sys
 import asyncpg
 from starlette.applications import Starlette
 
-from changefeed.http_timeouts import head_timeout_protocol
 from changefeed.publisher import ConfigError, Publisher
 from changefeed.publisher.config import load_service_config
 from changefeed.schemas import schema_version
@@ -73,9 +72,10 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         build_app(publisher),
         host or server.host,
         port if port is not None else server.port,
+        fast_path=True,
+        head_timeout=server.header_timeout,
         ws_ping_interval=server.ping_interval,
         ws_ping_timeout=server.ping_timeout,
-        http=head_timeout_protocol(server.header_timeout),
     )
     runner = DrainingServer(
         uvicorn_config,

@@ -13,14 +13,13 @@ apart from a dead peer:
 * ``PingWatch`` (pure): when a ping's deadline passes without its pong, the
   connection is still alive if it made progress meanwhile: its TCP
   acknowledged more of the stream (the listener read, and its window let
-  more in), or it sent anything (its own pings, heartbeats). While bytes
-  sent before the ping are still unacknowledged and none were acknowledged
-  for a whole deadline, the peer takes nothing (gone, or not reading at
-  all): the ping decides. Once the ping itself is in the peer's receive
-  buffer, nothing on this side can see the listener read its way to it:
-  the ping decides only at the ``PATIENCE + 1``-th deadline after it
-  (60 s at the defaults, as long as the publisher's stall timeout gives a
-  listener that takes nothing).
+  more in), or it sent anything (its own pings, heartbeats). The ping
+  decides only after ``PATIENCE + 1`` deadlines in a row without either (60 s
+  at the defaults, as long as the publisher's stall timeout gives a listener
+  that takes nothing): once everything sent has been acknowledged, a
+  listener reading its way through its own receive buffer shows nothing on
+  this side, and on loopback its window reopens only after it has read a
+  whole segment (64 KiB).
 
 ``bytes_acked`` reads what ``PingWatch`` needs from Linux's
 ``struct tcp_info``; elsewhere it is None, and only what the peer sends
@@ -121,37 +120,31 @@ class PingWatch:
     """
 
     PATIENCE = 2
-    """Deadlines a ping may pass in the peer's receive buffer, once nothing sent
-    before it is unacknowledged, before the next one decides."""
+    """Deadlines in a row without progress that a ping waits past before the next
+    one decides."""
 
-    __slots__ = ("_acked", "_ping_end", "_received", "_waited")
+    __slots__ = ("_acked", "_idle", "_received")
 
     def __init__(self) -> None:
         self._acked: int | None = None
-        self._ping_end: int | None = None
         self._received = 0
-        self._waited = 0
+        self._idle = 0
 
-    def sent(self, acked: int | None, outstanding: int, received: int) -> None:
-        """A ping went out. ``acked``: bytes the peer's TCP had acknowledged then;
-        ``outstanding``: bytes written and not acknowledged, the ping included;
+    def sent(self, acked: int | None, received: int) -> None:
+        """A ping went out; ``acked``: bytes the peer's TCP had acknowledged then,
         ``received``: bytes the peer had sent."""
         self._acked = acked
-        self._ping_end = None if acked is None else acked + outstanding
         self._received = received
-        self._waited = 0
+        self._idle = 0
 
     def expired(self, acked: int | None, received: int) -> bool:
-        """The deadline passed without a pong: True when nothing shows the peer alive."""
+        """The deadline passed without a pong: True once ``PATIENCE + 1`` deadlines in
+        a row showed no progress."""
+        took = acked is not None and self._acked is not None and acked > self._acked
         heard = received > self._received
-        self._received = received
-        if heard:
+        self._acked, self._received = acked, received
+        if took or heard:
+            self._idle = 0
             return False
-        if acked is None or self._acked is None or self._ping_end is None:
-            return True
-        took = acked > self._acked
-        self._acked = acked
-        if acked < self._ping_end:
-            return not took  # reading its way towards the ping, or taking nothing
-        self._waited += 1
-        return self._waited > self.PATIENCE
+        self._idle += 1
+        return self._idle > self.PATIENCE

@@ -32,9 +32,7 @@ import asyncio
 import random
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Generic, Self
-
-from prometheus_client import CollectorRegistry
+from typing import TYPE_CHECKING, Any, Generic, Self
 
 from changefeed.bootstrap import fetch_many, fetch_one
 from changefeed.schemas import ChangeItem
@@ -58,6 +56,9 @@ from ._listener import Listener
 from ._metrics import Sample, register_controller, samples_of
 from ._reconcile import Intake, Reconciler, T
 from ._workqueue import WorkQueue
+
+if TYPE_CHECKING:  # prometheus-client: needed only by whoever passes a registry
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["Controller", "ControllerStats"]
 

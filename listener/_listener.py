@@ -50,11 +50,10 @@ import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from prometheus_client import CollectorRegistry
 
 from changefeed.bootstrap import bearer_headers
 from changefeed.logs import log_event
@@ -73,6 +72,9 @@ from ._inbox import Buffer, Inbox, make_buffer
 from ._lifecycle import ConnectionState
 from ._log import log
 from ._metrics import Sample, register_listener, samples_of
+
+if TYPE_CHECKING:  # prometheus-client: needed only by whoever passes a registry
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["Listener"]
 

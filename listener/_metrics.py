@@ -17,14 +17,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._events import ControllerStats, ListenerStatus
 from ._figures import COUNTER, families, samples
+
+if TYPE_CHECKING:  # prometheus-client is needed only by whoever passes a registry
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 __all__ = [
     "MetricSource",
@@ -64,7 +64,9 @@ def samples_of(prefix: str, snapshot: Any) -> list[Sample]:
     return [Sample(prefix + name, value, labels) for name, labels, value in samples(snapshot)]
 
 
-class _Collector(Collector):
+class _Collector:
+    """A prometheus_client collector (its ``describe`` and ``collect``)."""
+
     def __init__(self) -> None:
         self._sources: weakref.WeakSet[MetricSource] = weakref.WeakSet()
 
@@ -72,6 +74,8 @@ class _Collector(Collector):
         self._sources.add(source)
 
     def _families(self) -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         made: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for prefix, label, snapshot in _FAMILIES:
             for family in families(snapshot):

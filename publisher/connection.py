@@ -270,16 +270,17 @@ class _Connection:
         # The sender and the receiver are tasks of their own, not coroutines awaited
         # here: resuming a task wakes every coroutine frame it awaits through, and
         # this one sits under a dozen (server, middleware, router). A sender woken
-        # for each change must resume two frames, not fourteen.
+        # for each change must resume two frames, not fourteen. Every way the
+        # connection ends closes the delivery (each task does so when it ends), so
+        # this waits for that alone: no asyncio.wait kept for each idle listener.
         sender = asyncio.create_task(
-            self._send_loop(session, direct), name=f"changefeed-send-{session.id}"
+            self._sender(session, direct), name=f"changefeed-send-{session.id}"
         )
         receiver = asyncio.create_task(
             self._receive_loop(session), name=f"changefeed-receive-{session.id}"
         )
-        closed = session.delivery.closed()
         try:
-            await asyncio.wait((sender, receiver, closed), return_when=asyncio.FIRST_COMPLETED)
+            await session.delivery.ended.wait()
             if not sender.done():
                 # Closing (evicted, draining, the listener left or sent too much): the
                 # sender finishes the frame it is writing, unless the listener does not
@@ -311,6 +312,19 @@ class _Connection:
                 ErrorFrame(why.error_code, why.message, why.retry_after) if why.error_code else None
             )
             await self._close(why.close_code, error)
+
+    async def _sender(self, session: Session, direct: _DirectSender | None) -> None:
+        try:
+            await self._send_loop(session, direct)
+        except OSError:
+            session.close(Closing(1006, None, "gone mid-send"))
+            raise
+        except Exception as exc:
+            session.close(Closing(1011, None, f"internal error: {exc!r}"))
+            raise
+        finally:
+            if session.closing is None:  # an unexpected end: let the connection know
+                session.close(Closing(1011, None, "sender ended"))
 
     async def _send_loop(self, session: Session, direct: _DirectSender | None) -> None:
         delivery = session.delivery
@@ -399,7 +413,7 @@ class _Connection:
             try:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_FEED_RETRY.delay(failures, _JITTER)):
-                        await session.delivery.closed()
+                        await session.delivery.ended.wait()
             finally:
                 session.delivery.waiting_on_feed = False
             return failures

@@ -17,8 +17,6 @@ most ``capacity`` references to shared items, and a few fields.
 
 from __future__ import annotations
 
-import asyncio
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,6 +26,7 @@ from changefeed.schemas import Position
 from .entries import Item
 from .inflight import InFlight
 from .matching import Interest
+from .wakeup import Wakeup
 
 __all__ = ["Closing", "Delivery"]
 
@@ -58,7 +57,6 @@ class Delivery:
     """
 
     __slots__ = (
-        "_closed",
         "batch",
         "buffered",
         "capacity",
@@ -66,6 +64,7 @@ class Delivery:
         "cursor",
         "cursor_published",
         "dropped",
+        "ended",
         "frames",
         "in_flight",
         "interest",
@@ -93,7 +92,9 @@ class Delivery:
         self.interest = interest
         self.capacity = capacity
         self.batch = batch
-        self.queue: deque[Item] = deque()
+        # A list, not a deque: an empty deque allocates a 64-slot block, and ten
+        # thousand idle listeners would hold megabytes of them.
+        self.queue: list[Item] = []
         self.live = start >= head
         self.skip_until = start
         """While live: entries at or before this are not sent (a resume cursor
@@ -102,13 +103,14 @@ class Delivery:
         """While catching up: every wanted entry up to here has been queued."""
         self.cursor_published: datetime | None = None
         """When the entry at ``cursor`` was published (for the lag in seconds)."""
-        self.ready = asyncio.Event()
+        self.ready = Wakeup()
         """Set while items are queued, while catching up, and once closing: the
         connection's sender has work."""
         if not self.live:
             self.ready.set()
         self.closing: Closing | None = None
-        self._closed: asyncio.Future[None] | None = None
+        self.ended = Wakeup()
+        """Set once the delivery is closing."""
         self.sending = 0
         """Items the connection's sender took and is writing through ASGI sends (0:
         none): nothing else may write meanwhile, or frames would overtake each other."""
@@ -189,12 +191,11 @@ class Delivery:
         """Remove and return up to ``most`` queued items (possibly none)."""
         queue = self.queue
         if len(queue) <= most:
-            taken = list(queue)
-            queue.clear()
+            taken, self.queue = queue, []
         else:
-            popleft = queue.popleft
-            taken = [popleft() for _ in range(most)]
-        if not queue and self.live and self.closing is None:
+            taken = queue[:most]
+            del queue[:most]
+        if not self.queue and self.live and self.closing is None:
             self.ready.clear()
         return taken
 
@@ -202,14 +203,6 @@ class Delivery:
         """Wake the sender if anything is queued."""
         if self.queue:
             self.ready.set()
-
-    def closed(self) -> asyncio.Future[None]:
-        """A future done once the delivery is closing (made on first use, in the loop)."""
-        if self._closed is None:
-            self._closed = asyncio.get_running_loop().create_future()
-            if self.closing is not None:
-                self._closed.set_result(None)
-        return self._closed
 
     def close(self, closing: Closing) -> None:
         """Mark for closing (the first reason wins), drop what is queued, wake the sender."""
@@ -219,5 +212,4 @@ class Delivery:
         self.dropped += len(self.queue)
         self.queue.clear()
         self.ready.set()
-        if self._closed is not None and not self._closed.done():
-            self._closed.set_result(None)
+        self.ended.set()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import asyncpg
 import pytest
 from helpers import dsn_with_database, standby_caught_up
+from wheel_envs import Venvs, build_dist
 
 from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
 from changefeed.schemas import apply_schema
@@ -127,3 +128,11 @@ async def feed_dsn(dsn: str) -> str:
     finally:
         await conn.close()
     return dsn
+
+
+@pytest.fixture(scope="session")
+def wheel_venvs(tmp_path_factory: pytest.TempPathFactory) -> Venvs:
+    """The built wheel (from the sdist) and venvs made from it on first use
+    (tests/wheel_envs.py): tests/test_wheel.py and tests/test_asgi_servers.py share them."""
+    dist = build_dist(tmp_path_factory.mktemp("dist"))
+    return Venvs(dist, tmp_path_factory.mktemp("venvs"))
