@@ -47,9 +47,12 @@ internal. A frame's way to a callback reads in four of them::
 Around them: ``_connection`` (the connection loop: one session per attempt,
 back-off), ``_listener`` and ``_controller`` (the faces: settings, start and
 stop, status), ``_attachments`` (the controllers attached to a listener),
-``_checkpointer`` and ``_sqlite_store`` (checkpoints), ``_metrics``. Pure
-code, tested without sockets: ``_lifecycle`` (the connection state machine
-and what a failure means), ``_backoff``, ``_checks`` (what a setting may be),
+``_checkpointer`` and ``_sqlite_store`` (checkpoints), ``_metrics``
+(Prometheus, from the figures each status declares on its fields in
+``_figures``). Pure code, tested without sockets: ``_lifecycle`` (the
+connection state machine and what a failure means), ``_backoff`` (the
+listener's settings of changefeed's one back-off policy), ``_checks`` (what
+a setting may be),
 ``_workqueue``, ``_mirror``, ``_checkpoint`` (what a checkpoint holds and the
 rules for using one), ``_attachments``. Every exception is a
 ``ListenerError`` (tree in ``_errors``). See docs/listener.md.
