@@ -346,7 +346,13 @@ async def _example_api(args: argparse.Namespace) -> int:
         await check_database(args.read_dsn, None, key="--read-dsn")
         overrides["read_dsn"] = args.read_dsn
     app = create_app(dsn, **overrides)
-    config = server_config(app, args.host, args.port, fast_path=True, head_timeout=header_timeout)
+    config = server_config(
+        app.state.publisher.listeners_first(app),
+        args.host,
+        args.port,
+        fast_path=True,
+        head_timeout=header_timeout,
+    )
     server = DrainingServer(config, [app.state.publisher], owns_process=True)
     print(
         f"example VM API with publisher on http://{args.host}:{args.port} "

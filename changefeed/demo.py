@@ -269,7 +269,7 @@ async def _run(
     app = create_app(api_dsn, poll_interval=0.2, **overrides)
     publisher = app.state.publisher
     config = server_config(
-        app,
+        publisher.listeners_first(app),
         "127.0.0.1",
         args.port,
         fast_path=True,

@@ -85,6 +85,8 @@ LOG_WINDOW = 10.0
 class _TimeoutLog:
     """The timeout lines of one protocol class (one server setting), within a budget."""
 
+    __slots__ = ("_budget", "_summary")
+
     def __init__(self, window: float) -> None:
         self._budget = LogBudget(LOG_BURST, window)
         self._summary: asyncio.TimerHandle | None = None

@@ -69,7 +69,7 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         await check_database(config.read_dsn, path, key="publisher.read_dsn")
     publisher = Publisher(config)
     uvicorn_config = server_config(
-        build_app(publisher),
+        publisher.listeners_first(build_app(publisher)),
         host or server.host,
         port if port is not None else server.port,
         fast_path=True,

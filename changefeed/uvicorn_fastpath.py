@@ -20,6 +20,7 @@ from websockets.http11 import Request
 from websockets.protocol import State
 
 from changefeed.logs import log_event
+from changefeed.publisher.wakeup import Wakeup
 from changefeed.publisher.wire import DIRECT_WRITES, DISCONNECT_CAUSE, Disconnect
 from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
 from changefeed.tcp_liveness import (
@@ -90,6 +91,34 @@ class _DirectWriter:
         )
 
 
+class _Inbox:
+    """What uvicorn's protocol queues for the app's ``receive``: ``asyncio.Queue``'s
+    ``put_nowait``, ``get`` and ``empty`` for its one reader, without the four empty
+    deques (about 3 KB) every idle listener would hold."""
+
+    __slots__ = ("_items", "_ready")
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._ready = Wakeup()
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.pop(0)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
 class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's ``websockets-sansio`` protocol, plus the ``DIRECT_WRITES`` scope
     extension through which a publisher writes each fan-out frame, serialised once,
@@ -118,6 +147,14 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     _received = 0
     """Bytes the peer has sent (progress, for the keepalive)."""
     _ping_watch: PingWatch | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Ten thousand idle listeners: what each connection holds counts. The same
+        # methods as uvicorn's asyncio.Queue and asyncio.Event, without their deques.
+        self.queue: Any = _Inbox()
+        self.writable: Any = Wakeup()
+        self.writable.set()
 
     # -- asyncio's own protocol hooks (public), for state this class keeps itself
 
@@ -224,6 +261,12 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
 
     async def send(self, message: Any) -> None:
         await super().send(message)
+        if message["type"] == "websocket.accept" and self.handshake_complete:
+            # The handshake's request and response are not read again, nor are the
+            # scope's headers once the app accepted (it checked the token before):
+            # kept, they would stay for the connection's life.
+            self.request = self.response = None  # type: ignore[assignment]
+            self.scope["headers"] = []
         if self.initial_response is not None and self.close_sent and not self.handshake_complete:
             # The app answered the handshake with an HTTP response (a refused token):
             # that is a complete handshake. uvicorn would log an error for each one
@@ -244,13 +287,14 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         """A ping's deadline passed without its pong.
 
         A listener that reads slowly answers a ping only once it has read the
-        frames before it. While it makes progress (its TCP acknowledges more of
-        the stream, or it sends anything), the deadline is
-        extended: a listener that reads is never cut off here, and one that
-        stops is for the publisher's stall timeout (changefeed.tcp_liveness).
-        Otherwise uvicorn fails the connection, and the app hears of it at once
-        and why, not only once the socket has closed (which, for a peer that
-        stopped reading too, is when ``run_asgi`` aborts it)."""
+        frames before it. The deadline is extended until the connection has
+        shown no progress (its TCP acknowledged nothing more, it sent nothing)
+        for ``PingWatch.PATIENCE + 1`` deadlines in a row: a listener that reads
+        is never cut off here, and one that stops is for the publisher's stall
+        timeout (changefeed.tcp_liveness). Then uvicorn fails the connection, and
+        the app hears of it at once and why, not only once the socket has closed
+        (which, for a peer that stopped reading too, is when ``run_asgi`` aborts
+        it)."""
         watch = self._ping_watch
         timeout = self.ping_timeout
         if (

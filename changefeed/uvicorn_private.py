@@ -169,6 +169,16 @@ PRIVATE: tuple[Private, ...] = (
         "transport",
         "client",
     ),
+    *_attrs(
+        "fast",
+        _SANSIO,
+        "replaced by a lighter object with the methods uvicorn calls (queue: put_nowait, "
+        "get, empty; writable: set, clear, is_set, wait), or released once the handshake "
+        "is done (request, response)",
+        "writable",
+        "request",
+        "response",
+    ),
     # The self-check (changefeed.fast_path) runs a connection as uvicorn's server
     # would: the HTTP protocol it chose, on a socket pair, handing the upgrade over.
     Private("fast", _STATE, "", "class", "the self-check builds the protocols uvicorn builds"),

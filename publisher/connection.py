@@ -314,8 +314,38 @@ class _Connection:
             await self._close(why.close_code, error)
 
     async def _sender(self, session: Session, direct: _DirectSender | None) -> None:
+        """Write what the delivery queues, and refill it while the listener catches
+        up, until the delivery closes. One coroutine frame: every idle listener
+        holds it."""
+        delivery = session.delivery
+        ready = delivery.ready
+        turn = self.host.config.max_batch if delivery.batch else _FRAMES_PER_TURN
+        refill = min(turn * _REFILL_TURNS, delivery.capacity)
+        catchup = self.host.catchup
+        failures = 0
         try:
-            await self._send_loop(session, direct)
+            while True:
+                await ready.wait()
+                if delivery.closing is not None:
+                    return
+                if not delivery.queue:
+                    if delivery.live:
+                        ready.clear()  # a flush's direct write took what woke us
+                        continue
+                    if catchup.fill(delivery, refill) is Filled.NEEDS_FEED:
+                        failures = await self._load(session, refill, failures)
+                    # Take turns: a refill that found nothing wanted, or a page that
+                    # was already kept, awaited nothing.
+                    await asyncio.sleep(0)
+                    continue
+                if direct is not None and direct.ready():
+                    direct.write_turn()
+                else:
+                    await self._send_turn(delivery, delivery.take(turn), direct)
+                if delivery.queue or not delivery.live:
+                    # Yield even when the transport never blocks: without it one busy
+                    # connection starves every other one on the event loop.
+                    await asyncio.sleep(0)
         except OSError:
             session.close(Closing(1006, None, "gone mid-send"))
             raise
@@ -325,36 +355,6 @@ class _Connection:
         finally:
             if session.closing is None:  # an unexpected end: let the connection know
                 session.close(Closing(1011, None, "sender ended"))
-
-    async def _send_loop(self, session: Session, direct: _DirectSender | None) -> None:
-        delivery = session.delivery
-        ready = delivery.ready
-        turn = self.host.config.max_batch if delivery.batch else _FRAMES_PER_TURN
-        refill = min(turn * _REFILL_TURNS, delivery.capacity)
-        catchup = self.host.catchup
-        failures = 0
-        while True:
-            await ready.wait()
-            if delivery.closing is not None:
-                return
-            if not delivery.queue:
-                if delivery.live:
-                    ready.clear()  # a flush's direct write took what woke us
-                    continue
-                if catchup.fill(delivery, refill) is Filled.NEEDS_FEED:
-                    failures = await self._load(session, refill, failures)
-                # Take turns: a refill that found nothing wanted, or a page that was
-                # already kept, awaited nothing.
-                await asyncio.sleep(0)
-                continue
-            if direct is not None and direct.ready():
-                direct.write_turn()
-            else:
-                await self._send_turn(delivery, delivery.take(turn), direct)
-            if delivery.queue or not delivery.live:
-                # Yield even when the transport never blocks: without it one busy
-                # connection starves every other one on the event loop.
-                await asyncio.sleep(0)
 
     async def _send_turn(
         self, delivery: Delivery, items: list[Item], direct: _DirectSender | None
@@ -420,40 +420,43 @@ class _Connection:
         return 0
 
     async def _receive_loop(self, session: Session) -> None:
+        """Take what the listener sends until it disconnects. One coroutine frame:
+        every idle listener holds it."""
+        max_frame_bytes = self.host.config.max_frame_bytes
+        receive = self.receive
         try:
-            await self._receive(session)
+            while True:
+                message: Message = await receive()
+                if message["type"] == "websocket.disconnect":
+                    self._disconnected(session, message)
+                    return
+                data: Any = message.get("text")
+                if data is None:
+                    data = message.get("bytes") or b""
+                elif len(data) * 4 > max_frame_bytes:
+                    data = data.encode()  # the limit is in bytes; UTF-8 takes up to 4 a character
+                if len(data) > max_frame_bytes:
+                    why = f"frame exceeds {max_frame_bytes} bytes"
+                    self.host.refused("frame_too_large", "websocket", self.peer, why)
+                    session.close(Closing(4006, "frame_too_large", why))
+                    return
+                # Anything else (RFD 5 listeners send "heartbeat") needs no answer.
         finally:
             if session.closing is None:  # an unexpected end: let the sender know
                 session.close(Closing(1011, None, "receiver ended"))
 
-    async def _receive(self, session: Session) -> None:
-        max_frame_bytes = self.host.config.max_frame_bytes
-        receive = self.receive
-        while True:
-            message: Message = await receive()
-            if message["type"] == "websocket.disconnect":
-                self._gone = True
-                closing = _server_closing(message)
-                code = int(message.get("code", 1005))
-                if closing is not None and closing.error_code == "keepalive_timeout":
-                    # A liveness close is an eviction like the stall watch's.
-                    self.host.evict(session, closing.error_code, closing.message, code)
-                    return
-                if closing is not None and closing.error_code in _REFUSALS:
-                    self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
-                session.close(closing or Closing(code, None, "closed by listener"))
-                return
-            data: Any = message.get("text")
-            if data is None:
-                data = message.get("bytes") or b""
-            elif len(data) * 4 > max_frame_bytes:
-                data = data.encode()  # the limit is in bytes; UTF-8 takes up to 4 a character
-            if len(data) > max_frame_bytes:
-                why = f"frame exceeds {max_frame_bytes} bytes"
-                self.host.refused("frame_too_large", "websocket", self.peer, why)
-                session.close(Closing(4006, "frame_too_large", why))
-                return
-            # Anything else (RFD 5 listeners send "heartbeat") needs no answer.
+    def _disconnected(self, session: Session, message: Message) -> None:
+        """The connection ended: why, and what the publisher makes of it."""
+        self._gone = True
+        closing = _server_closing(message)
+        code = int(message.get("code", 1005))
+        if closing is not None and closing.error_code == "keepalive_timeout":
+            # A liveness close is an eviction like the stall watch's.
+            self.host.evict(session, closing.error_code, closing.message, code)
+            return
+        if closing is not None and closing.error_code in _REFUSALS:
+            self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
+        session.close(closing or Closing(code, None, "closed by listener"))
 
 
 class _Refused(Exception):

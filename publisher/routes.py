@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from changefeed.schemas import AccessDenied, ErrorFrame, allows, decide
 
@@ -34,7 +35,7 @@ from .host import ListenerHost
 from .metrics import PublisherMetrics
 from .tailer import Tailer
 
-__all__ = ["PublisherView", "error_response", "publisher_routes"]
+__all__ = ["ListenersFirst", "PublisherView", "error_response", "publisher_routes"]
 
 
 class PublisherView(Protocol):
@@ -233,3 +234,27 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         Route("/readyz", readyz, methods=["GET"]),
         *dashboard_routes(publisher.auth, publisher.refused),
     ]
+
+
+class ListenersFirst:
+    """``app``, with the listener websocket (``/changefeeds``) handed straight to the
+    publisher, past ``app``'s middleware and router.
+
+    A listener's connection lives as long as the listener, and every frame of the
+    ASGI calls it passed through stays allocated meanwhile: under Starlette's
+    error and exception middleware and its router, about 1.5 KB per idle
+    listener, 15 MB for ten thousand. Everything else (HTTP, lifespan, other
+    websockets) goes to ``app`` as before.
+    """
+
+    __slots__ = ("_app", "_listeners")
+
+    def __init__(self, app: ASGIApp, listeners: ASGIApp) -> None:
+        self._app = app
+        self._listeners = listeners
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == "/changefeeds":
+            await self._listeners(scope, receive, send)
+        else:
+            await self._app(scope, receive, send)

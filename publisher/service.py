@@ -301,6 +301,15 @@ class Publisher:
 
         return publisher_routes(self)
 
+    def listeners_first(self, app: Any) -> Any:
+        """``app`` (an ASGI app that mounts ``routes``), with the listener websocket
+        handed to this publisher before ``app``'s middleware and router: an idle
+        listener then holds no frames of theirs (``routes.ListenersFirst``)."""
+        from .connection import ListenerEndpoint
+        from .routes import ListenersFirst
+
+        return ListenersFirst(app, ListenerEndpoint(self.sessions))
+
     async def _join_feed(
         self, conn: asyncpg.Connection, position: Position | None, stamp: int
     ) -> tuple[Position, int]:

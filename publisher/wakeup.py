@@ -21,7 +21,8 @@ class Wakeup:
 
     def __init__(self) -> None:
         self._set = False
-        self._waiters: list[asyncio.Future[None]] | None = None
+        self._waiters: asyncio.Future[None] | list[asyncio.Future[None]] | None = None
+        """The one waiter's future (the usual case), or the futures of several."""
 
     def is_set(self) -> bool:
         return self._set
@@ -32,7 +33,9 @@ class Wakeup:
             return
         self._set = True
         waiters, self._waiters = self._waiters, None
-        for waiter in waiters or ():
+        if waiters is None:
+            return
+        for waiter in waiters if isinstance(waiters, list) else (waiters,):
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -44,15 +47,23 @@ class Wakeup:
         if self._set:
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._waiters is None:
-            self._waiters = [waiter]
+        waiters = self._waiters
+        if waiters is None:
+            self._waiters = waiter
+        elif isinstance(waiters, list):
+            waiters.append(waiter)
         else:
-            self._waiters.append(waiter)
+            self._waiters = [waiters, waiter]
         try:
             await waiter
         finally:
-            waiters = self._waiters
-            if waiters is not None and waiter in waiters:
-                waiters.remove(waiter)
-                if not waiters:
-                    self._waiters = None
+            self._forget(waiter)
+
+    def _forget(self, waiter: asyncio.Future[None]) -> None:
+        waiters = self._waiters
+        if waiters is waiter:
+            self._waiters = None
+        elif isinstance(waiters, list) and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                self._waiters = None

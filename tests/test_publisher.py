@@ -437,3 +437,33 @@ async def test_a_listener_that_stops_answering_pings_is_dropped_and_its_registra
         assert item["changedResourceId"] == "after-the-mute-one"
         await alive.close()
         mute.transport.abort()
+
+
+async def test_listeners_first_hands_the_listener_websocket_past_the_apps_middleware() -> None:
+    """Publisher.listeners_first(app): the /changefeeds websocket goes straight to the
+    publisher's endpoint (none of the app's frames held for an idle listener);
+    everything else, HTTP on the same path included, to the app."""
+    seen: list[tuple[str, str, str]] = []
+
+    def recorder(name: str) -> Any:
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            seen.append((name, scope["type"], scope.get("path", "")))
+
+        return app
+
+    from changefeed.publisher.routes import ListenersFirst
+
+    first = ListenersFirst(recorder("app"), recorder("listeners"))
+    for scope in (
+        {"type": "websocket", "path": "/changefeeds"},
+        {"type": "http", "path": "/changefeeds"},
+        {"type": "websocket", "path": "/elsewhere"},
+        {"type": "lifespan"},
+    ):
+        await first(scope, None, None)
+    assert seen == [
+        ("listeners", "websocket", "/changefeeds"),
+        ("app", "http", "/changefeeds"),
+        ("app", "websocket", "/elsewhere"),
+        ("app", "lifespan", ""),
+    ]

@@ -37,11 +37,12 @@ def test_a_renamed_name_is_reported_as_missing(monkeypatch: pytest.MonkeyPatch) 
 
 
 def _own_names(source: str) -> set[str]:
-    """Names the module defines itself: methods, class attributes and slots."""
+    """Names the module defines itself: methods, class attributes (assigned or only
+    declared) and slots."""
     slots = re.findall(r"__slots__ = \(([^)]*)\)", source)
     return (
         set(re.findall(r"^\s+(?:async )?def (\w+)", source, re.M))
-        | set(re.findall(r"^    (\w+)(?::[^=\n]+)? =", source, re.M))
+        | set(re.findall(r"^    (\w+)(?::[^=\n]+)?(?: =|$)", source, re.M))
         | {name for names in slots for name in re.findall(r'"(\w+)"', names)}
     )
 
