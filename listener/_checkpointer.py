@@ -30,7 +30,7 @@ import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from changefeed.logs import log_event
@@ -47,7 +47,7 @@ from ._checkpoint import (
 from ._errors import CheckpointError, CheckpointRefused
 from ._log import log
 
-__all__ = ["CLOSE_WAIT", "CheckpointHost", "Checkpointer", "MirrorSource"]
+__all__ = ["CLOSE_WAIT", "Checkpointer", "MirrorSource"]
 
 CLOSE_WAIT = 120.0
 """Seconds a stopping listener waits for its last checkpoint to be saved."""
@@ -81,26 +81,14 @@ class MirrorSource(Protocol):
         """Resources in its mirror."""
 
 
-class CheckpointHost(Protocol):
-    """What a checkpointer reads from its listener."""
-
-    @property
-    def change_kinds(self) -> tuple[ChangeKind, ...]:
-        """What the listener registers."""
-
-    def checkpoint_position(self) -> str | None:
-        """The cursor every mirror reflects now (None: none yet)."""
-
-    def checkpoint_sources(self) -> Sequence[MirrorSource]:
-        """The attached controllers whose mirrors go into a checkpoint."""
-
-
 class Checkpointer:
     """Loads and saves one listener's checkpoints.
 
     Args:
         store: where they are kept.
-        host: the listener: its cursor, change kinds and controllers.
+        change_kinds: what the listener registers.
+        position: the cursor every mirror reflects now (None: none yet).
+        sources: the attached controllers whose mirrors go into a checkpoint.
         interval: seconds between periodic saves.
         load_timeout: seconds the store's ``load`` may take.
         name: the listener's name, for log events.
@@ -109,14 +97,18 @@ class Checkpointer:
     def __init__(
         self,
         store: CheckpointStore,
-        host: CheckpointHost,
+        change_kinds: tuple[ChangeKind, ...],
+        position: Callable[[], str | None],
+        sources: Callable[[], Sequence[MirrorSource]],
         *,
         interval: float,
         load_timeout: float,
         name: str,
     ) -> None:
         self.store = store
-        self._host = host
+        self._change_kinds = change_kinds
+        self._position = position
+        self._sources = sources
         self._interval = interval
         self._load_timeout = load_timeout
         self._name = name
@@ -156,7 +148,7 @@ class Checkpointer:
             resume: the listener resumes at all (``ListenerConfig.resume``).
         """
         started = time.monotonic()
-        sources = self._host.checkpoint_sources()
+        sources = self._sources()
         log_event(log, "listener.checkpoint.loading", listener=self._name)
         try:
             checkpoint = await self._load()
@@ -174,7 +166,7 @@ class Checkpointer:
             )
         plan = plan_restore(
             checkpoint,
-            change_kinds=self._host.change_kinds,
+            change_kinds=self._change_kinds,
             controllers={source.name: source.resource for source in sources},
             resume=resume,
         )
@@ -237,8 +229,7 @@ class Checkpointer:
     def take(self) -> Checkpoint | None:
         """A checkpoint of the listener's position and every mirror, now (synchronous:
         nothing moves while it is taken). None before the load, or without a position."""
-        host = self._host
-        position, sources = host.checkpoint_position(), host.checkpoint_sources()
+        position, sources = self._position(), self._sources()
         if not self._restored.is_set() or position is None:
             return None
         for source in sources:
@@ -261,7 +252,7 @@ class Checkpointer:
             self._since_whole.clear()
         return Checkpoint(
             position,
-            host.change_kinds,
+            self._change_kinds,
             parts,
             whole=whole,
             sequence=self._sequence,
@@ -271,11 +262,10 @@ class Checkpointer:
 
     def due(self) -> bool:
         """Whether a periodic save has anything to save (what a failed one did not, too)."""
-        host = self._host
         return (
-            host.checkpoint_position() != self._saved_position
+            self._position() != self._saved_position
             or any(self._unsaved.values())
-            or any(source.has_changed() for source in host.checkpoint_sources())
+            or any(source.has_changed() for source in self._sources())
         )
 
     def save(self, checkpoint: Checkpoint) -> asyncio.Task[bool]:

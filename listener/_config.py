@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ._backoff import BackoffPolicy
-from ._buffer import BUFFER_KINDS
 from ._checks import check_count, check_flag, check_seconds, is_number
 from ._errors import ListenerConfigError
+from ._inbox import BUFFER_KINDS
 
 __all__ = ["ListenerConfig"]
 

@@ -1,12 +1,12 @@
 """One connection of a listener: connect, register, bootstrap while buffering, read frames.
 
-The websockets / httpx half of ``Listener`` (module ``_listener``). The
-lifecycle task (``_connection``) makes one ``Session`` per attempt and runs
-it; a session only ends by raising ``SessionError``, and classifying that,
-clearing and backing off stay with the lifecycle task. A session owns nothing
-that outlives its connection: what it learns goes to its ``SessionHost`` (the
-listener's ``_reports.SessionReports``), which keeps the counters, the buffer
-and the connection state.
+The websockets / httpx adapter of the listener. The connection loop
+(``_connection``) makes one ``Session`` per attempt and runs it; a session
+only ends by raising ``SessionError``, and classifying that, clearing and
+backing off stay with the loop. A session owns nothing that outlives its
+connection: what it learns goes to its ``SessionHost`` (the connection loop),
+and each frame it reads goes, undecoded, to the inbox (``_inbox``: decoding,
+the buffer, the hand-out).
 
 A registration of several change kinds (v2) is answered with one bootstrap
 route per kind; when the publisher does not resume, every route is walked at
@@ -28,7 +28,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from changefeed.bootstrap import BootstrapError, Pager, PagerProgress, bearer_headers
 from changefeed.logs import log_event
-from changefeed.schemas import Ack, ChangeItem, ChangeKind, ErrorFrame, ProtocolError
+from changefeed.schemas import Ack, ChangeKind, ProtocolError
 
 from ._config import ListenerConfig
 from ._errors import (
@@ -39,10 +39,22 @@ from ._errors import (
     SessionError,
 )
 from ._events import Resynced
-from ._frames import decode_frame, error_frame
+from ._inbox import error_frame, publisher_error
 from ._log import log
 
 __all__ = ["Session", "SessionHost", "bootstrap_routes"]
+
+
+class Frames(Protocol):
+    """Where a session's frames go: the listener's inbox (``_inbox.Inbox``)."""
+
+    async def receive(self, frame: str | bytes) -> None:
+        """A frame arrived, undecoded (error and bad frames too).
+
+        Raises:
+            SessionError: it ends the session (an error frame, a bad frame, an
+                overflow of the buffer).
+        """
 
 
 class SessionHost(Protocol):
@@ -51,10 +63,7 @@ class SessionHost(Protocol):
     def log_fields(self) -> dict[str, Any]:
         """The listener's fields for this session's log events."""
 
-    def frame_received(self) -> None:
-        """A frame arrived (before it is decoded: error and bad frames count too)."""
-
-    def registered(self, ack: Ack, routes: dict[str, str], resuming: bool) -> None:
+    def registered_ack(self, ack: Ack, routes: dict[str, str], resuming: bool) -> None:
         """The publisher acked the registration; ``routes``: resource -> absolute
         bootstrap URL; ``resuming``: the registration carried ``since``."""
 
@@ -71,13 +80,6 @@ class SessionHost(Protocol):
 
     def live(self) -> None:
         """Resumed or bootstrapped: items now flow to the application."""
-
-    async def received(self, items: Sequence[ChangeItem]) -> None:
-        """One frame's change items arrived.
-
-        Raises:
-            BufferOverflow: they do not fit in the buffer; the session ends.
-        """
 
 
 def bootstrap_routes(
@@ -126,17 +128,12 @@ def _closed(exc: ConnectionClosed) -> PublisherClosed:
     return PublisherClosed(f"connection closed: {reason or exc}", code)
 
 
-def _error(error: ErrorFrame, what: str) -> PublisherClosed:
-    return PublisherClosed(
-        f"{what} {error.code}: {error.message}", None, error.code, retry_after=error.retry_after
-    )
-
-
 class Session:
     """One connection to the publisher, from the handshake to its end.
 
     Args:
-        host: the listener it reports to.
+        host: the connection loop it reports to.
+        frames: where its frames go (the inbox).
         url: the publisher's websocket endpoint.
         api_url: what the ack's bootstrap routes are resolved against.
         registration: the encoded registration frame (with ``since`` when resuming).
@@ -154,6 +151,7 @@ class Session:
     def __init__(
         self,
         host: SessionHost,
+        frames: Frames,
         *,
         url: str,
         api_url: str,
@@ -168,6 +166,7 @@ class Session:
         first_bootstrap: bool,
     ) -> None:
         self._host = host
+        self._frames = frames
         self._url = url
         self._api_url = api_url
         self._registration = registration
@@ -222,13 +221,13 @@ class Session:
             raise _closed(exc) from None
         decoded = error_frame(raw)
         if decoded is not None:
-            raise _error(decoded, "registration refused")
+            raise publisher_error(decoded, "registration refused")
         try:
             ack = Ack.decode(raw)
         except ProtocolError as exc:
             raise BadPublisherFrame(f"bad ack ({exc.code}): {exc.message}") from None
         routes = bootstrap_routes(ack, self._kinds, self._multi, self._api_url)
-        self._host.registered(ack, routes, self._resuming)
+        self._host.registered_ack(ack, routes, self._resuming)
         log_event(
             log,
             "listener.registered",
@@ -362,23 +361,11 @@ class Session:
 
     async def _receive(self, ws: ClientConnection) -> None:
         """Read frames into the host until the connection ends; always raises SessionError."""
-        host = self._host
-        resources = {kind.resource for kind in self._kinds} if self._multi else None
+        receive = self._frames.receive
         while True:
             try:
                 # Undecoded: the frame decoder checks the UTF-8 of what it keeps.
                 raw = await ws.recv(decode=False)
             except ConnectionClosed as exc:
                 raise _closed(exc) from None
-            host.frame_received()
-            decoded = decode_frame(raw)
-            if isinstance(decoded, ErrorFrame):
-                raise _error(decoded, "publisher error")
-            if resources is not None:
-                for item in decoded:
-                    if item.change_kind.resource not in resources:
-                        raise BadPublisherFrame(
-                            f"an item of resource {item.change_kind.resource!r}, "
-                            "which this connection did not register"
-                        )
-            await host.received(decoded)
+            await receive(raw)

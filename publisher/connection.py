@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 
+from changefeed.backoff import Backoff
 from changefeed.logs import log_event
 from changefeed.schemas import ERROR_CLOSE_CODES, AccessDenied, ErrorFrame
 
@@ -68,8 +70,13 @@ all of them early; the senders then go on in turns of _FRAMES_PER_TURN."""
 _REFILL_TURNS = 2
 """Turns of items a catching-up connection queues at a time."""
 
-_FEED_RETRY = (0.05, 2.0)
-"""First and longest wait before reading the feed again after a failed page read."""
+_FEED_RETRY = Backoff(initial=0.05, maximum=2.0, jitter=0.5)
+"""Waits before reading the feed again after failed page reads in a row
+(changefeed.backoff's policy): 50 ms doubling to 2 s, the upper half of each drawn
+at random, so that the connections of a database outage do not all ask at once."""
+
+_JITTER = random.Random()
+"""The draws of those waits (the connections' own, not the global ``random``)."""
 
 _REFUSALS = ("frame_too_large", "bad_frame")
 """Server closes that refuse what the listener sent (counted as refusals)."""
@@ -401,12 +408,11 @@ class _Connection:
                     instance=session.instance,
                     peer=session.peer,
                 )
-            first, longest = _FEED_RETRY
             # Waiting for the database is not the listener's fault (stall.py).
             session.delivery.waiting_on_feed = True
             try:
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(longest, first * 2 ** (failures - 1))):
+                    async with asyncio.timeout(_FEED_RETRY.delay(failures, _JITTER)):
                         await session.delivery.ended.wait()
             finally:
                 session.delivery.waiting_on_feed = False

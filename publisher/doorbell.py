@@ -27,13 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
-from tenacity import wait_exponential_jitter as backoff
+from tenacity import RetryCallState, retry_if_exception_type
 
+from changefeed.backoff import Backoff, retrying
 from changefeed.logs import log_event
 
 from .feed import DB_ERRORS
@@ -41,6 +42,10 @@ from .feed import DB_ERRORS
 __all__ = ["Doorbell"]
 
 log = logging.getLogger(__name__)
+
+_RECONNECT = Backoff(initial=0.1, maximum=5.0, jitter=0.5)
+"""Waits before listening again on the primary (changefeed.backoff's policy): 100 ms
+doubling to 5 s, the upper half of each drawn at random."""
 
 _CHECK_INTERVAL = 10.0
 """Seconds between two checks that the LISTEN connection still answers: an idle
@@ -74,15 +79,17 @@ class Doorbell:
         self.rests_total = 0
         self._resting = False
         self._changed = asyncio.Event()
+        self._rng = random.Random()
 
     async def run(self) -> None:
         """LISTEN forever, reconnecting with back-off whenever the primary goes away."""
-        retrying = AsyncRetrying(
+        reconnecting = retrying(
+            _RECONNECT,
             retry=retry_if_exception_type(DB_ERRORS),
-            wait=backoff(multiplier=0.1, max=5.0, jitter=0.2),
+            rng=self._rng,
             before_sleep=self._on_retry,
         )
-        async for attempt in retrying:
+        async for attempt in reconnecting:
             with attempt:
                 await self._listen()
 

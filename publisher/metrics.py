@@ -1,8 +1,9 @@
 """Prometheus metrics of one publisher (invariant I7), read from its state at scrape time.
 
-Nothing is counted here: every metric is read, when /metrics is scraped, from
-the one place that keeps it (counters.Counters, the deliveries, the tailer,
-catch-up, the window), the same places /changefeeds/stats reads. Each
+Nothing is counted here, and no counter is declared here (``figures``): every
+metric is read, when /metrics is scraped, from the one place that keeps it
+(counters.Counters, the deliveries, the tailer, catch-up, the window), the
+same places /changefeeds/stats reads. Each
 publisher has its own CollectorRegistry, so several publishers in one process
 (tests, multi-feed servers) never clash.
 
@@ -35,6 +36,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from .figures import COUNTERS
+
 __all__ = [
     "ENTRY_AGE_BUCKETS",
     "FLUSH_BUCKETS",
@@ -61,33 +64,11 @@ class MetricsSnapshot:
     labelled_gauges: dict[str, tuple[tuple[str, ...], dict[tuple[str, ...], float]]]
 
 
-_HELP = {
+_GAUGE_HELP = {
     "listeners": "Connected, registered listener sockets",
     "open_connections": "Open /changefeeds websocket connections, registered or not",
     "catching_up": "Listeners catching up (behind the head) rather than served live",
     "active_registrations": "Registrations by resource",
-    "registrations": "Registrations accepted",
-    "connections": "Websocket handshakes received on /changefeeds",
-    "refusals": "Requests and connections refused, by error code and endpoint (websocket, http)",
-    "disconnects": "Registered listeners gone, for any reason (evictions included)",
-    "evictions": (
-        "Listeners the publisher closed: slow_listener (no progress for stall_timeout),"
-        " keepalive_timeout (no pong and no progress for ping_timeout),"
-        " cursor_expired (trimmed past while catching up)"
-    ),
-    "dropped": "Items queued for listeners whose connection closed before they were written",
-    "entries_tailed": "Feed entries read by the tailer",
-    "queued": "Items queued to listener send queues (live and catch-up)",
-    "deliveries": (
-        "Change items listeners took (with direct writes: acknowledged by their TCP;"
-        " through ASGI: written)"
-    ),
-    "frames": "Websocket frames of change items written (a batch frame counts once)",
-    "fell_behind": "Times a live listener's queue could not take a batch and it went to catch-up",
-    "rejoined": "Times a listener that was behind reached the head and went live again",
-    "catchup_items": "Items queued for listeners catching up, by source (window, feed)",
-    "catchup_page_reads": "Pages of the feed table read for listeners behind the window",
-    "catchup_pages_shared": "Catch-up pages served from what another listener's read brought",
     "window_bytes": "Estimated memory held by the window of recently tailed entries",
     "window_entries": "Entries in the window of recently tailed entries",
     "queue_depth_max": (
@@ -99,18 +80,10 @@ _HELP = {
     "tailer_lag_seconds": "Age of the newest entry at the time the tailer read it",
     "tailer_up": "1 while the tailer is connected and running",
     "tailer_position": "Identity of the last entry the tailer read (grows while it makes progress)",
-    "tailer_fanout_wait_seconds": (
-        "Time the tailer waited, between full batches, for the fan-out to reach every listener"
-    ),
     "doorbell_up": (
         "1 while the doorbell of a tailer reading a standby is connected to the primary,"
         " listening or resting while the feed flows (always 1 for a tailer reading the primary)"
     ),
-    "replay_waits": (
-        "Reads of a standby made again because it had not yet replayed a transaction"
-        " the doorbell named"
-    ),
-    "replay_conflicts": "Reads of a standby cancelled by a conflict with replay, and read again",
     "oldest_open_transaction_seconds": (
         "Age of the oldest open write transaction holding the horizon back"
     ),
@@ -122,6 +95,10 @@ _HELP = {
     ),
     "feed_bytes": "Size of the feed table on disk, indexes included",
 }
+
+
+_HELP = {**_GAUGE_HELP, **{f.metric: f.help for f in COUNTERS if f.metric is not None}}
+"""Every metric's help: the gauges' here, the counters' where they are declared."""
 
 
 class PublisherMetrics:

@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 
 import asyncpg
 
+from changefeed.backoff import Backoff
 from changefeed.logs import log_event
 from changefeed.schemas import PgConnection
 
@@ -39,8 +41,10 @@ log = logging.getLogger(__name__)
 
 _LONG_PAGE_HEADER = 40
 """Bytes of the longest WAL page header (a segment's first page; others have 24)."""
-_FIRST_POLL = 0.002
-_LONGEST_POLL = 0.05
+_POLL = Backoff(initial=0.002, maximum=0.05, jitter=0.0)
+"""Waits between two looks at a standby's replay (changefeed.backoff's policy,
+without jitter: one client asking one server): 2 ms doubling to 50 ms."""
+_NO_JITTER = random.Random()
 """Seconds between two looks at a standby's replay position, growing from the first."""
 
 
@@ -80,7 +84,7 @@ async def wait_replayed(conn: PgConnection, target: str, within: float) -> bool:
         False when it had not within ``within`` seconds.
     """
     deadline = time.monotonic() + within
-    pause = _FIRST_POLL
+    looks = 0
     while True:
         replayed = await conn.fetchval(
             "SELECT NOT pg_is_in_recovery() OR pg_last_wal_replay_lsn() >= $1::text::pg_lsn", target
@@ -90,8 +94,8 @@ async def wait_replayed(conn: PgConnection, target: str, within: float) -> bool:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        await asyncio.sleep(min(pause, left))
-        pause = min(pause * 2, _LONGEST_POLL)
+        looks += 1
+        await asyncio.sleep(min(_POLL.delay(looks, _NO_JITTER), left))
 
 
 class Standby:

@@ -21,14 +21,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from tenacity import AsyncRetrying, RetryCallState, wait_exponential_jitter
+from tenacity import RetryCallState
 
+from changefeed.backoff import Backoff, retrying
 from changefeed.logs import log_event
 from changefeed.schemas import Position, stamp_of
 
@@ -49,9 +51,12 @@ _UNEXPECTED_RETRIES = 3
 """Failures in a row that are not database errors (a bug, most likely) after which
 the tailer gives up instead of retrying them forever."""
 
-_FIRST_CONFLICT_PAUSE = 0.01
-_LONGEST_CONFLICT_PAUSE = 1.0
-"""Seconds before reading again after a read was cancelled by replay."""
+_RECONNECT = Backoff(initial=0.05, maximum=2.0, jitter=0.5)
+"""Waits before connecting again (changefeed.backoff's policy): 50 ms doubling to
+2 s, the upper half of each drawn at random."""
+
+_CONFLICT = Backoff(initial=0.01, maximum=1.0, jitter=0.5)
+"""Waits before reading again after reads replay cancelled, in a row."""
 
 
 def _txid(payload: object) -> int | None:
@@ -83,6 +88,7 @@ class Tailer:
             the fan-out's flush has given every listener its turn of what ``sink`` took.
         standby: ``connect`` opens connections to a hot standby: no LISTEN on them
             (``ring`` is called from elsewhere), and reads paced by ``pacing``.
+        rng: random source of the back-off's jitter (seed it in tests).
     """
 
     def __init__(
@@ -98,8 +104,10 @@ class Tailer:
         fanned_out: Callable[[], Awaitable[None]] | None = None,
         join: Join | None = None,
         standby: bool = False,
+        rng: random.Random | None = None,
     ) -> None:
         self._connect = connect
+        self._rng = rng or random.Random()
         self._reader = reader
         self._channel = channel
         self._sink = sink
@@ -149,13 +157,10 @@ class Tailer:
         few times in a row, then the tailer gives up and raises, and the
         publisher reports itself failed (/readyz) rather than spin.
         """
-        retrying = AsyncRetrying(
-            retry=self._retryable,
-            wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.1),
-            before_sleep=self._on_retry,
-            reraise=True,
+        reconnecting = retrying(
+            _RECONNECT, retry=self._retryable, rng=self._rng, before_sleep=self._on_retry
         )
-        async for attempt in retrying:
+        async for attempt in reconnecting:
             with attempt:
                 await self._follow()
 
@@ -222,7 +227,7 @@ class Tailer:
             self.failing_since = None
             self.last_error = None
             self.ready.set()
-            conflict_pause = _FIRST_CONFLICT_PAUSE
+            conflicts = 0
             while True:
                 self._wake.clear()
                 try:
@@ -230,11 +235,12 @@ class Tailer:
                 except asyncpg.SerializationError as exc:
                     # Replay cancelled the read (a standby's conflict with
                     # recovery): nothing was handed on; read again.
-                    self._replay_conflict(exc, conflict_pause)
-                    await asyncio.sleep(conflict_pause)
-                    conflict_pause = min(conflict_pause * 2, _LONGEST_CONFLICT_PAUSE)
+                    conflicts += 1
+                    pause = _CONFLICT.delay(conflicts, self._rng)
+                    self._replay_conflict(exc, pause)
+                    await asyncio.sleep(pause)
                     continue
-                conflict_pause = _FIRST_CONFLICT_PAUSE
+                conflicts = 0
                 with contextlib.suppress(TimeoutError):
                     # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
                     # cancellation that races the doorbell, and stop() then hangs.
@@ -259,7 +265,7 @@ class Tailer:
             "tailer.replay_conflict",
             logging.WARNING,
             error=f"{type(exc).__name__}: {exc}",
-            retry_in=pause,
+            retry_in=round(pause, 4),
             conflicts=self.replay_conflicts_total,
         )
 

@@ -36,7 +36,6 @@ database outage with a traceback (503 ``unavailable`` instead).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import uuid
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+import msgspec
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -431,7 +431,7 @@ def create_app(
     if config.dsn is None:
         publisher_overrides.setdefault("dsn", dsn)
     if publisher_overrides:
-        config = dataclasses.replace(config, **publisher_overrides)
+        config = msgspec.structs.replace(config, **publisher_overrides)
     publisher = Publisher(config, authorize=authorize)
     admission = admission if admission is not None else Admission()
     limits: dict[str, Any] = {

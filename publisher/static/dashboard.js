@@ -407,18 +407,20 @@
     );
   }
 
+  // The counters of the "Since start" line: declared with every other view of them
+  // (publisher/figures.py), and written into the page as data.
+  const SINCE_START = (() => {
+    try {
+      const listed = JSON.parse(($("since-start") || {}).textContent || "[]");
+      return Array.isArray(listed) ? listed : [];
+    } catch {
+      return [];
+    }
+  })();
+
   function renderCounters(doc) {
     const c = doc.counters || {};
-    const parts = [
-      ["connections opened", c.connections],
-      ["listeners registered", c.listeners],
-      ["registrations", c.registrations],
-      ["disconnects", c.disconnects],
-      ["evictions", c.evictions],
-      ["items sent", c.sent],
-      ["frames", c.frames],
-      ["items dropped", c.dropped],
-    ].filter(([, v]) => has(v));
+    const parts = SINCE_START.map(([key, label]) => [label, c[key]]).filter(([, v]) => has(v));
     $("counters").replaceChildren(
       el("strong", { text: "Since start" }),
       ...parts.map(([label, v]) => el("span", { text: `${integer.format(v)} ${label}` })),
