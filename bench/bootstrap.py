@@ -110,7 +110,9 @@ def _serve(dsn: str, port: int) -> None:
     """Child process: the VM API on uvicorn until SIGTERM."""
     app = create_app(dsn, admission=Admission(max_walks=None), max_limit=MAX_LIMIT)
     # Served as ``changefeed example-api`` serves it (collector tuned once started).
-    DrainingServer(server_config(app, "127.0.0.1", port), [], owns_process=True).run()
+    DrainingServer(
+        server_config(app, "127.0.0.1", port, fast_path=True), [], owns_process=True
+    ).run()
 
 
 def _free_port() -> int:

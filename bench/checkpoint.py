@@ -108,7 +108,9 @@ async def seed(dsn: str, count: int) -> None:
 def _serve(dsn: str, port: int) -> None:
     """Child process: the VM API on uvicorn until SIGTERM (its default ``max_limit``)."""
     app = create_app(dsn, admission=Admission(max_walks=None))
-    DrainingServer(server_config(app, "127.0.0.1", port), [], owns_process=True).run()
+    DrainingServer(
+        server_config(app, "127.0.0.1", port, fast_path=True), [], owns_process=True
+    ).run()
 
 
 def _free_port() -> int:

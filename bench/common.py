@@ -25,11 +25,13 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import json
 import math
 import multiprocessing
 import os
 import re
 import resource
+import socket
 import statistics
 import struct
 import sys
@@ -40,6 +42,7 @@ from array import array
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -681,7 +684,9 @@ def say(*parts: object) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_publisher(config: Any, **server: Any) -> AsyncIterator[tuple[str, Any]]:
+async def serve_publisher(
+    config: Any, *, fast_path: bool = True, **server: Any
+) -> AsyncIterator[tuple[str, Any]]:
     """Run ``Publisher(config)`` in a Starlette app on uvicorn (the publisher's own
     server settings, ``server`` overriding them) on a free loopback port; yield its
     websocket URL and the publisher. The garbage collector is tuned once the
@@ -694,7 +699,7 @@ async def serve_publisher(config: Any, **server: Any) -> AsyncIterator[tuple[str
 
     publisher = Publisher(config)
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
-    runner = uvicorn.Server(server_config(app, "127.0.0.1", 0, **server))
+    runner = uvicorn.Server(server_config(app, "127.0.0.1", 0, fast_path=fast_path, **server))
     task = asyncio.create_task(runner.serve())
     await until(lambda: runner.started, 30)
     port = runner.servers[0].sockets[0].getsockname()[1]
@@ -705,3 +710,125 @@ async def serve_publisher(config: Any, **server: Any) -> AsyncIterator[tuple[str
     finally:
         runner.should_exit = True
         await asyncio.wait_for(task, 30)
+
+
+_BENCH = Path(__file__).resolve().parent
+
+SERVERS = {
+    "uvicorn-fast": "uvicorn, fast path",
+    "uvicorn": "uvicorn, plain ASGI",
+    "hypercorn": "hypercorn, plain ASGI",
+    "granian": "granian, plain ASGI",
+}
+"""The servers the benchmarks run the publisher on (``publisher_process``), as labelled."""
+
+
+def _server_command(server: str, port: int) -> list[str]:
+    """Each server with uvloop, no per-message compression where it can be turned
+    off, and its own logging at warning."""
+    python, app, host = sys.executable, "served_app:app", "127.0.0.1"
+    if server in ("uvicorn", "uvicorn-fast"):
+        ws = (
+            "changefeed.serving:FanoutWebSocketProtocol"
+            if server == "uvicorn-fast"
+            else ("websockets-sansio")
+        )
+        return [
+            *(python, "-m", "uvicorn", app, "--host", host, "--port", str(port)),
+            *("--loop", "uvloop", "--http", "httptools", "--ws", ws),
+            *("--ws-per-message-deflate", "false", "--log-level", "warning"),
+        ]
+    if server == "hypercorn":
+        return [
+            *(python, "-m", "hypercorn", app, "--bind", f"{host}:{port}"),
+            *("--worker-class", "uvloop", "--log-level", "warning"),
+        ]
+    if server == "granian":
+        return [
+            *(python, "-m", "granian", "--interface", "asgi", "--loop", "uvloop"),
+            *("--host", host, "--port", str(port), "--log-level", "warning", app),
+        ]
+    raise ValueError(f"unknown server {server!r} (known: {', '.join(SERVERS)})")
+
+
+@dataclass
+class PublisherProcess:
+    """A publisher served by one of ``SERVERS`` in a process of its own."""
+
+    server: str
+    url: str
+    process: asyncio.subprocess.Process
+
+    @property
+    def ws_url(self) -> str:
+        return self.url.replace("http://", "ws://", 1) + "/changefeeds"
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the server's processes so far (granian's workers are children)."""
+        import psutil
+
+        root = psutil.Process(self.process.pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        return total
+
+    async def stats(self) -> dict[str, Any]:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=10) as http:
+            response = await http.get(self.url + "/changefeeds/stats")
+            response.raise_for_status()
+            doc: dict[str, Any] = response.json()
+            return doc
+
+    async def listeners(self) -> int:
+        return int((await self.stats())["listeners"])
+
+
+@contextlib.asynccontextmanager
+async def publisher_process(
+    server: str, dsn: str, settings: dict[str, Any]
+) -> AsyncIterator[PublisherProcess]:
+    """The publisher (bench/served_app.py, ``settings``: PublisherConfig fields) on
+    ``server`` on a free loopback port, until the block exits (SIGTERM)."""
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "CHANGEFEED_DSN": dsn,
+        "CHANGEFEED_BENCH_SETTINGS": json.dumps(settings),
+    }
+    process = await asyncio.create_subprocess_exec(
+        *_server_command(server, port), cwd=_BENCH, env=env
+    )
+    served = PublisherProcess(server, f"http://127.0.0.1:{port}", process)
+    try:
+        async with httpx.AsyncClient(timeout=2) as http:
+
+            async def ready() -> bool:
+                if process.returncode is not None:
+                    raise RuntimeError(f"{server} exited with {process.returncode}")
+                with contextlib.suppress(httpx.HTTPError):
+                    return (await http.get(served.url + "/readyz")).status_code == 200
+                return False
+
+            deadline = time.monotonic() + 60
+            while not await ready():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{server} not ready within 60 s")
+                await asyncio.sleep(0.1)
+        yield served
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), 30)
+            except TimeoutError:
+                process.kill()
+                await process.wait()

@@ -1,22 +1,26 @@
 """Fan-out throughput: deliveries per second to 100 listeners, end to end, beside raw websockets.
 
     python bench/fanout.py [--dsn DSN] [--quick] [--listeners 100] [--items 10000] [--rounds 3]
+                           [--servers uvicorn-fast,uvicorn,hypercorn,granian]
 
-Five measurements in one run, with the same client fleet (another process,
-see bench/common.py) and the same number of ~200-byte change items:
+Measurements in one run, with the same client fleet (another process, see
+bench/common.py) and the same number of ~200-byte change items:
 
-* raw: a ``websockets`` asyncio server that only calls ``websockets.broadcast``
-  for each item (no database, no queues: the floor of per-frame cost);
-* publisher, batch listeners: entries committed with ``publish_many`` (1,000
-  per transaction), tailed, encoded once, queued per listener, sent as JSON
-  arrays to listeners that registered with ``"batch": true``;
-* publisher, RFD 5 listeners: the same, one item per frame;
-* the same two through ASGI sends: uvicorn's own websocket protocol, as on any
-  server without changefeed's direct frame writes (``FanoutWebSocketProtocol``).
+* raw: a ``websockets`` asyncio server in this process that only calls
+  ``websockets.broadcast`` for each item (no database, no queues: the floor
+  of per-frame cost);
+* the publisher on each server of ``--servers`` (bench/served_app.py, in a
+  process of its own): uvicorn with the fast path (direct frame writes,
+  ``changefeed.serving.FanoutWebSocketProtocol``), and uvicorn, hypercorn and
+  granian through plain ASGI sends. On each, batch listeners (entries committed
+  with ``publish_many``, 1,000 per transaction, tailed, encoded once, queued
+  per listener, sent as JSON arrays to listeners that registered with
+  ``"batch": true``) and RFD 5 listeners (the same, one item per frame).
 
 Each figure is deliveries/s = listeners x items / (time the last listener got
 its last item - time the first item was written or broadcast), the median of
-``--rounds`` rounds, printed with its ratio to the raw figure.
+``--rounds`` rounds, printed with its ratio to the raw figure, and the server's
+CPU (all its processes) per delivery.
 
 Without ``--dsn`` an embedded PostgreSQL is started (changefeed.embedded). With
 ``--dsn`` the bench works in its own schema, ``changefeed_bench``, and drops it.
@@ -38,7 +42,17 @@ from typing import Any
 
 import asyncpg
 import orjson
-from common import ClientFleet, cpu_seconds, database, raise_nofile, say, serve_publisher, until
+from common import (
+    SERVERS,
+    ClientFleet,
+    PublisherProcess,
+    cpu_seconds,
+    database,
+    publisher_process,
+    raise_nofile,
+    say,
+    until,
+)
 from websockets.asyncio.server import ServerConnection, broadcast, serve
 
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish_many
@@ -69,16 +83,17 @@ class Figure:
 
 
 class Meter:
-    """CPU seconds of this process (the server) and of the fleet over one round."""
+    """CPU seconds of the server and of the fleet over one round."""
 
-    def __init__(self, fleet: ClientFleet) -> None:
+    def __init__(self, fleet: ClientFleet, server_cpu: Callable[[], float] = cpu_seconds) -> None:
         self.fleet = fleet
-        self.server = cpu_seconds()
+        self.server_cpu = server_cpu
+        self.server = server_cpu()
         self.client = cpu_seconds(fleet.pid)
         self.started = time.monotonic()
 
     def figure(self, report: dict[str, Any], listeners: int, items: int) -> Figure:
-        server = cpu_seconds() - self.server
+        server = self.server_cpu() - self.server
         client = cpu_seconds(self.fleet.pid) - self.client
         if not report["complete"]:
             got = sum(report["items"])
@@ -132,53 +147,52 @@ async def measure_raw(fleet: ClientFleet, listeners: int, frames: list[str]) -> 
 # --------------------------------------------------------------------------- publisher
 
 
-@contextlib.asynccontextmanager
-async def running_publisher(
-    dsn: str, queue_size: int, asgi: bool = False
-) -> AsyncIterator[tuple[str, Publisher]]:
-    config = PublisherConfig(
-        dsn=dsn,
-        schema=SCHEMA,
-        resources=(VM,),
-        retention=False,
-        queue_size=queue_size,
-        create_schema=False,
-    )
-    server = {"ws": "websockets-sansio"} if asgi else {}
-    async with serve_publisher(config, **server) as served:
-        yield served
+def publisher_settings(queue_size: int) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "retention": False,
+        "queue_size": queue_size,
+        "create_schema": False,
+    }
 
 
 async def measure_publisher(
     fleet: ClientFleet,
+    served: PublisherProcess,
     dsn: str,
     listeners: int,
     ids: list[str],
     *,
     batch: bool,
-    queue_size: int,
-    asgi: bool = False,
 ) -> Figure:
     writer = await asyncpg.connect(dsn)
     try:
-        async with running_publisher(dsn, queue_size, asgi) as (url, publisher):
-            await fleet.connect(url, listeners, registration(batch))
-            await until(lambda: len(publisher.registry) >= listeners, 30)
-            await fleet.reset(len(ids))
-            meter = Meter(fleet)
-            for i in range(0, len(ids), WRITE_CHUNK):
-                async with writer.transaction():
-                    chunk = [("vm", ["nic"], x) for x in ids[i : i + WRITE_CHUNK]]
-                    await publish_many(writer, chunk, schema=SCHEMA)
-            report = await fleet.wait(120)
-            figure = meter.figure(report, listeners, len(ids))
-            evicted = publisher.stats()["counters"]["evictions"]
-            await fleet.close_all()
+        await fleet.connect(served.ws_url, listeners, registration(batch))
+        await until_served(served, listeners)
+        await fleet.reset(len(ids))
+        meter = Meter(fleet, served.cpu_seconds)
+        for i in range(0, len(ids), WRITE_CHUNK):
+            async with writer.transaction():
+                chunk = [("vm", ["nic"], x) for x in ids[i : i + WRITE_CHUNK]]
+                await publish_many(writer, chunk, schema=SCHEMA)
+        report = await fleet.wait(120)
+        figure = meter.figure(report, listeners, len(ids))
+        evicted = (await served.stats())["counters"]["evictions"]
+        await fleet.close_all()
+        await until_served(served, 0)
         if evicted:
             raise RuntimeError(f"{evicted} listeners were evicted: raise --queue-size")
     finally:
         await writer.close()
     return figure
+
+
+async def until_served(served: PublisherProcess, listeners: int, timeout: float = 30) -> None:
+    """Wait until the publisher has ``listeners`` registered listeners."""
+    async with asyncio.timeout(timeout):
+        # Another process: its stats are what there is to poll.
+        while await served.listeners() != listeners:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
 
 
 def sample_frames(ids: list[str]) -> list[str]:
@@ -227,42 +241,40 @@ async def main(args: argparse.Namespace) -> None:
                     f"  raw websockets.broadcast   {raw.rate:>10,.0f} deliveries/s         "
                     f"{cpu(raw)}  {every}"
                 )
-                results = {}
-                for label, batch, asgi in (
-                    ("batch listeners", True, False),
-                    ("RFD 5 listeners", False, False),
-                    ("batch, ASGI sends", True, True),
-                    ("RFD 5, ASGI sends", False, True),
-                ):
-                    figure, every = await median_of(
-                        rounds,
-                        lambda batch=batch, asgi=asgi: measure_publisher(
-                            fleet,
-                            dsn,
-                            listeners,
-                            ids,
-                            batch=batch,
-                            queue_size=queue_size,
-                            asgi=asgi,
-                        ),
-                    )
-                    results[label] = figure.rate
-                    say(
-                        f"  publisher, {label:<17} {figure.rate:>10,.0f} deliveries/s  "
-                        f"{figure.rate / raw.rate:5.2f}x raw  {cpu(figure)}  {every}"
-                    )
+                results: dict[tuple[str, bool], Figure] = {}
+                for server in args.servers.split(","):
+                    settings = publisher_settings(queue_size)
+                    async with publisher_process(server, dsn, settings) as served:
+                        for label, batch in (("batch listeners", True), ("RFD 5 listeners", False)):
+                            figure, every = await median_of(
+                                rounds,
+                                lambda served=served, batch=batch: measure_publisher(
+                                    fleet, served, dsn, listeners, ids, batch=batch
+                                ),
+                            )
+                            results[server, batch] = figure
+                            say(
+                                f"  {SERVERS[server]:<22} {label:<16} {figure.rate:>10,.0f} "
+                                f"deliveries/s  {figure.rate / raw.rate:5.2f}x raw  "
+                                f"{cpu(figure)}  {every}"
+                            )
         finally:
             with contextlib.suppress(Exception):
                 await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
             await admin.close()
-    batch, single = results["batch listeners"], results["RFD 5 listeners"]
-    say(
-        f"result: raw {raw.rate:,.0f}/s; publisher with batch listeners {batch:,.0f}/s "
-        f"({batch / raw.rate:.2f}x raw, target >= 0.8x); "
-        f"with RFD 5 listeners {single:,.0f}/s ({single / raw.rate:.2f}x raw); through ASGI "
-        f"sends {results['batch, ASGI sends'] / raw.rate:.2f}x and "
-        f"{results['RFD 5, ASGI sends'] / raw.rate:.2f}x raw"
-    )
+    parts = [f"raw {raw.rate:,.0f}/s"]
+    for (server, batch), figure in results.items():
+        parts.append(
+            f"{SERVERS[server]}, {'batch' if batch else 'RFD 5'}: {figure.rate:,.0f}/s "
+            f"({figure.rate / raw.rate:.2f}x raw, {figure.server_cpu:.2f} us/delivery)"
+        )
+    fast, plain = ("uvicorn-fast", False), ("uvicorn", False)
+    if fast in results and plain in results:
+        parts.append(
+            "RFD 5 listeners on uvicorn: plain ASGI costs "
+            f"{results[plain].server_cpu / results[fast].server_cpu:.1f}x the fast path's CPU"
+        )
+    say("result: " + "; ".join(parts))
 
 
 def cpu(figure: Figure) -> str:
@@ -276,6 +288,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--listeners", type=int, default=100)
     parser.add_argument("--items", type=int, default=0, help="items per round")
     parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument(
+        "--servers", default=",".join(SERVERS), help="servers to run the publisher on, in order"
+    )
     return parser.parse_args()
 
 

@@ -2,6 +2,7 @@
 
     python bench/latency.py [--dsn DSN] [--quick] [--rate 1000] [--seconds 10] [--listeners 100]
                             [--history 100000]
+                            [--servers uvicorn-fast,uvicorn,hypercorn,granian]
     python bench/latency.py --sweep 1,10,25,50,100 [--rate 1000] [--seconds 10]
 
 A writer process commits one change per transaction at ``--rate`` per second
@@ -27,6 +28,12 @@ INSERT and the COMMIT themselves.
   the change's fan-out (against the floor), and how long one flush to every
   listener takes. The feed holds ``--history`` older entries, analysed, as a
   feed in service does.
+
+* per server: the same publisher on each server of ``--servers``
+  (bench/served_app.py, in a process of its own): uvicorn with the fast path
+  (direct frame writes), and uvicorn, hypercorn and granian through plain ASGI
+  sends; batch and RFD 5 listeners, with the server's CPU (all its
+  processes) per change.
 
 ``--sweep`` measures, for each listener count, the raw fan-out and the
 publisher with batch listeners at the same rate (the floor once), and prints a
@@ -54,10 +61,13 @@ from typing import Any
 import asyncpg
 import orjson
 from common import (
+    SERVERS,
     ClientFleet,
+    PublisherProcess,
     cpu_seconds,
     database,
     percentile,
+    publisher_process,
     raise_nofile,
     readable,
     say,
@@ -305,6 +315,69 @@ async def measure_publisher(
     return figures
 
 
+async def measure_served(
+    fleet: ClientFleet,
+    served: PublisherProcess,
+    dsn: str,
+    listeners: int,
+    *,
+    rate: float,
+    count: int,
+    batch: bool,
+) -> dict[str, Any]:
+    """End-to-end latency through a publisher served by another process."""
+    registration: dict[str, Any] = {
+        "instance": str(uuid.uuid4()),
+        "service": "bench",
+        "changeKind": {"resource": "vm", "subResources": ["nic"]},
+        "batch": batch,
+    }
+    await fleet.connect(served.ws_url, listeners, orjson.dumps(registration).decode(),
+                        latency_slots=count)  # fmt: skip
+    async with asyncio.timeout(30):
+        # Another process: its stats are what there is to poll.
+        while await served.listeners() < listeners:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    await fleet.reset(count)
+    server_cpu = served.cpu_seconds()
+    sent_at = await run_writer(dsn, "publish", rate, count)
+    report = await fleet.wait(30)
+    server_cpu = served.cpu_seconds() - server_cpu
+    if not report["complete"]:
+        raise RuntimeError(f"incomplete: {sum(report['items'])} of {listeners * count} items")
+    skip = int(count * WARMUP)
+    figures: dict[str, Any] = await fleet.latencies([float("inf")] * skip + sent_at[skip:])
+    figures["count"] = listeners * (count - skip)
+    figures["server_cpu"] = server_cpu / count
+    await fleet.close_all()
+    async with asyncio.timeout(30):
+        while await served.listeners():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    return figures
+
+
+async def measure_servers(
+    args: argparse.Namespace, fleet: ClientFleet, dsn: str, count: int
+) -> dict[tuple[str, bool], dict[str, Any]]:
+    """Each server of ``--servers``, batch and RFD 5 listeners."""
+    settings = {"schema": SCHEMA, "retention": False, "create_schema": False}
+    if args.send_interval is not None:
+        settings["send_interval"] = args.send_interval
+    results = {}
+    for server in args.servers.split(","):
+        async with publisher_process(server, dsn, settings) as served:
+            for label, batch in (("batch", True), ("RFD 5", False)):
+                figures = await measure_served(
+                    fleet, served, dsn, args.listeners, rate=args.rate, count=count, batch=batch
+                )
+                results[server, batch] = figures
+                say(
+                    line(f"{SERVERS[server]}, {label}", figures)
+                    + f"  server cpu/change {figures['server_cpu'] * 1e6:.0f} us"
+                )
+    return results
+
+
 def _instrument(publisher: Publisher) -> tuple[dict[int, float], list[float]]:
     """Where a change's time goes inside the publisher: when the tailer hands each
     entry to the fan-out, and what each flush (one frame per listener, in slices)
@@ -428,6 +501,10 @@ async def main(args: argparse.Namespace) -> None:
                         f"p50 {flush['p50'] * 1e3:.2f} ms p99 {flush['p99'] * 1e3:.2f} ms "
                         f"({flush['count']:,} flushes)"
                     )
+                say("  per server (the publisher in a process of its own):")
+                # --quick: a second on each, enough to see that each runs.
+                each = int(args.rate) if args.quick else count
+                servers = await measure_servers(args, fleet, dsn, each)
         finally:
             with contextlib.suppress(Exception):
                 await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
@@ -440,6 +517,14 @@ async def main(args: argparse.Namespace) -> None:
         f"p99 {best['p99'] * 1e3:.2f} ms "
         f"({best['p99'] / floor['p99']:.1f}x floor, target <= 10 ms); "
         f"raw broadcast p50 {raw['p50'] * 1e3:.2f} ms p99 {raw['p99'] * 1e3:.2f} ms"
+    )
+    say(
+        "result per server (p50 / p99 ms, batch; RFD 5): "
+        + "; ".join(
+            f"{SERVERS[server]} {figures['p50'] * 1e3:.2f} / {figures['p99'] * 1e3:.2f}"
+            f"{'' if batch else ' (RFD 5)'}"
+            for (server, batch), figures in servers.items()
+        )
     )
 
 
@@ -458,6 +543,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--send-interval", type=float, help="publisher send_interval, seconds (default: config)"
+    )
+    parser.add_argument(
+        "--servers", default=",".join(SERVERS), help="servers to run the publisher on, in order"
     )
     return parser.parse_args()
 

@@ -21,11 +21,13 @@
    controller's ``items`` counter, read every 0.5 ms) and the ratio to raw,
    and the CPU time of the measuring process per item over the same window
    (steadier than items/s on a busy machine); medians of ``--rounds``
-   rounds. With ``--baseline REF`` (a commit, branch or tag) the listener of
-   that commit is measured the same way in the same run: ``git worktree
-   add`` of REF in a temporary directory, whose ``changefeed`` package a
-   child process imports first, rounds interleaved with this tree's (raw,
-   this tree, REF, ...), and the worktree removed at the end.
+   rounds, and the medians of the ratios within each round (which cancel
+   the load other processes put on a shared machine from round to round).
+   With ``--baseline REF`` (a commit, branch or tag) the listener of that
+   commit is measured the same way in the same run: ``git worktree add`` of
+   REF in a temporary directory, whose ``changefeed`` package a child process
+   imports first, rounds interleaved with this tree's (raw, this tree, REF,
+   ...), and the worktree removed at the end.
 
 2. **Reconcile throughput** (this tree only; ``--no-reconcile`` skips it).
    The example VM API (publisher mounted) on uvicorn with ``--vms`` VMs in
@@ -287,6 +289,11 @@ def _rate(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def _paired(values: list[float], against: list[float]) -> float:
+    """The median of the round-by-round ratios ``values[i] / against[i]``."""
+    return statistics.median(v / a for v, a in zip(values, against, strict=True))
+
+
 def part1(items: int, rounds: int, baseline: tuple[Path, str] | None, ref: str | None) -> None:
     here = _git("rev-parse", "--short", "HEAD") + ("+" if _git("status", "--porcelain") else "")
     trees: list[tuple[str, Path | None]] = [("new", None)]
@@ -326,6 +333,19 @@ def part1(items: int, rounds: int, baseline: tuple[Path, str] | None, ref: str |
         say(line)
     say("(us/item: CPU time of the measuring process per item, median; steadier than")
     say(" items/s on a busy machine)")
+    # Each round measures every tree within seconds of the others: the ratios within a
+    # round cancel the load other processes put on the machine from round to round.
+    say("medians of the ratios within each round (items/s):")
+    for mode in ("listener", "controller"):
+        news = rates[(mode, "new")]
+        line = f"  {mode:<11} this tree / raw {_paired(news, rates[('raw', 'new')]):.2f}x"
+        if baseline is not None:
+            bases = rates[(mode, "base")]
+            line += (
+                f"   baseline / raw {_paired(bases, rates[('raw', 'new')]):.2f}x"
+                f"   this tree / baseline {_paired(news, bases):.2f}x"
+            )
+        say(line)
     ctrl = extra["controller/new"]
     fetched, coalesced = ctrl["fetches"], ctrl["coalesced"]
     say(f"(controller, last round: {fetched:,.0f} ids fetched, {coalesced:,.0f} coalesced)")
@@ -344,7 +364,7 @@ async def vm_api(dsn: str) -> AsyncIterator[str]:
     app = create_app(dsn, poll_interval=0.05, retention=False, max_limit=1000)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(server_config(app, "127.0.0.1", 0))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", 0, fast_path=True))
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     async with asyncio.timeout(30):

@@ -18,7 +18,13 @@ Client side::
     vms = await fetch_many(client, "/vms", uuids)         # {uuid: item}
 
 Every exception raised here is a ``BootstrapError`` (tree in ``errors``).
+
+The server side's Starlette and asyncpg come with ``changefeed[publisher]``:
+``route`` is imported on first use of one of its names, so that a listener-only
+install (the pager) needs neither.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from .admission import Admission, QuerySlots, WalkTable
 from .errors import (
@@ -31,14 +37,20 @@ from .errors import (
 )
 from .keyset import BatchRequest, Filter, KeysetQuery, PageRequest, quote_identifier
 from .pager import Pager, PagerProgress, RetryPolicy, bearer_headers, fetch_many, fetch_one
-from .route import (
-    DB_UNAVAILABLE,
-    BootstrapRoute,
-    encode_json,
-    error_response,
-    unavailable_response,
-)
 from .tokens import DEFAULT_TOKEN_KEY, PageToken, PageTokenCodec
+
+if TYPE_CHECKING:
+    from .route import (
+        DB_UNAVAILABLE,
+        BootstrapRoute,
+        encode_json,
+        error_response,
+        unavailable_response,
+    )
+
+_ROUTE_NAMES = frozenset(
+    {"DB_UNAVAILABLE", "BootstrapRoute", "encode_json", "error_response", "unavailable_response"}
+)
 
 __all__ = [
     "DB_UNAVAILABLE",
@@ -70,3 +82,11 @@ __all__ = [
     "quote_identifier",
     "unavailable_response",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ROUTE_NAMES:
+        from . import route
+
+        return getattr(route, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

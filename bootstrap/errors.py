@@ -70,4 +70,16 @@ class WalkRefused(BootstrapError):
 
 
 class PagingError(BootstrapError):
-    """A client-side walk or fetch failed for good (``url`` and ``status`` say where)."""
+    """A client-side walk or fetch failed for good (``url`` and ``status`` say where;
+    ``retry_after``: the last ``Retry-After`` the server sent, seconds, if any)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        status: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message, url=url, status=status)
+        self.retry_after = retry_after

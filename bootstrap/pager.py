@@ -4,13 +4,21 @@
 it is null, holding at most two pages (the one being consumed and the next
 one in flight). A page that fails (connection error, 5xx) is retried with
 exponential back-off and jitter, *the same page*: the walk never restarts.
-429 and 503 answers are retried after their ``Retry-After``; 429 (admission
+429 and 503 answers are retried after their ``Retry-After`` (a 503 is also what
+a route answers while its authorizer cannot be asked); 429 (admission
 control: the server is healthy, only busy) does not use up ``max_attempts``
 but is bounded in time by ``max_wait``. ``fetch_one`` and ``fetch_many``
 (the batch form ``?ids=``) use the same policy.
 
+Every wait is changefeed's one back-off policy (``changefeed.backoff``),
+inside tenacity's retry loop: failures wait a jittered exponential delay
+plus the answer's Retry-After, busy answers their Retry-After plus up to a
+second, spread over the herd. The jitter comes from the policy's
+``random.Random`` (``RetryPolicy.rng``), never the global one.
+
 It must never restart a walk on its own, hold more than two pages, retry
-without a bound, or retry a request the server refused as malformed (4xx).
+without a bound, or retry a request the server refused as malformed or not
+allowed (4xx: 401 and 403 are for good).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import httpx
 import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
+from changefeed.backoff import Backoff, WaitBackoff, retry_after_floor
 from changefeed.collector import collector_paused
 from changefeed.logs import log_event
 from changefeed.schemas import Page, ProtocolError
@@ -48,7 +57,13 @@ log = logging.getLogger(__name__)
 
 _INITIAL_BACKOFF = 0.1
 _MAX_BACKOFF = 10.0
-_MAX_RETRY_AFTER = 300
+
+_BUSY = Backoff(initial=1.0, maximum=1.0, jitter=1.0)
+"""The wait after a busy answer (429): its Retry-After plus up to a second, so that
+the walkers it turned away together do not come back at the same moment."""
+
+_JITTER = random.Random()
+"""The draws of the pager's waits when its policy names no ``rng``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +85,21 @@ class RetryPolicy:
         max_attempts: attempts per request that may fail (connection errors, 5xx).
         max_wait: seconds one request may spend waiting on 429 (busy) answers.
         initial_backoff: first back-off, doubled after each failure ...
-        max_backoff: ... up to this; each wait is jittered between half and all of it.
+        max_backoff: ... up to this; each wait is jittered between half and all of
+            it, plus the answer's Retry-After.
+        rng: source of the jitter (default: the pager's own).
     """
 
     max_attempts: int = 8
     max_wait: float = 300.0
     initial_backoff: float = _INITIAL_BACKOFF
     max_backoff: float = _MAX_BACKOFF
+    rng: random.Random | None = None
+
+    @property
+    def backoff(self) -> Backoff:
+        """The schedule of failed attempts."""
+        return Backoff(self.initial_backoff, self.max_backoff, jitter=0.5)
 
 
 class _Retryable(Exception):
@@ -92,7 +115,7 @@ class _Retryable(Exception):
 def _retry_after(response: httpx.Response) -> float | None:
     value = response.headers.get("retry-after", "").strip()
     if value.isdigit():
-        return float(min(int(value), _MAX_RETRY_AFTER))
+        return retry_after_floor(float(value))
     return None  # HTTP dates are not worth honouring here: back off instead
 
 
@@ -105,6 +128,8 @@ class _Attempts:
         self.failures = 0
         self.busy_waited = 0.0
         self.on_retry = on_retry
+        self.rng = policy.rng or _JITTER
+        self._failed = WaitBackoff(policy.backoff, self.rng, failures=lambda _: self.failures)
 
     def record(self, exc: BaseException) -> None:
         if not (isinstance(exc, _Retryable) and exc.busy):
@@ -118,20 +143,12 @@ class _Attempts:
         if self.on_retry is not None:
             self.on_retry()
         if isinstance(exc, _Retryable) and exc.busy:
-            # Honour Retry-After, and spread the herd of refused walkers over
-            # the next second so that they do not all come back at once.
-            delay = (exc.retry_after or self.policy.initial_backoff) + random.uniform(0, 1.0)
+            delay = _BUSY.delay(1, self.rng, exc.retry_after)
             delay = min(delay, max(self.policy.max_wait - self.busy_waited, 0.0))
             self.busy_waited += max(delay, 1e-3)
             log_event(log, "bootstrap.busy", logging.DEBUG, url=self.url, delay=round(delay, 3))
             return delay
-        base = min(
-            self.policy.max_backoff,
-            self.policy.initial_backoff * 2 ** max(self.failures - 1, 0),
-        )
-        delay = random.uniform(base / 2, base)
-        if isinstance(exc, _Retryable) and exc.retry_after is not None:
-            delay = max(delay, exc.retry_after)
+        delay = self._failed(state)  # the answer's Retry-After, plus the drawn delay
         log_event(
             log,
             "bootstrap.retry",
@@ -200,6 +217,7 @@ async def _get(
             f" and {attempts.busy_waited:.1f}s waiting on busy answers (last: {what})",
             url=shown,
             status=last_status,
+            retry_after=exc.retry_after if isinstance(exc, _Retryable) else None,
         ) from exc
     raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 

@@ -10,9 +10,10 @@ Thin adapter around ``KeysetQuery`` (the SQL and request parsing) and
 ``GET /vms?limit=N[&after=<token>]`` answers ``{"items": [...], "next": ...}``,
 ``GET /vms?ids=a,b`` the items found among the ids (``next`` null), and
 ``GET /vms/{id}`` one item or 404. Every failure is an HTTP status with the
-protocol's error body: 400 ``bad_request``, 401 ``unauthorized``, 404
-``not_found``, 429 ``busy`` and 503 ``unavailable`` (both with
-``Retry-After``), 500 ``internal``.
+protocol's error body: 400 ``bad_request``, 401 ``unauthorized``, 403
+``forbidden``, 404 ``not_found``, 429 ``busy`` and 503 ``unavailable`` (both
+with ``Retry-After``; the database, or the authorizer, cannot answer now), 500
+``internal``.
 
 It must never format a request value into SQL, never hold more than one page
 in memory per request, and never let a database outage surface as a traceback.
@@ -20,6 +21,7 @@ in memory per request, and never let a database outage surface as a traceback.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from changefeed.logs import log_event
-from changefeed.schemas import ErrorFrame, PgConnection
+from changefeed.schemas import AccessDenied, AccessGranted, ErrorFrame, PgConnection
 from changefeed.schemas.validation import bounded
 
 from .admission import Admission
@@ -45,6 +47,7 @@ __all__ = [
     "BootstrapRoute",
     "ItemEncoder",
     "PoolSource",
+    "RequestCheck",
     "encode_json",
     "error_response",
     "unavailable_response",
@@ -66,6 +69,10 @@ PoolSource = Callable[[], "asyncpg.Pool[asyncpg.Record]"]
 """Returns the pool to use; called per request, so an app may create its pool in
 its lifespan, after the routes exist."""
 
+RequestCheck = Callable[[Request], Awaitable[AccessGranted | AccessDenied | bool]]
+"""Whether a request may go on: true, or a refusal (``AccessDenied``: how to answer it;
+a plain False: 401). ``Publisher.authorize_request`` is one."""
+
 ItemEncoder = Callable[[asyncpg.Record], Any]
 """Turns a result row into the JSON-ready item a client sees."""
 
@@ -83,14 +90,19 @@ def encode_json(document: Any) -> bytes:
 
 
 def error_response(
-    status: int, code: str, message: str, headers: dict[str, str] | None = None
+    status: int,
+    code: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    retry_after: float | None = None,
 ) -> JSONResponse:
-    """An HTTP error with the protocol's error body ``{"error": {"code", "message"}}``.
+    """An HTTP error with the protocol's error body ``{"error": {"code", "message"}}``
+    (and ``retryAfter`` when given).
 
     The message is ``bounded``: it may quote what the request sent (a value, a key,
     a header, a query parameter), and an answer never echoes 60 KB of it back.
     """
-    frame = ErrorFrame(code, bounded(message))
+    frame = ErrorFrame(code, bounded(message), retry_after)
     return JSONResponse(frame.to_json(), status_code=status, headers=headers)
 
 
@@ -112,10 +124,14 @@ class BootstrapRoute:
         query: the source's statements and request parsing.
         pool: the pool to query, or a callable returning it.
         admission: walk and query limits (default: ``Admission()``).
-        authorize: optional check of each request (e.g. the publisher's
-            ``authorize_request``); False answers 401.
+        authorize: optional check of each request, e.g. the publisher's
+            ``authorize_request``, whose refusal (an ``AccessDenied``) is answered
+            401, 403 or 503 as it says; a plain False answers 401.
         to_item: row → item (default: ``dict(row)``).
         acquire_timeout: how long a request waits for a pool connection before 503.
+        authorize_timeout: how long ``authorize`` may take before the request is
+            answered 503 ``unavailable`` (the publisher's own check gives up
+            after 5 s, within this).
     """
 
     def __init__(
@@ -125,9 +141,10 @@ class BootstrapRoute:
         pool: asyncpg.Pool[asyncpg.Record] | PoolSource,
         *,
         admission: Admission | None = None,
-        authorize: Callable[[Request], Awaitable[bool]] | None = None,
+        authorize: RequestCheck | None = None,
         to_item: ItemEncoder = dict,
         acquire_timeout: float = 5.0,
+        authorize_timeout: float = 10.0,
     ) -> None:
         self.path = path.rstrip("/") or "/"
         self.query = query
@@ -136,6 +153,7 @@ class BootstrapRoute:
         self._authorize = authorize
         self.to_item = to_item
         self.acquire_timeout = acquire_timeout
+        self.authorize_timeout = authorize_timeout
         self.batches_served = 0
         self.items_served = 0
         self._item_sql = query.item_statement() if query.id_column is not None else None
@@ -194,11 +212,26 @@ class BootstrapRoute:
     # -- endpoints -------------------------------------------------------------
 
     async def refuse_unauthorized(self, request: Request) -> Response | None:
-        """401 when ``authorize`` says no; None when the request may proceed."""
-        if self._authorize is None or await self._authorize(request):
+        """The answer to a request ``authorize`` refuses (None: it may proceed): 401,
+        403 or 503 with ``Retry-After`` as the refusal says
+        (``changefeed.schemas.access``), 401 for a plain False. An ``authorize``
+        that raises, or takes longer than ``authorize_timeout``, is unavailable
+        (503), never unauthorized: a client must not give up because a check
+        could not be made."""
+        if self._authorize is None:
             return None
+        try:
+            async with asyncio.timeout(self.authorize_timeout):
+                outcome = await self._authorize(request)
+        except Exception as exc:
+            log_event(log, "bootstrap.authorize_failed", logging.ERROR, exc=exc, route=self.path)
+            outcome = AccessDenied.unavailable()
+        if not isinstance(outcome, AccessDenied):
+            if outcome:
+                return None
+            outcome = AccessDenied.unauthorized()
         return error_response(
-            401, "unauthorized", "missing or invalid bearer token", {"WWW-Authenticate": "Bearer"}
+            outcome.status, outcome.code, outcome.message, outcome.headers(), outcome.retry_after
         )
 
     async def list_endpoint(self, request: Request) -> Response:

@@ -137,11 +137,23 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=_port, default=0, help="API port (default: a free one)")
     demo.add_argument("--rate", type=_positive_rate, default=5.0, help="VM writes per second")
     demo.add_argument("--data-dir", help="embedded PostgreSQL data directory")
+    demo.add_argument(
+        "--standby",
+        action="store_true",
+        help="also start an embedded hot standby (streaming replication) and let the "
+        "publisher read the feed there",
+    )
 
     api = command(
         "example-api", "Serve only the example VM API (VMs and servers) with its publisher."
     )
     api.add_argument("--dsn", help="PostgreSQL DSN (or CHANGEFEED_DSN)")
+    api.add_argument(
+        "--read-dsn",
+        default=None,
+        metavar="DSN",
+        help="a hot standby of --dsn to read the feed from ([publisher] read_dsn, docs/config.md)",
+    )
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=_port, default=8080)
     api.add_argument(
@@ -192,7 +204,8 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint",
         metavar="FILE",
         help="keep the cursor (and, with --mirror, the mirrors) in this SQLite file: "
-        "a run resumes where the last one stopped",
+        "a run resumes where the last one stopped (one run per file at a time; "
+        "exit status 1 when its saves are failing at the end)",
     )
     listen.add_argument(
         "--mirror",
@@ -327,19 +340,29 @@ async def _stats(args: argparse.Namespace) -> int:
 
 async def _example_api(args: argparse.Namespace) -> int:
     from changefeed.example.vmapi import create_app
-    from changefeed.http_timeouts import DEFAULT_HEAD_TIMEOUT, head_timeout_protocol
+    from changefeed.publisher.config import ServerConfig
     from changefeed.serving import DrainingServer, server_config
     from changefeed.standalone import check_database
 
-    header_timeout = DEFAULT_HEAD_TIMEOUT if args.header_timeout is None else args.header_timeout
+    header_timeout = args.header_timeout
+    if header_timeout is None:
+        header_timeout = ServerConfig().header_timeout
     if not header_timeout > 0:
         raise CommandError(f"--header-timeout: must be positive, got {header_timeout}", 2)
     dsn = _dsn(args)
     await check_database(dsn, None)
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
+    if args.read_dsn:
+        await check_database(args.read_dsn, None, key="--read-dsn")
+        overrides["read_dsn"] = args.read_dsn
     app = create_app(dsn, **overrides)
-    http = head_timeout_protocol(header_timeout)
-    config = server_config(app, args.host, args.port, http=http)
+    config = server_config(
+        app.state.publisher.listeners_first(app),
+        args.host,
+        args.port,
+        fast_path=True,
+        head_timeout=header_timeout,
+    )
     server = DrainingServer(config, [app.state.publisher], owns_process=True)
     print(
         f"example VM API with publisher on http://{args.host}:{args.port} "
@@ -432,6 +455,35 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
+_COMMAND_EXTRAS = {
+    "demo": "serve",
+    "example-api": "serve",
+    "serve": "serve",
+    "db": "publisher",
+    "compact": "spark",
+}
+"""The extra of the distribution each command needs beyond a plain ``pip install
+changefeed`` (which has what ``listen`` and ``stats`` need)."""
+
+_EXTRA_MODULES = frozenset(
+    {"asyncpg", "starlette", "prometheus_client", "uvicorn", "pyspark", "rich"}
+)
+"""Top-level modules that only an extra installs (pyproject.toml)."""
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> CommandError | None:
+    """The one clear line for a command run without the extra it needs (None: the
+    missing module is no extra's, a real error)."""
+    module = (exc.name or "").partition(".")[0]
+    extra = _COMMAND_EXTRAS.get(command)
+    if extra is None or module not in _EXTRA_MODULES:
+        return None
+    return CommandError(
+        f"needs changefeed[{extra}], which is not installed here (no module {module!r}):"
+        f" pip install 'changefeed[{extra}]'"
+    )
+
+
 _ASYNC_COMMANDS = {
     "db": _db_init,
     "stats": _stats,
@@ -455,6 +507,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"changefeed {args.command}: {exc}", file=sys.stderr)
         return exc.status
+    except ModuleNotFoundError as exc:
+        missing = _missing_extra(args.command, exc)
+        if missing is None:
+            raise
+        print(f"changefeed {args.command}: {missing}", file=sys.stderr)
+        return missing.status
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the last line of defence: one clear line

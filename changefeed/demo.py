@@ -8,6 +8,11 @@ deletes VMs and creates, updates and retires servers. It prints what the DNS
 service learns and a live status line, and when it stops (Ctrl-C, SIGTERM or
 --duration) it checks that the mirror equals the API's data in what the DNS
 service follows, then stops everything it started: no process is left behind.
+
+With ``--standby`` it also starts an embedded hot standby of the embedded
+PostgreSQL (``pg_basebackup -R``, streaming replication, a throwaway data
+directory) and the publisher reads its feed there (``read_dsn``), its
+doorbell ringing from the primary: the shape of a fleet, on one machine.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ import asyncpg
 import httpx
 
 from changefeed.bootstrap import Pager
-from changefeed.embedded import EmbeddedPostgres, default_data_dir
+from changefeed.embedded import EmbeddedPostgres, default_data_dir, standby_of
 from changefeed.example.dns import DnsController, Record
 from changefeed.example.vmapi import create_app
-from changefeed.http_timeouts import head_timeout_protocol
 from changefeed.listener import ListenerConfig
+from changefeed.publisher.config import ServerConfig
+from changefeed.publisher.standby import wait_replayed
 from changefeed.serving import DrainingServer, server_config
 
 __all__ = ["run_demo"]
@@ -200,28 +206,75 @@ async def run_demo(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     pg: EmbeddedPostgres | None = None
+    standby: EmbeddedPostgres | None = None
     dsn: str | None = args.dsn or os.environ.get("CHANGEFEED_DSN")
     try:
         if not dsn:
             data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
             print(f"starting embedded PostgreSQL (data in {data_dir}) ...", flush=True)
-            pg = EmbeddedPostgres(data_dir)
+            # With a standby, commits wait for their WAL to be written (fsync stays
+            # off): a standby receives only written WAL, and would otherwise lag by
+            # the WAL writer's 200 ms.
+            settings = {"synchronous_commit": "on"} if args.standby else None
+            pg = EmbeddedPostgres(data_dir, settings=settings)
             dsn = await asyncio.to_thread(pg.start)
-        return await _run(args, dsn, stop)
+        if args.standby:
+            if pg is None:
+                print(
+                    "--standby starts a standby of the embedded PostgreSQL; with --dsn, "
+                    "run `changefeed example-api --dsn PRIMARY --read-dsn STANDBY` instead",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 2
+            print("starting an embedded hot standby of it (pg_basebackup -R) ...", flush=True)
+            standby = await asyncio.to_thread(standby_of, pg)
+            await asyncio.to_thread(standby.start)
+        return await _run(args, dsn, stop, standby)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if standby is not None:
+            print("stopping the embedded standby", flush=True)
+            await asyncio.to_thread(standby.close)
         if pg is not None:
             print("stopping embedded PostgreSQL", flush=True)
             await asyncio.to_thread(pg.stop)
 
 
-async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
+async def _replayed(primary_dsn: str, standby_dsn: str, within: float = 30.0) -> None:
+    """Wait until the standby has replayed everything the primary has written so far."""
+    conn = await asyncpg.connect(primary_dsn, timeout=10)
+    try:
+        target = await conn.fetchval("SELECT pg_current_wal_insert_lsn()::text")
+    finally:
+        await conn.close()
+    conn = await asyncpg.connect(standby_dsn, timeout=10)
+    try:
+        if not await wait_replayed(conn, target, within):
+            raise TimeoutError(f"the standby did not catch up with the primary within {within}s")
+    finally:
+        await conn.close()
+
+
+async def _run(
+    args: argparse.Namespace, dsn: str, stop: asyncio.Event, standby: EmbeddedPostgres | None
+) -> int:
     api_dsn = await _ensure_database(dsn, "changefeed_demo_vmapi")
     dns_dsn = await _ensure_database(dsn, "changefeed_demo_cns")
-    app = create_app(api_dsn, poll_interval=0.2)
+    overrides: dict[str, Any] = {}
+    if standby is not None:
+        await _replayed(dsn, standby.dsn)
+        overrides["read_dsn"] = standby.dsn_for("changefeed_demo_vmapi")
+    app = create_app(api_dsn, poll_interval=0.2, **overrides)
     publisher = app.state.publisher
-    config = server_config(app, "127.0.0.1", args.port, http=head_timeout_protocol())
+    config = server_config(
+        publisher.listeners_first(app),
+        "127.0.0.1",
+        args.port,
+        fast_path=True,
+        head_timeout=ServerConfig().header_timeout,
+    )
     server = DrainingServer(config, [publisher], grace=3.0, owns_process=True)
     serving = asyncio.create_task(server.serve(), name="demo-api")
     async with asyncio.timeout(30):
@@ -233,6 +286,12 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
     port = server.servers[0].sockets[0].getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     print(f"VM API + publisher on {base} (websocket ws://127.0.0.1:{port}/changefeeds)", flush=True)
+    if standby is not None:
+        print(
+            f"  the publisher reads the feed from the standby on 127.0.0.1:{standby.port};"
+            " its doorbell rings from the primary, where the API writes",
+            flush=True,
+        )
     print(
         f"  try: changefeed listen {base} --resource vm  (or server)  |  changefeed stats {base}",
         flush=True,
@@ -278,7 +337,8 @@ async def _run(args: argparse.Namespace, dsn: str, stop: asyncio.Event) -> int:
                         f"dns_records={len(now)} "
                         f"listener={st.state.value} buffer={st.buffer_size} "
                         f"publisher: listeners={len(publisher.registry)} "
-                        f"entries={tailer.entries_total} lag={tailer.lag_seconds:.3f}s",
+                        f"entries={tailer.entries_total} lag={tailer.lag_seconds:.3f}s"
+                        + (" (via the standby)" if standby is not None else ""),
                         flush=True,
                     )
                 for task in tasks:

@@ -33,6 +33,13 @@ not create, listen on anything but the given host, register anything global
 (no ``atexit`` hooks, no signal handlers), or leave a server process behind
 after :meth:`EmbeddedPostgres.stop`.
 
+A standby (:meth:`EmbeddedPostgres.clone_standby`, :func:`standby_of`) is a
+second server on a data directory of its own, made with ``pg_basebackup -R``
+from a running one, which it then follows by streaming replication: the
+shape a deployment with read replicas has, on one machine. It changes nothing
+on the server it copies but what streaming replication does (a replication
+connection while the copy runs, and one per standby afterwards).
+
 This module is the server's life cycle; finding the binaries, the user the
 programs run as, free ports and process checks are in ``embedded_host``.
 """
@@ -66,10 +73,12 @@ from .embedded_host import (
 
 __all__ = [
     "DEFAULT_SETTINGS",
+    "STANDBY_SETTINGS",
     "EmbeddedPostgres",
     "EmbeddedPostgresError",
     "default_data_dir",
     "find_postgres_bindir",
+    "standby_of",
     "temporary",
 ]
 
@@ -81,6 +90,18 @@ DEFAULT_SETTINGS: dict[str, str] = {
     "shared_buffers": "128MB",
 }
 """Settings for tests and the demo: fast, not durable."""
+
+STANDBY_SETTINGS: dict[str, str] = {
+    # Ask the primary to keep the rows a standby query still reads: no snapshot
+    # conflicts, hence no cancelled reads, at the price of vacuum waiting for them.
+    "hot_standby_feedback": "on",
+    # How long replay waits for a conflicting standby query before cancelling it
+    # (SQLSTATE 40001); what is left (locks) the publisher retries.
+    "max_standby_streaming_delay": "5s",
+    # Ask the primary again soon after it went away (a restart, a switchover).
+    "wal_retrieve_retry_interval": "500ms",
+}
+"""Settings of a standby made by ``clone_standby``: those a publisher reading it relies on."""
 
 _CONF_NAME = "changefeed.conf"
 _INCLUDE_LINE = f"include_if_exists = '{_CONF_NAME}'"
@@ -233,6 +254,14 @@ class EmbeddedPostgres:
                     ["stop", "-m", mode, "-w", "-t", str(int(self.stop_timeout))],
                     timeout=self.stop_timeout + 10,
                 )
+        self._kill()
+
+    def crash(self) -> None:
+        """Kill the server and all its processes at once (SIGKILL), as a machine that
+        loses power would: nothing is flushed or sent to standbys first."""
+        self._kill()
+
+    def _kill(self) -> None:
         pid = self._postmaster_pid()
         if pid is None or not _pid_alive(pid):
             return
@@ -258,6 +287,86 @@ class EmbeddedPostgres:
         pinned = self._port if self._port is not None else self._requested_port
         self.stop()
         return self._start(pinned_port=pinned)
+
+    def clone_standby(
+        self,
+        data_dir: Path,
+        *,
+        settings: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> EmbeddedPostgres:
+        """Copy this running server into ``data_dir`` as a streaming standby of it.
+
+        ``pg_basebackup -R`` (WAL streamed alongside, a fast checkpoint) writes a
+        ``standby.signal`` and a ``primary_conninfo`` naming this server's host and
+        port, so the standby follows this server by streaming replication once
+        started, and again after either of them restarts on the same port.
+
+        Args:
+            data_dir: a directory that does not exist yet, or is empty.
+            settings: server settings of the standby, over this server's and
+                ``STANDBY_SETTINGS``.
+            kwargs: the standby's other EmbeddedPostgres arguments.
+
+        Returns:
+            the standby, not started.
+
+        Raises:
+            EmbeddedPostgresError: this server is not running, ``data_dir`` holds
+                something, or ``pg_basebackup`` failed (its output included).
+        """
+        if not self.is_running():
+            raise EmbeddedPostgresError(f"{self!r} is not running: nothing to copy")
+        bindir = self._bindir or find_postgres_bindir()
+        basebackup = bindir / "pg_basebackup"
+        if not os.access(basebackup, os.X_OK):
+            raise EmbeddedPostgresError(f"no pg_basebackup beside the server programs in {bindir}")
+        run_as = self._user()
+        data_dir = Path(data_dir).absolute()
+        if data_dir.exists() and any(data_dir.iterdir()):
+            raise EmbeddedPostgresError(f"{data_dir} is not empty: not copying a server into it")
+        _make_dirs(data_dir.parent)
+        data_dir.mkdir(mode=0o700, exist_ok=True)
+        run_as.chown(data_dir)
+        argv = [
+            str(basebackup),
+            f"--pgdata={data_dir}",
+            f"--host={self.host}",
+            f"--port={self.port}",
+            "--username=postgres",
+            "--write-recovery-conf",
+            "--wal-method=stream",
+            "--checkpoint=fast",
+            "--no-sync",
+        ]
+        result = self._run(argv, run_as, timeout=max(self.start_timeout, 120.0))
+        if result.returncode != 0:
+            raise EmbeddedPostgresError(
+                f"pg_basebackup of {self.data_dir} into {data_dir} failed "
+                f"(exit {result.returncode}):\n{(result.stderr or result.stdout).strip()}"
+            )
+        # The copy holds this server's log and its managed settings; the standby
+        # writes its own at every start.
+        with contextlib.suppress(OSError):
+            (data_dir / _LOG_NAME).unlink()
+        # A hot standby refuses to run with less of some resources than its
+        # primary (max_connections among them): it starts from this server's.
+        merged = {**self._settings, **STANDBY_SETTINGS, **(settings or {})}
+        return EmbeddedPostgres(data_dir, settings=merged, bindir=self._bindir, **kwargs)
+
+    def promote(self) -> None:
+        """Promote this standby to a primary (``pg_ctl promote``, waiting until it is).
+
+        Raises:
+            EmbeddedPostgresError: it is not a running standby, or did not finish.
+        """
+        bindir = self._bindir or find_postgres_bindir()
+        self._pg_ctl(
+            bindir,
+            self._user(),
+            ["promote", "-w", "-t", str(int(self.start_timeout))],
+            timeout=self.start_timeout + 10,
+        )
 
     def close(self) -> None:
         """Stop; delete the data directory too when it is a throwaway one."""
@@ -475,6 +584,25 @@ class EmbeddedPostgres:
             return f"(no server log: {exc})"
         text = data.decode(errors="replace")
         return text[-limit:] if text else "(server log is empty)"
+
+
+def standby_of(
+    primary: EmbeddedPostgres, tmp_root: Path | None = None, **kwargs: Any
+) -> EmbeddedPostgres:
+    """A streaming standby of the running ``primary`` on a new throwaway data
+    directory (``clone_standby``; not started yet). ``close()`` stops it and
+    deletes the directory, as for :func:`temporary`. ``kwargs`` go to
+    ``clone_standby``.
+    """
+    root = Path(tempfile.mkdtemp(prefix="changefeed-pg-standby-", dir=tmp_root))
+    root.chmod(0o755)
+    try:
+        return primary.clone_standby(
+            root / "data", discard_on_close=True, discard_root=root, **kwargs
+        )
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
 
 
 def temporary(tmp_root: Path | None = None, **kwargs: Any) -> EmbeddedPostgres:

@@ -33,8 +33,18 @@ connection becomes a websocket: registered listeners are never touched (the
 publisher's own ``registration_timeout`` covers a websocket that never
 registers).
 
-Use it as uvicorn's ``http`` setting: ``uvicorn.Config(app,
-http=head_timeout_protocol(15.0))``.
+Each timeout is logged (``http.head_timeout``, ``http.body_timeout``), but
+not one line per socket: peers choose how many sockets time out, so the first
+``LOG_BURST`` timeouts of every ``log_window`` seconds are logged one by one,
+and the rest are counted and logged as one ``http.timeouts_held`` line when
+that window ends (``changefeed.log_budget``).
+
+These deadlines are first the proxy's job (nginx ``client_header_timeout`` and
+``client_body_timeout``, granian's ``--http1-header-read-timeout``;
+docs/security.md). This is an opt-in layer for uvicorn, on its private HTTP
+protocols (changefeed.uvicorn_private): ask for it with
+``changefeed.serving.server_config(app, host, port, head_timeout=15.0)``, which
+uses it only where changefeed.fast_path's checks pass, and otherwise says why.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from typing import Any, ClassVar
 
 import h11
@@ -49,10 +60,11 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
 from changefeed.publisher.config import ServerConfig
 
-__all__ = ["DEFAULT_HEAD_TIMEOUT", "head_timeout_protocol"]
+__all__ = ["DEFAULT_HEAD_TIMEOUT", "LOG_BURST", "LOG_WINDOW", "head_timeout_protocol"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +72,62 @@ DEFAULT_HEAD_TIMEOUT: float = ServerConfig().header_timeout
 """Seconds a connection has to deliver a whole request head (``[server] header_timeout``):
 far above any real client's, even over a slow link, and short enough that idle
 sockets cannot pile up by the thousand."""
+
+
+LOG_BURST = 10
+"""Timeouts of one window logged one by one, each with its peer."""
+
+LOG_WINDOW = 10.0
+"""Seconds of a window: however many sockets time out, a server writes at most
+``LOG_BURST`` + 1 timeout lines in that time."""
+
+
+class _TimeoutLog:
+    """The timeout lines of one protocol class (one server setting), within a budget."""
+
+    __slots__ = ("_budget", "_summary")
+
+    def __init__(self, window: float) -> None:
+        self._budget = LogBudget(LOG_BURST, window)
+        self._summary: asyncio.TimerHandle | None = None
+
+    def timed_out(
+        self, loop: asyncio.AbstractEventLoop, event: str, peer: str, partial: bool, timeout: float
+    ) -> None:
+        write, ended = self._budget.note(time.monotonic(), event)
+        if ended is not None:
+            self._write_summary(ended)
+        if write:
+            log_event(log, event, logging.INFO, peer=peer, partial=partial, timeout=timeout)
+        elif self._summary is None:
+            self._schedule(loop)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Write the summary when the window ends, even if no timeout comes after it
+        (should this loop stop first, the next timeout writes it)."""
+        ends = self._budget.ends
+        if ends is not None and not loop.is_closed():
+            # A little late rather than early: the loop may run a timer before its time.
+            delay = max(0.0, ends - time.monotonic()) + 0.01
+            self._summary = loop.call_later(delay, self._window_ended, loop)
+
+    def _window_ended(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._summary = None
+        held = self._budget.close(time.monotonic())
+        if held is not None:
+            self._write_summary(held)
+        elif self._budget.ends is not None:
+            self._schedule(loop)  # woken early
+
+    def _write_summary(self, held: dict[str, int]) -> None:
+        log_event(
+            log,
+            "http.timeouts_held",
+            logging.INFO,
+            window=self._budget.window,
+            logged=self._budget.burst,
+            held=dict(sorted(held.items())),
+        )
 
 
 def _request_timeout(message: bytes) -> bytes:
@@ -80,6 +148,7 @@ class _HeadDeadline:
     """The deadlines' state and what happens when one passes (shared by both protocols)."""
 
     head_timeout: ClassVar[float] = DEFAULT_HEAD_TIMEOUT
+    timeout_log: ClassVar[_TimeoutLog]
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     client: tuple[str, int] | None
@@ -112,7 +181,7 @@ class _HeadDeadline:
     def _log_timeout(self, event: str, *, partial: bool) -> None:
         client = self.client
         peer = f"{client[0]}:{client[1]}" if client else ""
-        log_event(log, event, logging.INFO, peer=peer, partial=partial, timeout=self.head_timeout)
+        self.timeout_log.timed_out(self.loop, event, peer, partial, self.head_timeout)
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None
@@ -239,7 +308,7 @@ _BASES: dict[str, type[_HeadDeadline]] = {
 
 @functools.cache
 def head_timeout_protocol(
-    seconds: float = DEFAULT_HEAD_TIMEOUT, http: str = "auto"
+    seconds: float = DEFAULT_HEAD_TIMEOUT, http: str = "auto", *, log_window: float = LOG_WINDOW
 ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class that closes a connection whose request head has not
     arrived ``seconds`` after it was accepted or after its previous response.
@@ -247,17 +316,25 @@ def head_timeout_protocol(
     Args:
         seconds: the deadline (``[server] header_timeout``).
         http: ``"auto"`` or ``"httptools"`` (uvicorn[standard]'s choice), or ``"h11"``.
+        log_window: seconds in which at most ``LOG_BURST`` timeouts are logged one
+            by one; the rest are counted in one line at the window's end.
 
     Raises:
-        ValueError: ``seconds`` is not positive, or ``http`` is unknown.
+        ValueError: ``seconds`` or ``log_window`` is not positive, or ``http`` is unknown.
     """
     if not seconds > 0:
         raise ValueError(f"the request head timeout must be positive, got {seconds!r}")
+    if not log_window > 0:
+        raise ValueError(f"the log window must be positive, got {log_window!r}")
     if http == "auto":
         http = "httptools"
     if http not in _BASES:
         raise ValueError(f"unknown HTTP protocol {http!r} (known: auto, {', '.join(_BASES)})")
     base = _BASES[http]
-    attributes: dict[str, Any] = {"head_timeout": float(seconds), "__module__": __name__}
+    attributes: dict[str, Any] = {
+        "head_timeout": float(seconds),
+        "timeout_log": _TimeoutLog(log_window),
+        "__module__": __name__,
+    }
     protocol: type[asyncio.Protocol] = type(base.__name__.lstrip("_"), (base,), attributes)
     return protocol

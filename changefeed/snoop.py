@@ -4,7 +4,9 @@ Prints every change item as a JSON line on stdout; with ``--mirror`` it keeps
 one controller's mirror per resource instead and prints each add/update/delete
 with the resource's new state. With ``--checkpoint FILE`` the cursor (and the
 mirrors) are kept in a SQLite file: run again, it resumes where it stopped
-and prints only what changed meanwhile. Several ``--resource`` options share one
+and prints only what changed meanwhile. A file another ``listen`` holds is
+refused at start (exit 1); when its saves are failing at the end, the
+command says so and exits 1. Several ``--resource`` options share one
 connection (one registration per resource). A live status line on stderr
 shows the listener's state, buffer, back-off and, while it bootstraps, each
 route's progress, so an operator sees what the listener is doing.
@@ -118,8 +120,14 @@ def _emit(doc: dict[str, Any]) -> None:
 async def run_listen(args: argparse.Namespace) -> int:
     """Listen until Ctrl-C, ``--count`` items or ``--duration`` seconds.
 
+    Returns:
+        0, or 1 when the checkpoint's saves were failing at the end (the file is
+        behind: a restart replays or bootstraps more than it should).
+
     Raises:
         UsageError: the ``--resource`` options name nothing clear.
+        ListenerError: the registration refused, retries exhausted, or the
+            checkpoint file held by another listener (``CheckpointRefused``).
     """
     kinds = change_kinds(args.resource, args.sub_resources)
     checkpoint = args.checkpoint
@@ -226,4 +234,19 @@ async def run_listen(args: argparse.Namespace) -> int:
             loop.remove_signal_handler(sig)
         if show_status:
             sys.stderr.write("\n")
-    return 0
+    return _checkpoint_verdict(listener.status(), checkpoint)
+
+
+def _checkpoint_verdict(status: ListenerStatus, path: str | None) -> int:
+    """0, or 1 (and why, on stderr) when the run ends with its checkpoint saves failing:
+    the file does not hold where this run got to."""
+    saved = status.checkpoint
+    if saved is None or not saved.failing:
+        return 0
+    failed = saved.consecutive_failures
+    saves = "its last save" if failed == 1 else f"its last {failed} saves"
+    sys.stderr.write(
+        f"changefeed listen: checkpoint {path}: {saves} failed ({saved.last_error});"
+        " it does not hold where this run got to\n"
+    )
+    return 1

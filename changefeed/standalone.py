@@ -14,7 +14,6 @@ import sys
 import asyncpg
 from starlette.applications import Starlette
 
-from changefeed.http_timeouts import head_timeout_protocol
 from changefeed.publisher import ConfigError, Publisher
 from changefeed.publisher.config import load_service_config
 from changefeed.schemas import schema_version
@@ -28,24 +27,25 @@ def build_app(publisher: Publisher) -> Starlette:
     return Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
 
 
-async def check_database(dsn: str, source: str | None, *, schema: str | None = None) -> None:
+async def check_database(
+    dsn: str, source: str | None, *, schema: str | None = None, key: str = "publisher.dsn"
+) -> None:
     """Fail fast, naming the key: the database must be reachable and, when ``schema`` is
     given, already hold the feed schema.
 
     Raises:
-        ConfigError: naming ``publisher.dsn`` (or ``publisher.create_schema``) and ``source``.
+        ConfigError: naming ``key`` (or ``publisher.create_schema``) and ``source``.
     """
     try:
         conn = await asyncpg.connect(dsn, timeout=10)
     except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
-        raise ConfigError("publisher.dsn", f"database unreachable: {exc}", source) from None
+        raise ConfigError(key, f"database unreachable: {exc}", source) from None
     try:
         try:
             version = await schema_version(conn, schema) if schema is not None else None
         except asyncpg.PostgresError as exc:  # e.g. a role without the grants of roles.sql
-            raise ConfigError(
-                "publisher.dsn", f"cannot read the feed schema's version: {exc}", source
-            ) from None
+            why = f"cannot read the feed schema's version: {exc}"
+            raise ConfigError(key, why, source) from None
         if version == 0:
             raise ConfigError(
                 "publisher.create_schema",
@@ -65,17 +65,24 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
     if not config.resources:
         raise ConfigError("resources", "at least one [[resources]] table is required", path)
     await check_database(config.dsn, path, schema=None if config.create_schema else config.schema)
+    if config.read_dsn:
+        await check_database(config.read_dsn, path, key="publisher.read_dsn")
     publisher = Publisher(config)
     uvicorn_config = server_config(
-        build_app(publisher),
+        publisher.listeners_first(build_app(publisher)),
         host or server.host,
         port if port is not None else server.port,
+        fast_path=True,
+        head_timeout=server.header_timeout,
         ws_ping_interval=server.ping_interval,
         ws_ping_timeout=server.ping_timeout,
-        http=head_timeout_protocol(server.header_timeout),
     )
     runner = DrainingServer(
-        uvicorn_config, [publisher], grace=server.drain_grace, owns_process=True
+        uvicorn_config,
+        [publisher],
+        grace=server.drain_grace,
+        owns_process=True,
+        notsent_lowat=server.notsent_lowat,
     )
     print(
         f"changefeed publisher for {[r.name for r in config.resources]} on "

@@ -66,6 +66,20 @@ def _overview(doc: dict[str, Any]) -> list[str]:
             f" {_bytes(feed.get('bytes'))}",
         ),
     ]
+    doorbell = tailer.get("doorbell")
+    if tailer.get("reads") == "read_dsn" and isinstance(doorbell, dict):
+        rows.append(
+            (
+                "standby",
+                f"reads read_dsn; doorbell {doorbell.get('status', '?')}"
+                f" ({_count(doorbell.get('rests'))} rests,"
+                f" {_count(doorbell.get('reconnects'))} reconnects);"
+                f" {_count(tailer.get('replayWaits'))} replay waits,"
+                f" {_count(tailer.get('replayConflicts'))} replay conflicts",
+            )
+        )
+        if doorbell.get("lastError"):
+            rows.append(("doorbell error", str(doorbell["lastError"])))
     if window:
         rows.append(
             (

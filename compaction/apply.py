@@ -31,6 +31,7 @@ never wait on them.
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 import uuid
@@ -40,7 +41,9 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+from tenacity import retry_if_exception_type, stop_after_attempt
 
+from changefeed.backoff import Backoff, retrying
 from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema, schema_version
 
 from .errors import CompactionError
@@ -101,6 +104,10 @@ _LAST_PAGE = (4294967295, 0)  # above every heap page: the open end of the last 
 _STAGING_NAME = re.compile(r"^compaction_(plan|touched|hot)_[0-9]+$")
 _STANDBY_POLL = 0.2
 _RETRIES = 3
+_LOCK_WAIT = Backoff(initial=0.05, maximum=1.0, jitter=1.0)
+"""Waits before a batch that waited for locks (or deadlocked) runs again
+(changefeed.backoff's policy): the writers holding them get to finish, and two
+jobs that deadlocked do not retry in step."""
 _RETRYABLE = (asyncpg.exceptions.LockNotAvailableError, asyncpg.exceptions.DeadlockDetectedError)
 
 BatchReport = Callable[[int], None]
@@ -143,10 +150,18 @@ class CompactionStore:
         schema: the feed's schema (from configuration; validated).
         lock_timeout: seconds any statement may wait for a lock before the
             batch is retried (and, after a few tries, the job fails).
+        rng: random source of the waits between those tries.
     """
 
-    def __init__(self, conn: PgConnection, schema: str, lock_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        conn: PgConnection,
+        schema: str,
+        lock_timeout: float = 5.0,
+        rng: random.Random | None = None,
+    ) -> None:
         self.conn = conn
+        self._rng = rng or random.Random()
         self.schema = schema
         self.q = quote_schema(schema)
         self.lock_timeout = lock_timeout
@@ -350,23 +365,29 @@ class CompactionStore:
 
     async def _batch(self, sql: str, *args: Any) -> asyncpg.Record:
         """Run one batch statement in its own short transaction, retrying lock waits."""
-        for attempt in range(_RETRIES):
-            try:
-                async with self.conn.transaction():
-                    # The batch statements are index walks by construction; an
-                    # estimate skewed by one huge transaction must not turn one
-                    # of them into a full scan of the feed.
-                    await self.conn.execute("SET LOCAL enable_seqscan = off")
-                    row: asyncpg.Record | None = await self.conn.fetchrow(sql, *args)
-                    assert row is not None
-                    return row
-            except _RETRYABLE as exc:
-                if attempt == _RETRIES - 1:
-                    raise CompactionError(
-                        f"a batch kept waiting for locks ({type(exc).__name__}); "
-                        "nothing is lost: run the job again"
-                    ) from exc
-        raise AssertionError("unreachable")
+        attempts = retrying(
+            _LOCK_WAIT,
+            retry=retry_if_exception_type(_RETRYABLE),
+            stop=stop_after_attempt(_RETRIES),
+            rng=self._rng,
+        )
+        try:
+            async for attempt in attempts:
+                with attempt:
+                    async with self.conn.transaction():
+                        # The batch statements are index walks by construction; an
+                        # estimate skewed by one huge transaction must not turn one
+                        # of them into a full scan of the feed.
+                        await self.conn.execute("SET LOCAL enable_seqscan = off")
+                        row: asyncpg.Record | None = await self.conn.fetchrow(sql, *args)
+                        assert row is not None
+                        return row
+        except _RETRYABLE as exc:
+            raise CompactionError(
+                f"a batch kept waiting for locks ({type(exc).__name__}); "
+                "nothing is lost: run the job again"
+            ) from exc
+        raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
 
     async def apply_gc(
         self,

@@ -35,20 +35,26 @@ Or read the raw events (``Resynced`` after each bootstrap, then ``ChangeItem``):
             ...
 
 This module's ``__all__`` is the whole public API; the ``_``-modules are
-internal. Pure code: ``_lifecycle`` (the connection state machine and what a
-failure means), ``_backoff``, ``_buffer``, ``_frames``, ``_checks`` (what a
-setting may be), ``_workqueue`` and ``_mirror``, ``_checkpoint`` (what a
-checkpoint holds and the rules for using one). The websockets / httpx /
-sqlite3 adapters around them:
-``_listener`` (its face; the state its parts share in ``_listener_state``,
-the connection loop in ``_connection``, one connection in ``_session``, what
-it reports in ``_reports``, the hand-out to the application in ``_handout``,
-what attached controllers receive in ``_sink``, checkpoints in
-``_checkpointer``), ``_controller`` (its face; the state its parts share in
-``_controller_state``, events in through ``_controller_sink``, bootstraps and
-resyncs in ``_resync``, the workers in ``_reconcile``, the mirror in
-checkpoints in ``_controller_checkpoint``) and ``_sqlite_store``;
-``_metrics`` exposes both on a Prometheus registry. Every exception is a
+internal. A frame's way to a callback reads in four of them::
+
+    _session.Session      websocket adapter: reads a frame, hands it on undecoded
+    _inbox.Inbox          decodes it into the buffer; hands events out in feed
+                          order (``async for``, or each controller's resource)
+    _workqueue.WorkQueue  the controller's keyed, coalescing queue of ids
+    _reconcile.Reconciler the controller's core: ids in, workers fetch, write
+                          the mirror and call the application back
+
+Around them: ``_connection`` (the connection loop: one session per attempt,
+back-off), ``_listener`` and ``_controller`` (the faces: settings, start and
+stop, status), ``_attachments`` (the controllers attached to a listener),
+``_checkpointer`` and ``_sqlite_store`` (checkpoints), ``_metrics``
+(Prometheus, from the figures each status declares on its fields in
+``_figures``). Pure code, tested without sockets: ``_lifecycle`` (the
+connection state machine and what a failure means), ``_backoff`` (the
+listener's settings of changefeed's one back-off policy), ``_checks`` (what
+a setting may be),
+``_workqueue``, ``_mirror``, ``_checkpoint`` (what a checkpoint holds and the
+rules for using one), ``_attachments``. Every exception is a
 ``ListenerError`` (tree in ``_errors``). See docs/listener.md.
 
 What the package must never do: block or slow the publisher (the socket is
@@ -59,7 +65,6 @@ waiting), retry without back-off, or lose a change silently.
 from changefeed.schemas import ChangeItem, ChangeKind
 
 from ._backoff import BackoffPolicy
-from ._buffer import Buffer, register_buffer_kind
 from ._checkpoint import (
     Checkpoint,
     CheckpointStatus,
@@ -68,15 +73,16 @@ from ._checkpoint import (
     MirrorCheckpoint,
 )
 from ._config import ListenerConfig
-from ._controller import Controller, ControllerStats
+from ._controller import Controller
 from ._errors import (
     CheckpointError,
+    CheckpointRefused,
     ListenerConfigError,
     ListenerError,
     RegistrationRefused,
     RetriesExhausted,
 )
-from ._events import BootstrapProgress, Event, ListenerStatus, Resynced
+from ._events import BootstrapProgress, ControllerStats, Event, ListenerStatus, Resynced
 from ._handlers import (
     AddHandler,
     DeleteHandler,
@@ -85,6 +91,7 @@ from ._handlers import (
     ReconcileHandler,
     UpdateHandler,
 )
+from ._inbox import Buffer, register_buffer_kind
 from ._lifecycle import ConnectionState
 from ._listener import Listener
 from ._sqlite_store import SqliteCheckpointStore
@@ -98,6 +105,7 @@ __all__ = [
     "ChangeKind",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointRefused",
     "CheckpointStatus",
     "CheckpointStore",
     "ConnectionState",

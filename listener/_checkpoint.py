@@ -31,6 +31,7 @@ whole). No I/O; the adapter is ``_checkpointer``, the SQLite store
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -38,6 +39,8 @@ from typing import Any, Protocol, TypeVar
 import orjson
 
 from changefeed.schemas import ChangeKind
+
+from ._figures import GAUGE, Labels, figure
 
 __all__ = [
     "WHOLE_SAVE_FLOOR",
@@ -124,7 +127,10 @@ class Checkpoint:
 class CheckpointStore(Protocol):
     """Where a listener keeps its checkpoint: ``SqliteCheckpointStore``, or your own.
 
-    Both methods are coroutines: run blocking I/O off the event loop.
+    Both methods are coroutines: run blocking I/O off the event loop. A store may
+    also have a ``close()`` coroutine: the listener awaits it when it closes (the
+    SQLite store closes its connection and lets go of its file then); ``load``
+    and ``save`` may be called again after it.
     """
 
     async def load(self) -> Checkpoint | None:
@@ -147,9 +153,14 @@ class CheckpointStore(Protocol):
         """
 
 
+def _age(saved_at: float | None) -> list[tuple[Labels, float]]:
+    return [((), 0.0 if saved_at is None else max(0.0, time.time() - saved_at))]
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointStatus:
-    """A listener's checkpoint, in ``listener.status().checkpoint``.
+    """A listener's checkpoint, in ``listener.status().checkpoint``; its counters and
+    gauges are also ``changefeed_listener_checkpoint_*`` metrics.
 
     Attributes:
         loaded: a checkpoint was loaded at start.
@@ -158,14 +169,14 @@ class CheckpointStatus:
         resumed_from: the registration at start carried the checkpoint's cursor.
         not_resumed: why the loaded checkpoint's cursor was not used (None: it
             was, or none was loaded).
-        saves: checkpoints saved.
-        whole_saves: of which whole.
-        save_failures: saves that failed.
-        last_save_seconds: how long the last successful save took.
+        whole_saves: saves that were whole.
         last_save_items: resources the last successful save wrote.
-        last_saved_at: when the last successful save was taken (epoch seconds).
         last_error: the last failure to load or save, as text.
-        frozen: a controller stopped, so no further checkpoint is taken.
+        frozen: the listener or its last controller stopped: no further
+            checkpoint is taken.
+
+    ``consecutive_failures`` above 0 means the store does not hold where the
+    listener got to: a restart replays (or bootstraps) more; ``failing`` says so.
     """
 
     loaded: bool = False
@@ -173,14 +184,36 @@ class CheckpointStatus:
     load_seconds: float = 0.0
     resumed_from: bool = False
     not_resumed: str | None = None
-    saves: int = 0
+    saves: int = figure("Checkpoints saved", metric="checkpoint_saves", default=0)
     whole_saves: int = 0
-    save_failures: int = 0
-    last_save_seconds: float = 0.0
+    save_failures: int = figure(
+        "Checkpoint saves that failed", metric="checkpoint_save_failures", default=0
+    )
+    consecutive_failures: int = figure(
+        "Checkpoint saves failed since the last that succeeded (above 0: the store is behind)",
+        GAUGE,
+        metric="checkpoint_failing_saves",
+        default=0,
+    )
+    last_save_seconds: float = figure(
+        "How long the last successful save took", GAUGE, metric="checkpoint_save_seconds",
+        default=0.0,
+    )  # fmt: skip
     last_save_items: int = 0
-    last_saved_at: float | None = None
+    last_saved_at: float | None = figure(
+        "Seconds since the last checkpoint saved was taken (what a restart now replays)",
+        GAUGE,
+        metric="checkpoint_age_seconds",
+        read=_age,
+        default=None,
+    )
     last_error: str | None = None
     frozen: bool = False
+
+    @property
+    def failing(self) -> bool:
+        """The last save failed: what the store holds is behind (see ``last_error``)."""
+        return self.consecutive_failures > 0
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}

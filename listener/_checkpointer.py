@@ -11,9 +11,9 @@ controller attached to it:
   which is what makes the checkpoint consistent; ``save`` hands it to the
   store, one save at a time, off the event loop as far as the store goes.
 * A periodic task saves every ``interval`` seconds when something changed;
-  ``final`` takes the last checkpoint when the listener or its first
-  controller stops (after that one controller's mirror no longer follows the
-  cursor, so no later checkpoint could be consistent).
+  ``final`` takes the last checkpoint when the listener or its last
+  controller running stops (a controller that stops before the others is
+  parked by the listener, and its mirror goes on following the cursor).
 
 Incremental saves carry the ids changed since the last save the store is
 known to hold: ids of a save that failed, or is still under way, go into the
@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from changefeed.logs import log_event
@@ -43,10 +44,10 @@ from ._checkpoint import (
     next_save_is_whole,
     plan_restore,
 )
-from ._errors import CheckpointError
+from ._errors import CheckpointError, CheckpointRefused
 from ._log import log
 
-__all__ = ["CLOSE_WAIT", "CheckpointHost", "Checkpointer", "MirrorSource"]
+__all__ = ["CLOSE_WAIT", "Checkpointer", "MirrorSource"]
 
 CLOSE_WAIT = 120.0
 """Seconds a stopping listener waits for its last checkpoint to be saved."""
@@ -80,26 +81,14 @@ class MirrorSource(Protocol):
         """Resources in its mirror."""
 
 
-class CheckpointHost(Protocol):
-    """What a checkpointer reads from its listener."""
-
-    @property
-    def change_kinds(self) -> tuple[ChangeKind, ...]:
-        """What the listener registers."""
-
-    def checkpoint_position(self) -> str | None:
-        """The cursor every mirror reflects now (None: none yet)."""
-
-    def checkpoint_sources(self) -> Sequence[MirrorSource]:
-        """The attached controllers whose mirrors go into a checkpoint."""
-
-
 class Checkpointer:
     """Loads and saves one listener's checkpoints.
 
     Args:
         store: where they are kept.
-        host: the listener: its cursor, change kinds and controllers.
+        change_kinds: what the listener registers.
+        position: the cursor every mirror reflects now (None: none yet).
+        sources: the attached controllers whose mirrors go into a checkpoint.
         interval: seconds between periodic saves.
         load_timeout: seconds the store's ``load`` may take.
         name: the listener's name, for log events.
@@ -108,14 +97,18 @@ class Checkpointer:
     def __init__(
         self,
         store: CheckpointStore,
-        host: CheckpointHost,
+        change_kinds: tuple[ChangeKind, ...],
+        position: Callable[[], str | None],
+        sources: Callable[[], Sequence[MirrorSource]],
         *,
         interval: float,
         load_timeout: float,
         name: str,
     ) -> None:
         self.store = store
-        self._host = host
+        self._change_kinds = change_kinds
+        self._position = position
+        self._sources = sources
         self._interval = interval
         self._load_timeout = load_timeout
         self._name = name
@@ -147,16 +140,24 @@ class Checkpointer:
         """Load the checkpoint and hand the controllers their mirrors; return the cursor
         to register with (None: bootstrap). A checkpoint that cannot be read, or
         not within ``load_timeout``, is logged and the listener bootstraps: it is
-        a saving, never a requirement.
+        a saving, never a requirement. A store that refuses this listener
+        (``CheckpointRefused``: another holds it) is not: it is raised, and the
+        listener stops with it.
 
         Args:
             resume: the listener resumes at all (``ListenerConfig.resume``).
         """
         started = time.monotonic()
-        sources = self._host.checkpoint_sources()
+        sources = self._sources()
         log_event(log, "listener.checkpoint.loading", listener=self._name)
         try:
             checkpoint = await self._load()
+        except CheckpointRefused as exc:
+            self._update(last_error=f"load: {type(exc).__name__}: {exc}")
+            log_event(
+                log, "listener.checkpoint.refused", logging.ERROR, exc=exc, listener=self._name
+            )
+            raise
         except Exception as exc:
             checkpoint = None
             self._update(last_error=f"load: {type(exc).__name__}: {exc}")
@@ -165,7 +166,7 @@ class Checkpointer:
             )
         plan = plan_restore(
             checkpoint,
-            change_kinds=self._host.change_kinds,
+            change_kinds=self._change_kinds,
             controllers={source.name: source.resource for source in sources},
             resume=resume,
         )
@@ -228,8 +229,7 @@ class Checkpointer:
     def take(self) -> Checkpoint | None:
         """A checkpoint of the listener's position and every mirror, now (synchronous:
         nothing moves while it is taken). None before the load, or without a position."""
-        host = self._host
-        position, sources = host.checkpoint_position(), host.checkpoint_sources()
+        position, sources = self._position(), self._sources()
         if not self._restored.is_set() or position is None:
             return None
         for source in sources:
@@ -252,7 +252,7 @@ class Checkpointer:
             self._since_whole.clear()
         return Checkpoint(
             position,
-            host.change_kinds,
+            self._change_kinds,
             parts,
             whole=whole,
             sequence=self._sequence,
@@ -262,11 +262,10 @@ class Checkpointer:
 
     def due(self) -> bool:
         """Whether a periodic save has anything to save (what a failed one did not, too)."""
-        host = self._host
         return (
-            host.checkpoint_position() != self._saved_position
+            self._position() != self._saved_position
             or any(self._unsaved.values())
-            or any(source.has_changed() for source in host.checkpoint_sources())
+            or any(source.has_changed() for source in self._sources())
         )
 
     def save(self, checkpoint: Checkpoint) -> asyncio.Task[bool]:
@@ -297,6 +296,7 @@ class Checkpointer:
                 self._confirmed = None
             self._update(
                 save_failures=self._status.save_failures + 1,
+                consecutive_failures=self._status.consecutive_failures + 1,
                 last_error=f"save: {type(exc).__name__}: {exc}",
             )
             log_event(
@@ -317,6 +317,7 @@ class Checkpointer:
         items = checkpoint.items_count()
         self._update(
             saves=self._status.saves + 1,
+            consecutive_failures=0,
             whole_saves=self._status.whole_saves + checkpoint.whole,
             last_save_seconds=elapsed,
             last_save_items=items,
@@ -384,14 +385,36 @@ class Checkpointer:
 
     async def close(self) -> None:
         """Stop the periodic task and wait for the saves under way (the final one too),
-        at most ``CLOSE_WAIT`` seconds: a store that hangs must not hang the stop."""
+        at most ``CLOSE_WAIT`` seconds: a store that hangs must not hang the stop.
+        Then close the store, if it has a ``close()`` (not when a save hung: its
+        close would wait for it)."""
         periodic, self._periodic = self._periodic, None
         if periodic is not None:
             periodic.cancel()
             await asyncio.gather(periodic, return_exceptions=True)
+        if await self._wait_for_saves():
+            await self._close_store()
+
+    async def _close_store(self) -> None:
+        close = getattr(self.store, "close", None)
+        if close is None:
+            return
+        try:
+            async with asyncio.timeout(CLOSE_WAIT):
+                closing = close()
+                if inspect.isawaitable(closing):
+                    await closing
+        except Exception as exc:
+            log_event(
+                log, "listener.checkpoint.close_failed", logging.ERROR, exc=exc, listener=self._name
+            )
+
+    async def _wait_for_saves(self) -> bool:
+        """Whether every save under way ended within ``CLOSE_WAIT`` (the late ones are
+        cancelled and logged)."""
         saves = list(self._saves)
         if not saves:
-            return
+            return True
         _, late = await asyncio.wait(saves, timeout=CLOSE_WAIT)
         if late:
             log_event(
@@ -405,3 +428,4 @@ class Checkpointer:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+        return not late

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ._backoff import BackoffPolicy
-from ._buffer import BUFFER_KINDS
 from ._checks import check_count, check_flag, check_seconds, is_number
 from ._errors import ListenerConfigError
+from ._inbox import BUFFER_KINDS
 
 __all__ = ["ListenerConfig"]
 
@@ -69,6 +69,12 @@ class ListenerConfig:
             store, logged) and bootstraps: a store that hangs must not keep the
             listener from starting. Keep it above what loading the largest
             checkpoint takes (about half a second per million resources from SQLite).
+        controller_start_timeout: seconds a listener with controllers attached
+            waits, once one of them runs, for the others to run too (it starts
+            only then, so that none misses the bootstrap). Past it, the
+            controllers that run stop with a ``ListenerConfigError`` naming the
+            ones that did not: a controller made and never run (nor closed) is
+            a mistake to report, not a reason to wait for good.
 
     Every count is a whole number of at least 1, every number of seconds a
     finite number above 0, every flag a bool.
@@ -98,6 +104,7 @@ class ListenerConfig:
     checkpoint_interval: float = 10.0
     checkpoint_replay: float = 60.0
     checkpoint_load_timeout: float = 300.0
+    controller_start_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.buffer_kind, str) and self.buffer_kind in BUFFER_KINDS):
@@ -122,6 +129,7 @@ class ListenerConfig:
             "checkpoint_interval",
             "checkpoint_replay",
             "checkpoint_load_timeout",
+            "controller_start_timeout",
         ):
             check_seconds(key, getattr(self, key))
         if not (is_number(self.high_water) and 0 < self.high_water <= 1):

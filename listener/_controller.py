@@ -10,20 +10,17 @@ application's own type ``T``; the mirror and the callbacks hold ``T``.
 Several controllers may share one Listener, one per resource it registers
 (``resource=``): each has its own mirror, work queue and callbacks, and sees
 only its resource's bootstrap and items. With a checkpoint store on its
-listener (``_checkpoint``), the mirror is saved with the listener's cursor
-and loaded at start: the controller then starts from the mirror as its
-callbacks last saw it, fetches again the ids that were pending, and is called
-back only for what changed since.
+listener, the mirror is saved with the listener's cursor and loaded at start:
+the controller then starts from the mirror as its callbacks last saw it,
+fetches again the ids that were pending, and is called back only for what
+changed since.
 
 This module is the controller's face: its settings, ``run``, the waits and
-the stats. The work is done by its parts, each in its own module, on the
-state they share (``_controller_state``):
-
-* ``_controller_sink``: events in, from the listener or another source, as far
-  as the work queue has room (``max_pending``);
-* ``_resync``: bootstraps, resumes and periodic passes (``resync_period``);
-* ``_reconcile``: the workers: fetch, write the mirror, call back, retry;
-* ``_controller_checkpoint``: the mirror in and out of checkpoints.
+the stats. The work is done by its core, a ``_reconcile.Reconciler`` (the
+mirror, the work queue, where each id stands, the workers). Events reach the
+core one of two ways: from a shared Listener, whose dispatch task hands them
+to the controller's ``ListenerSink`` as far as the work queue has room
+(``max_pending``); or read one at a time from any other event source.
 
 What it must never do: call back for an id concurrently, lose a change that
 arrived while its id was being fetched, or let a stale fetch be the last word.
@@ -33,19 +30,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Generic, Self
 
-from prometheus_client import CollectorRegistry
+from changefeed.bootstrap import fetch_many, fetch_one
+from changefeed.schemas import ChangeItem
 
-from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy, ItemBackoff
-from ._checkpoint import CheckpointStore
+from ._attachments import ControllerLink
+from ._backoff import DEFAULT_ITEM_BACKOFF, BackoffPolicy
+from ._checkpoint import CheckpointStore, MirrorCheckpoint
 from ._checks import check_count, check_seconds
-from ._controller_sink import ControllerSink, Intake
-from ._controller_state import T
 from ._errors import ListenerConfigError, ListenerError
+from ._events import ControllerStats, Resynced
 from ._handlers import (
     AddHandler,
     DeleteHandler,
@@ -56,56 +53,14 @@ from ._handlers import (
 )
 from ._lifecycle import ConnectionState
 from ._listener import Listener
-from ._metrics import Sample, register_controller
-from ._reconcile import Reconciling
+from ._metrics import Sample, register_controller, samples_of
+from ._reconcile import Intake, Reconciler, T
+from ._workqueue import WorkQueue
+
+if TYPE_CHECKING:  # prometheus-client: needed only by whoever passes a registry
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["Controller", "ControllerStats"]
-
-
-@dataclass(frozen=True, slots=True)
-class ControllerStats:
-    """A snapshot of a controller (``controller.stats()``); also its metrics.
-
-    Attributes:
-        depth: ids ready to be processed.
-        pending: ids queued, requeued behind a running worker, or waiting out a retry.
-        processing: ids held by workers.
-        adds: ids added to the work queue.
-        coalesced: adds of an id that was already queued.
-        retries: rate-limited re-adds after a failed fetch or callback.
-        items: change items taken from the listener.
-        fetches: resources fetched.
-        fetch_requests: fetch calls (one per batch).
-        fetch_errors: fetch calls that failed.
-        decode_errors: resources ``decode`` refused (retried like a failed fetch).
-        reconciles: callbacks completed.
-        reconcile_errors: callbacks that raised.
-        resyncs: bootstraps applied to the mirror.
-        periodic_resyncs: passes of ``resync_period`` over the mirror.
-        mirror_items: resources in the mirror.
-        synced: the first bootstrap has been applied and each id it queued processed once.
-    """
-
-    depth: int
-    pending: int
-    processing: int
-    adds: int
-    coalesced: int
-    retries: int
-    items: int
-    fetches: int
-    fetch_requests: int
-    fetch_errors: int
-    decode_errors: int
-    reconciles: int
-    reconcile_errors: int
-    resyncs: int
-    periodic_resyncs: int
-    mirror_items: int
-    synced: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _listener_resource(listener: Listener, resource: str | None) -> str:
@@ -119,7 +74,7 @@ def _listener_resource(listener: Listener, resource: str | None) -> str:
     )
 
 
-class Controller(Intake[T], Reconciling[T]):
+class Controller(Generic[T]):
     """Keeps a mirror of one resource current and calls the application back on changes.
 
     Either ``reconcile(id, old, new)`` or any of ``on_add(id, new)``,
@@ -213,13 +168,13 @@ class Controller(Intake[T], Reconciling[T]):
         check_seconds("resync_period", resync_period, optional=True)
         if retry is not None and not isinstance(retry, BackoffPolicy):
             raise ListenerConfigError("retry", f"must be a BackoffPolicy, got {retry!r}")
-        shared = isinstance(listener, Listener)
-        if fetch is None and not shared:
+        shared = listener if isinstance(listener, Listener) else None
+        if fetch is None and shared is None:
             raise ListenerConfigError("fetch", "is required when the source is not a Listener")
-        if checkpoint is not None and not shared:
+        if checkpoint is not None and shared is None:
             raise ListenerConfigError("checkpoint", "is kept by a Listener: give it one")
-        if isinstance(listener, Listener):
-            if listener.cursor is not None and listener.state is ConnectionState.IDLE:
+        if shared is not None:
+            if shared.cursor is not None and shared.state is ConnectionState.IDLE:
                 # The mirror starts empty: resuming would skip the bootstrap that fills it.
                 # (A listener past IDLE has a cursor of its own: _attach refuses it as
                 # started.)
@@ -227,68 +182,95 @@ class Controller(Intake[T], Reconciling[T]):
                     "listener.cursor",
                     "a controller's listener must bootstrap: pass no saved cursor",
                 )
-            resource = _listener_resource(listener, resource)
-            default_name = listener.name
-            if len(listener.resources) > 1:
+            resource = _listener_resource(shared, resource)
+            default_name = shared.name
+            if len(shared.resources) > 1:
                 default_name += f"/{resource}"
         else:
             default_name = "controller"
         self.listener = listener
         self.resource = resource
         self.name = name or default_name
-        self._reconcile = reconcile
-        self._on_add = on_add
-        self._on_update = on_update
-        self._on_delete = on_delete
-        self._decode = decode
-        self._encode = encode
-        self._fetch = fetch or self._default_fetch
-        self._key = key or (lambda obj: str(obj[id_field]))
-        self._id_field = id_field
         self.concurrency = concurrency
         self.fetch_batch = fetch_batch
         self.fetch_attempts = fetch_attempts
         self.max_pending = max_pending
         self.resync_period = resync_period
-        super().__init__()
-        self._retry = ItemBackoff(retry or DEFAULT_ITEM_BACKOFF, rng)
+        self._id_field = id_field
+        self._core: Reconciler[T] = Reconciler(
+            name=self.name,
+            resource=resource or "",
+            fetch=fetch or self._fetch_from_listener,
+            key=key or (lambda obj: str(obj[id_field])),
+            decode=decode,
+            encode=encode,
+            reconcile=reconcile,
+            on_add=on_add,
+            on_update=on_update,
+            on_delete=on_delete,
+            concurrency=concurrency,
+            fetch_batch=fetch_batch,
+            max_pending=max_pending,
+            retry=retry or DEFAULT_ITEM_BACKOFF,
+            rng=rng,
+        )
         self._failure: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
-        self._sink: ControllerSink | None = None
-        if isinstance(listener, Listener):
+        self._host: asyncio.Task[Any] | None = None  # the task inside ``async with``
+        self._host_cancelled = False  # ... which this controller's failure cancelled
+        self._closing = False
+        self._ran = False  # run() has begun
+        self._ended = asyncio.Event()
+        self._source: EventSource | None = None
+        self._sink: ListenerSink[T] | None = None
+        self._link: ControllerLink | None = None
+        if shared is not None:
             assert resource is not None
-            sink = ControllerSink(self)
-            listener._attach(resource, sink)
+            sink = ListenerSink(self._core, can_checkpoint=decode is None or encode is not None)
+            link = shared._attach(resource, sink)  # the controller's one way in
             try:
                 if checkpoint is not None:
-                    listener._use_checkpoint(checkpoint)
+                    link.use_checkpoint(checkpoint)
                 if registry is not None:
                     register_controller(registry, self)
             except BaseException:
                 # A controller that does not exist must not keep the listener
                 # waiting for it to run.
-                listener._detach(sink)
+                link.detach()
                 raise
-            self._sink = sink
-        elif registry is not None:
-            register_controller(registry, self)
+            self._sink, self._link = sink, link
+        else:
+            self._source = listener
+            if registry is not None:
+                register_controller(registry, self)
 
     # -- public face -----------------------------------------------------------
 
     @property
     def mirror(self) -> Mapping[str, T]:
         """A read-only live view of the mirror: id -> resource."""
-        return self._mirror.view()
+        return self._core.mirror.view()
 
     @property
     def synced(self) -> bool:
         """The first bootstrap has been applied and each id it queued processed once
         (see ``wait_synced``)."""
-        return self._synced.is_set()
+        return self._core.synced.is_set()
+
+    @property
+    def queue(self) -> WorkQueue[str]:
+        """The work queue (read-only use: its depth, what it holds)."""
+        return self._core.queue
+
+    @property
+    def items(self) -> int:
+        """Change items taken from the listener."""
+        return self._core.items
 
     def stats(self) -> ControllerStats:
         """A snapshot of the work queue and the controller's counters."""
-        queue = self.queue
+        core = self._core
+        queue = core.queue
         return ControllerStats(
             depth=len(queue),
             pending=queue.pending,
@@ -296,40 +278,22 @@ class Controller(Intake[T], Reconciling[T]):
             adds=queue.adds,
             coalesced=queue.coalesced,
             retries=queue.retries,
-            items=self.items,
-            fetches=self.fetches,
-            fetch_requests=self.fetch_requests,
-            fetch_errors=self.fetch_errors,
-            decode_errors=self.decode_errors,
-            reconciles=self.reconciles,
-            reconcile_errors=self.reconcile_errors,
-            resyncs=self.resyncs,
-            periodic_resyncs=self.periodic_resyncs,
-            mirror_items=len(self._mirror),
+            items=core.items,
+            fetches=core.fetches,
+            fetch_requests=core.fetch_requests,
+            fetch_errors=core.fetch_errors,
+            decode_errors=core.decode_errors,
+            reconciles=core.reconciles,
+            reconcile_errors=core.reconcile_errors,
+            resyncs=core.resyncs,
+            periodic_resyncs=core.periodic_resyncs,
+            mirror_items=len(core.mirror),
             synced=self.synced,
         )
 
     def metric_samples(self) -> list[Sample]:
         """This controller's values for the work-queue and controller metrics."""
-        st = self.stats()
-        w, c = "changefeed_workqueue_", "changefeed_controller_"
-        return [
-            Sample(w + "depth", st.depth),
-            Sample(w + "pending", st.pending),
-            Sample(w + "processing", st.processing),
-            Sample(w + "adds", st.adds),
-            Sample(w + "coalesced", st.coalesced),
-            Sample(w + "retries", st.retries),
-            Sample(c + "fetches", st.fetches),
-            Sample(c + "fetch_requests", st.fetch_requests),
-            Sample(c + "fetch_errors", st.fetch_errors),
-            Sample(c + "decode_errors", st.decode_errors),
-            Sample(c + "reconciles", st.reconciles),
-            Sample(c + "reconcile_errors", st.reconcile_errors),
-            Sample(c + "resyncs", st.resyncs),
-            Sample(c + "periodic_resyncs", st.periodic_resyncs),
-            Sample(c + "mirror_items", st.mirror_items),
-        ]
+        return samples_of("changefeed_", self.stats())
 
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Wait until the first bootstrap is in the mirror and the callbacks it called
@@ -344,14 +308,14 @@ class Controller(Intake[T], Reconciling[T]):
             ListenerError: the controller stopped (e.g. the registration was refused).
         """
         async with asyncio.timeout(timeout):
-            synced = asyncio.ensure_future(self._synced.wait())
+            synced = asyncio.ensure_future(self._core.synced.wait())
             ended = asyncio.ensure_future(self._ended.wait())
             try:
                 await asyncio.wait({synced, ended}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 synced.cancel()
                 ended.cancel()
-        if not self._synced.is_set():
+        if not self._core.synced.is_set():
             raise self._failure or ListenerError("the controller stopped before it synced")
 
     async def wait_idle(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
@@ -368,10 +332,15 @@ class Controller(Intake[T], Reconciling[T]):
         listener stops.
 
         Raises:
-            RegistrationRefused, RetriesExhausted: from the listener.
+            RegistrationRefused, RetriesExhausted: the listener stopped for good.
+            ListenerConfigError: another controller attached to the listener did
+                not run (``ListenerConfig.controller_start_timeout``).
+            CheckpointRefused: the listener's checkpoint store is another listener's.
         """
+        self._ran = True
+        core = self._core
         helpers = [
-            asyncio.create_task(self._work(), name=f"changefeed-worker-{self.name}-{n}")
+            asyncio.create_task(core.work(), name=f"changefeed-worker-{self.name}-{n}")
             for n in range(self.concurrency)
         ]
         if self.resync_period is not None:
@@ -381,32 +350,107 @@ class Controller(Intake[T], Reconciling[T]):
                 )
             )
         try:
-            if self._sink is not None:
-                await self._follow_listener(self._sink)
-            else:
-                await self._consume()
+            if self._sink is not None and self._link is not None:
+                stopped = self._sink.running()
+                self._link.running()
+                await stopped
+            elif self._source is not None:
+                await self._consume(self._source)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 self._failure = exc
             raise
         finally:
-            if self._sink is not None and isinstance(self.listener, Listener):
+            if self._link is not None:
                 # Before this controller takes nothing more: the listener's last
                 # checkpoint must see its mirror with the cursor it has reached.
-                self.listener._controller_stopping(self._sink)
+                self._link.stopping()
             self._ended.set()
-            self._room.set()  # a dispatch task waiting for this controller's room goes on
-            self.queue.shut_down()
+            core.stop()  # a dispatch task waiting for this controller's room goes on
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
-            if self._sink is not None and isinstance(self.listener, Listener):
-                await self.listener._controller_done(self._sink)
+            if self._link is not None:
+                await self._link.done()
+
+    async def _consume(self, source: EventSource) -> None:
+        """Read an event source other than a Listener one event at a time."""
+        core, resource = self._core, self.resource
+        async for event in source:
+            if isinstance(event, Resynced):
+                if resource is None or event.resource in ("", resource):
+                    core.resync(event)
+            elif isinstance(event, ChangeItem):
+                if resource is not None and event.change_kind.resource != resource:
+                    continue
+                while core.room_left() <= 0:
+                    await core.wait_room_left()
+                core.take((event,))
+
+    async def _resync_every(self, period: float) -> None:
+        await self._core.synced.wait()
+        while True:
+            await asyncio.sleep(period)
+            self._core.resync_pass()
+
+    async def _fetch_from_listener(self, ids: Sequence[str]) -> Mapping[str, Any]:
+        """The default fetch: the listener's bootstrap client on the resource's route."""
+        link = self._link
+        assert link is not None and self.resource is not None
+        # The latest ack's route: a resumed reconnect may name another than the
+        # last bootstrap's, and the old one may answer 404, which reads as a delete.
+        route = link.routes().get(self.resource) or self._core.route
+        if route is None:
+            # Ids loaded from a checkpoint as pending are fetched from the route
+            # the first ack names.
+            await link.registered()
+            route = link.routes().get(self.resource)
+        if route is None:
+            raise ListenerError("no resource route yet: the listener has not registered")
+        if len(ids) == 1:
+            one = await fetch_one(
+                link.http(), route, ids[0], max_attempts=self.fetch_attempts, max_wait=30.0
+            )
+            return {} if one is None else {ids[0]: one}
+        return await fetch_many(
+            link.http(),
+            route,
+            ids,
+            chunk=self.fetch_batch,
+            id_field=self._id_field,
+            max_attempts=self.fetch_attempts,
+            max_wait=30.0,
+        )
+
+    def done(self) -> bool:
+        """Whether the controller has stopped: ``run`` returned or raised."""
+        return self._ended.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The error that stopped the controller for good (``RegistrationRefused``,
+        ``RetriesExhausted``, ...); None while it runs, or when it stopped because it
+        was closed or cancelled, or its listener was."""
+        return self._failure
 
     async def __aenter__(self) -> Self:
-        """Run in a background task until the block exits."""
+        """Run in a background task until the block exits. Should the controller stop
+        for good meanwhile (the registration refused, retries exhausted), the block is
+        cancelled, as a ``TaskGroup`` cancels it for a failed task, and its exit raises
+        that error."""
+        self._closing = False
+        self._host = asyncio.current_task()
         self._task = asyncio.create_task(self.run(), name=f"changefeed-controller-{self.name}")
+        self._task.add_done_callback(self._stopped)
         return self
+
+    def _stopped(self, task: asyncio.Task[None]) -> None:
+        """The background task ended: a failure cancels the block it runs beside."""
+        if task.cancelled() or task.exception() is None or self._closing:
+            return
+        host = self._host
+        if host is not None and not host.done():
+            self._host_cancelled = True
+            host.cancel()
 
     async def __aexit__(
         self,
@@ -414,15 +458,109 @@ class Controller(Intake[T], Reconciling[T]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.close()
+        """Stop the background task. Raises the error that stopped the controller, unless
+        the block raised one of its own (then that one goes on; ``exception()`` still
+        tells)."""
+        self._closing = True
+        host, self._host = self._host, None
+        ours = self._host_cancelled and host is not None and host.uncancel() == 0
+        self._host_cancelled = False
+        try:
+            await self.close()
+        except Exception:
+            if exc is None or (ours and isinstance(exc, asyncio.CancelledError)):
+                raise
+            # The block's own exception wins; the controller's is in exception().
 
     async def close(self) -> None:
-        """Stop the background task started by ``async with`` (idempotent)."""
+        """Stop the background task started by ``async with`` (idempotent). A controller
+        that has not run is detached from its listener, which then no longer waits
+        for it to run.
+
+        Raises:
+            RegistrationRefused, RetriesExhausted, ...: the error that stopped the
+                controller (``exception()``), each time it is called: a controller
+                that stopped for good cannot be closed as if it had not.
+        """
+        self._closing = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            if self._sink is not None and isinstance(self.listener, Listener):
-                # Also when the task was cancelled before ``run`` began: the listener
-                # must not wait for this controller to start.
-                await self.listener._controller_done(self._sink)
+        if (task is not None or not self._ran) and self._link is not None:
+            # Also when it never ran (or its task was cancelled before ``run`` began):
+            # the listener must not wait for this controller to start.
+            await self._link.done()
+        if self._failure is not None:
+            raise self._failure
+
+
+class ListenerSink(Generic[T]):
+    """The controller's side of a shared listener (``_attachments.Attached``): how the
+    listener stops it, tells it of a resume, and reads and loads its mirror in
+    checkpoints. A separate object, so that these calls are not part of the
+    controller's public face. The dispatch hands events to the controller's core
+    itself (``sink``), as far as its work queue has room; a controller that
+    stopped while the listener goes on is parked there (``_reconcile.Intake``).
+    """
+
+    def __init__(self, core: Reconciler[T], *, can_checkpoint: bool) -> None:
+        self._core = core
+        self._can_checkpoint = can_checkpoint
+        self._stopped: asyncio.Future[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def resource(self) -> str:
+        return self._core.resource
+
+    @property
+    def sink(self) -> Reconciler[T]:
+        return self._core
+
+    def running(self) -> asyncio.Future[None]:
+        """The controller runs: a future that ends the way the listener stops
+        (``Controller.run`` awaits it)."""
+        self._stopped = asyncio.get_running_loop().create_future()
+        self._core.intake = Intake.OPEN
+        return self._stopped
+
+    def stopped(self, error: BaseException | None) -> None:
+        stopped = self._stopped
+        if stopped is None or stopped.done():
+            return
+        if error is None:
+            stopped.set_result(None)
+        else:
+            stopped.set_exception(error)
+        self._core.close_intake()
+
+    def resumed(self, replay: float) -> None:
+        if self._core.intake is Intake.OPEN:
+            self._core.resumed(replay)
+
+    def checkpoint_problem(self) -> str | None:
+        if not self._can_checkpoint:
+            return f"controller {self.name} has decode but no encode: give encode"
+        return None
+
+    def restore(self, part: MirrorCheckpoint) -> None:
+        self._core.restore(part)
+
+    def track_changes(self) -> None:
+        self._core.track_changes()
+
+    def take_changed(self) -> set[str]:
+        return self._core.take_touched()
+
+    def has_changed(self) -> bool:
+        return self._core.has_touched()
+
+    def checkpoint_part(self, changed: set[str] | None) -> MirrorCheckpoint:
+        return self._core.checkpoint_part(changed)
+
+    def size(self) -> int:
+        return len(self._core.mirror)

@@ -9,7 +9,9 @@ Exception tree::
     ├── RetriesExhausted        ``max_attempts`` connection attempts failed in a row
     ├── ListenerConfigError     a setting is out of range (also a ValueError)
     ├── CheckpointError         a checkpoint store cannot use what it holds, or refuses a
-    │                           save that does not go on top of it
+    │   │                       save that does not go on top of it
+    │   └── CheckpointRefused   the store is not this listener's to use: another listener
+    │                           holds it, or its file holds what it must not move
     ├── LifecycleError          an impossible state transition was requested (a bug)
     └── SessionError            one connection ended; the listener re-registers with back-off
         ├── BufferOverflow      the buffer could not hold what arrived (RFD 5: abort, clear,
@@ -22,9 +24,10 @@ Exception tree::
 
 ``SessionError`` and its subclasses are the retryable ones: the listener
 handles them itself (they show up in ``status().last_error`` and in the log);
-an application only ever sees ``RegistrationRefused``, ``RetriesExhausted``
-and, on a bug, ``LifecycleError``. ``CheckpointError`` is raised by stores;
-the listener logs it (a checkpoint is a saving, never a requirement), and an
+an application only ever sees ``RegistrationRefused``, ``RetriesExhausted``,
+``CheckpointRefused`` (at start: the listener stops with it) and, on a bug,
+``LifecycleError``. Any other ``CheckpointError`` is raised by stores; the
+listener logs it (a checkpoint is a saving, never a requirement), and an
 application's own store may raise it too. Failures of the network, of the websocket
 and of the HTTP API are mapped into this tree at the boundary; nothing from
 websockets or httpx crosses the public API (the ``wait_*`` helpers raise
@@ -38,6 +41,7 @@ __all__ = [
     "BootstrapFailed",
     "BufferOverflow",
     "CheckpointError",
+    "CheckpointRefused",
     "LifecycleError",
     "ListenerConfigError",
     "ListenerError",
@@ -101,6 +105,13 @@ class CheckpointError(ListenerError):
     does not decode), or refuses an incremental save that does not go on top of it."""
 
 
+class CheckpointRefused(CheckpointError):
+    """The store is not this listener's to use: another listener holds it (a second
+    writer on the same file and name), or its file holds what the store must not move.
+    Raised by the store when the listener loads at start; the listener stops with it,
+    since every save would fail or overwrite another's."""
+
+
 class LifecycleError(ListenerError):
     """A state transition the connection lifecycle does not allow (a bug, not a condition)."""
 
@@ -162,11 +173,16 @@ class BootstrapFailed(SessionError):
     Args:
         message: what failed.
         status: the last HTTP status of the walk, if any.
+        retry_after: the route's last ``Retry-After`` (a 503), seconds: the least
+            wait before registering again.
     """
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, message: str, status: int | None = None, *, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class BadPublisherFrame(SessionError):

@@ -16,15 +16,16 @@ Pure data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any
 
 from changefeed.schemas import ChangeItem
 
 from ._checkpoint import CheckpointStatus
+from ._figures import GAUGE, Labels, figure, nested
 from ._lifecycle import ConnectionState
 
-__all__ = ["BootstrapProgress", "Event", "ListenerStatus", "Resynced"]
+__all__ = ["BootstrapProgress", "ControllerStats", "Event", "ListenerStatus", "Resynced"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,86 +71,116 @@ class BootstrapProgress:
     Attributes:
         resource: the change kind's resource.
         route: the absolute URL being paged.
-        pages: pages received so far.
-        items: resources received so far.
         elapsed: seconds since the walk started (until it ended, once done).
-        rate: items per second over the walk.
         done: the walk ended (its items went, or will go, out as ``Resynced``).
+
+    ``pages``, ``items`` and ``rate`` are gauges, described where they are declared.
     """
 
     resource: str
     route: str
-    pages: int = 0
-    items: int = 0
+    pages: int = figure(
+        "Pages of the bootstrap walk under way, or of the last one",
+        GAUGE,
+        metric="bootstrap_pages",
+        default=0,
+    )
+    items: int = figure(
+        "Items of the bootstrap walk under way, or of the last one",
+        GAUGE,
+        metric="bootstrap_items",
+        default=0,
+    )
     elapsed: float = 0.0
-    rate: float = 0.0
+    rate: float = figure(
+        "Items per second of the bootstrap walk under way, or of the last one",
+        GAUGE,
+        metric="bootstrap_items_per_second",
+        default=0.0,
+    )
     done: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+def _one_hot(state: ConnectionState) -> list[tuple[Labels, float]]:
+    return [((("state", each.value),), 1.0 if each is state else 0.0) for each in ConnectionState]
+
+
+def _by_reason(counts: dict[str, int]) -> list[tuple[Labels, float]]:
+    return [((("reason", reason),), float(n)) for reason, n in sorted(counts.items())]
+
+
 @dataclass(frozen=True, slots=True)
 class ListenerStatus:
-    """A snapshot of one listener (``listener.status()``); also what its metrics show.
+    """A snapshot of one listener (``listener.status()``); also what its metrics show
+    (``changefeed_listener_*``, each declared with its field, help and all).
 
     Attributes:
-        name: the listener's name (metrics label).
-        state: where the connection lifecycle is.
-        attempts: connection attempts since start.
-        failures: consecutive failed attempts (the back-off exponent).
-        registrations: acks received.
-        resumes: registrations that sent ``since`` and were answered ``resumed: true``.
-        bootstraps: bootstrap walks completed.
-        buffer_size: items held, waiting for the application.
-        buffer_capacity: the most items the buffer holds.
+        name: the listener's name (the metrics' ``listener`` label).
         buffer_peak: the most items held at once.
-        overflows: times the buffer overflowed (each one an abort).
-        aborts: connections that ended (overflows, drops, closes, timeouts).
-        backoff_delay: the current or last back-off delay, seconds.
-        backoff_ceiling: the ceiling that delay was drawn under, seconds.
+        backoff_ceiling: the ceiling the back-off delay was drawn under, seconds.
         backoff_resets: times a healthy period reset the schedule.
         last_error: the last failure, as text.
         cursor: the cursor a reconnect resumes from (the last event handed out).
-        items_received: change items decoded from the socket.
-        items_delivered: change items handed to the application.
         frames_received: websocket frames received.
         live_for: seconds the current connection has been live.
         route: the (first) bootstrap route's absolute URL, once known.
         resources: the resources of the change kinds this listener registers.
-        bootstrap: per route, the walk under way or the last one (empty before
-            the first bootstrap).
-        not_resumed: acks that did not resume a ``since``, by the ack's
-            ``reason`` (``"unknown"`` when the publisher gave none).
-        checkpoint: loads and saves of the checkpoint store (None: no store).
     """
 
     name: str
-    state: ConnectionState
-    attempts: int
-    failures: int
-    registrations: int
-    resumes: int
-    bootstraps: int
-    buffer_size: int
-    buffer_capacity: int
-    buffer_peak: int
-    overflows: int
-    aborts: int
-    backoff_delay: float
-    backoff_ceiling: float
-    backoff_resets: int
-    last_error: str | None
-    cursor: str | None
-    items_received: int
-    items_delivered: int
-    frames_received: int
-    live_for: float
-    route: str | None
+    state: ConnectionState = figure(
+        "1 for the listener's current lifecycle state", GAUGE, labels=("state",), read=_one_hot
+    )
+    attempts: int = figure("Connection attempts", metric="connection_attempts")
+    failures: int = figure(
+        "Consecutive failed attempts (the back-off's exponent)", GAUGE, metric="backoff_failures"
+    )
+    registrations: int = figure("Acks received")
+    resumes: int = figure("Registrations with since answered resumed=true")
+    bootstraps: int = figure("Bootstrap walks completed")
+    buffer_size: int = figure(
+        "Items held for the application: buffered, or taken and not handed out yet",
+        GAUGE,
+        metric="buffer_items",
+    )
+    buffer_capacity: int = figure("Items the buffer holds at most", GAUGE)
+    buffer_peak: int = 0
+    overflows: int = figure("Buffer overflows (each one an abort)", default=0)
+    aborts: int = figure(
+        "Connections that ended, for any reason (overflows, drops, closes, timeouts)", default=0
+    )
+    backoff_delay: float = figure(
+        "Current or last back-off delay, seconds", GAUGE, metric="backoff_seconds", default=0.0
+    )
+    backoff_ceiling: float = 0.0
+    backoff_resets: int = 0
+    last_error: str | None = None
+    cursor: str | None = None
+    items_received: int = figure("Change items decoded from the socket", default=0)
+    items_delivered: int = figure("Change items handed to the application", default=0)
+    frames_received: int = 0
+    live_for: float = 0.0
+    route: str | None = None
     resources: tuple[str, ...] = ()
-    bootstrap: tuple[BootstrapProgress, ...] = ()
-    not_resumed: dict[str, int] = field(default_factory=dict)
-    checkpoint: CheckpointStatus | None = None
+    bootstrap: tuple[BootstrapProgress, ...] = nested(
+        BootstrapProgress,
+        "Per route, the walk under way or the last one (empty before the first bootstrap)",
+        label="resource",
+        default=(),
+    )
+    not_resumed: dict[str, int] = figure(
+        "Acks that did not resume the since given, by the ack's reason"
+        ' ("unknown" when the publisher gave none)',
+        labels=("reason",),
+        read=_by_reason,
+        default_factory=dict,
+    )
+    checkpoint: CheckpointStatus | None = nested(
+        CheckpointStatus, "Loads and saves of the checkpoint store (None: no store)", default=None
+    )
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot as a JSON-ready dict (``state`` as its string value)."""
@@ -160,3 +191,60 @@ class ListenerStatus:
         doc["not_resumed"] = dict(self.not_resumed)
         doc["checkpoint"] = None if self.checkpoint is None else self.checkpoint.to_json()
         return doc
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerStats:
+    """A snapshot of a controller (``controller.stats()``); also what its metrics show
+    (``changefeed_workqueue_*``, ``changefeed_controller_*``, each declared with its
+    field, help and all).
+
+    Attributes:
+        items: change items taken from the listener.
+        synced: the first bootstrap has been applied and each id it queued processed once.
+    """
+
+    depth: int = figure("Ids ready to be processed", GAUGE, metric="workqueue_depth")
+    pending: int = figure(
+        "Ids queued, requeued behind a running worker, or waiting out a retry",
+        GAUGE,
+        metric="workqueue_pending",
+    )
+    processing: int = figure("Ids held by workers", GAUGE, metric="workqueue_processing")
+    adds: int = figure("Ids added to the work queue", metric="workqueue_adds")
+    coalesced: int = figure("Adds of an id already queued", metric="workqueue_coalesced")
+    retries: int = figure(
+        "Rate-limited re-adds after a failed fetch or callback", metric="workqueue_retries"
+    )
+    items: int = 0
+    fetches: int = figure("Resources fetched", metric="controller_fetches", default=0)
+    fetch_requests: int = figure(
+        "Fetch calls (HTTP requests, batched)", metric="controller_fetch_requests", default=0
+    )
+    fetch_errors: int = figure(
+        "Fetch calls that failed", metric="controller_fetch_errors", default=0
+    )
+    decode_errors: int = figure(
+        "Resources the decoder refused (retried like a failed fetch)",
+        metric="controller_decode_errors",
+        default=0,
+    )
+    reconciles: int = figure("Callbacks completed", metric="controller_reconciles", default=0)
+    reconcile_errors: int = figure(
+        "Callbacks that raised", metric="controller_reconcile_errors", default=0
+    )
+    resyncs: int = figure(
+        "Bootstraps applied to the mirror", metric="controller_resyncs", default=0
+    )
+    periodic_resyncs: int = figure(
+        "Passes handing every mirrored resource to the callbacks again",
+        metric="controller_periodic_resyncs",
+        default=0,
+    )
+    mirror_items: int = figure(
+        "Resources in the mirror", GAUGE, metric="controller_mirror_items", default=0
+    )
+    synced: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -31,6 +31,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
+from changefeed.backoff import MAX_RETRY_AFTER
+from changefeed.backoff import retry_after_floor as retry_floor
 from changefeed.schemas import CloseCode
 
 from ._errors import LifecycleError
@@ -147,8 +149,6 @@ FATAL_ERROR_CODES = frozenset(
 FRESH_ERROR_CODES = frozenset({"bad_cursor", "cursor_expired"})
 """Error codes after which the cursor is useless: register again without ``since``."""
 
-MAX_RETRY_AFTER = 300.0
-"""The longest ``retryAfter`` honoured, seconds: a publisher's hint, not a sentence."""
 
 _FATAL_CLOSE_CODES = frozenset(
     {CloseCode.BAD_FRAME, CloseCode.UNKNOWN_RESOURCE, CloseCode.UNAUTHORIZED, CloseCode.FORBIDDEN}
@@ -192,16 +192,3 @@ def disposition(
     if http_status in _FATAL_HTTP_STATUSES:
         return Disposition.STOP
     return Disposition.RETRY
-
-
-def retry_floor(retry_after: float | None) -> float:
-    """The least delay before the next attempt: the error frame's ``retryAfter``
-    (sent with ``unavailable``), capped at ``MAX_RETRY_AFTER``; 0 without one.
-
-    The back-off's own jittered delay still applies when it is longer: the
-    publisher's hint is a lower bound, so that every listener it turned away
-    does not come back at the same moment.
-    """
-    if retry_after is None or not retry_after > 0:  # also refuses NaN
-        return 0.0
-    return min(float(retry_after), MAX_RETRY_AFTER)

@@ -1,40 +1,40 @@
 """The listener: registers on a publisher's /changefeeds websocket and yields its changes.
 
-The websockets / httpx adapter around the pure core (``_lifecycle``,
-``_backoff``, ``_buffer``). This module is the listener's face: its
-settings, ``start`` and ``close``, ``async for``, the status and metrics, how
-controllers attach to it, and where checkpoints come in. The work is done by
-its parts, each in its own module, on the state they share
-(``_listener_state``):
+This module is the listener's face: its settings, ``start`` and ``close``,
+``async for``, the status and metrics, how controllers attach to it, and
+where checkpoints come in. It owns no items and no connection state; it
+composes the parts that do, each owning its own state:
 
-* ``_connection``: one background task runs the connection lifecycle
-  (connect, register, bootstrap, live; after a failure, clear and back off);
-  one connection is a ``_session.Session``, which reports back through
-  ``_reports``;
-* ``_handout``: events go to the application in feed order: ``async for``,
-  or a dispatch task that hands each attached controller (``_sink.Sink``)
-  its resource's events.
+* ``_connection.ConnectionLoop``: one background task runs the connection
+  lifecycle (connect, register, bootstrap, live; after a failure, clear and
+  back off), one ``_session.Session`` per attempt, the session reporting to
+  the loop;
+* ``_inbox.Inbox``: each frame's items into the buffer, and out to the
+  application in feed order: ``async for``, or a dispatch task that hands
+  each attached controller its resource's events; its cursor is where
+  the application is;
+* ``_attachments.Attachments``: the attached controllers, which run and which
+  are parked;
+* ``_checkpointer.Checkpointer``: the checkpoints, with a store.
 
 The socket is always read as fast as it delivers, whatever the application
 does: the buffer absorbs the difference, and when it cannot, the listener
 aborts rather than block the publisher or grow without bound (RFD 5 "Back
-pressure"). Items taken from the buffer but not handed out yet count against
-the same capacity. The cursor it resumes from is that of the last event
-handed to the application, and items are handed out in feed order, so
-nothing that was buffered and then cleared is lost.
+pressure"). The cursor it resumes from is that of the last event handed to
+the application, and items are handed out in feed order, so nothing that was
+buffered and then cleared is lost.
 
-Several controllers share one listener (one connection per publisher per
-process, as client-go's shared informers): each attaches to one resource
-before the listener starts, the listener starts once every attached
-controller runs, and it closes when the last one stops.
+Several controllers share one listener: each attaches to one resource before
+the listener starts (``_attach``, their one way in), the listener starts
+once every attached controller runs (or stops with a ``ListenerConfigError``
+when one has not run within ``controller_start_timeout`` of the first), and
+it closes when the last one stops.
 
-With a checkpoint store (``_checkpointer``), the listener loads the last
-checkpoint before it first registers (its controllers start from their saved
-mirrors, and it registers with the saved cursor), and saves one at intervals
-and when it or its first controller stops. The cursor saved is the position
-the application is done with: for controllers, that of the last event handed
-to them (their mirrors and pending ids are taken in the same step); for
-``async for``, that of the event before the one handed out last.
+With a checkpoint store, the listener loads the last checkpoint before it
+first registers (its controllers start from their saved mirrors, and it
+registers with the saved cursor), and saves one at intervals and when it or
+the last controller running stops. A controller that stops while others run
+on is parked, so checkpoints go on. The cursor saved is ``Inbox.done``.
 
 It must never hand the application an item of a connection before that
 connection's ``Resynced`` events, never retry without back-off, and never
@@ -44,37 +44,41 @@ swallow a failure without logging and counting it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-from prometheus_client import CollectorRegistry
 
 from changefeed.bootstrap import bearer_headers
 from changefeed.logs import log_event
 from changefeed.schemas import ChangeKind, Registration
 
-from ._backoff import Backoff
-from ._buffer import Buffer, make_buffer
+from ._attachments import Attached, Attachments, ControllerLink, Stopped
+from ._backoff import RegistrationBackoff
 from ._checkpoint import CheckpointStore
 from ._checkpointer import Checkpointer
 from ._checks import check_change_kinds, check_registration
 from ._config import ListenerConfig
 from ._connection import ConnectionLoop
 from ._errors import ListenerConfigError, ListenerError
-from ._events import Event, ListenerStatus, Resynced
-from ._handout import HandingOut
-from ._lifecycle import ConnectionState, Lifecycle
-from ._listener_state import S, log
-from ._metrics import Sample, register_listener
-from ._sink import Sink
+from ._events import Event, ListenerStatus
+from ._inbox import Buffer, Inbox, make_buffer
+from ._lifecycle import ConnectionState
+from ._log import log
+from ._metrics import Sample, register_listener, samples_of
+
+if TYPE_CHECKING:  # prometheus-client: needed only by whoever passes a registry
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["Listener"]
+
+S = ConnectionState
 
 
 def _http_origin(ws_url: str) -> str:
@@ -124,7 +128,7 @@ def _change_kinds(
     return kinds
 
 
-class Listener(ConnectionLoop, HandingOut):
+class Listener:
     """A change-feed listener for one or several change kinds (RFD 5's listener module).
 
     Use it as an async context manager and iterate it::
@@ -212,7 +216,7 @@ class Listener(ConnectionLoop, HandingOut):
         self.service = service
         self.change_kinds = _change_kinds(change_kind, change_kinds)
         self.resources = tuple(kind.resource for kind in self.change_kinds)
-        self._multi = len(self.change_kinds) > 1
+        multi = len(self.change_kinds) > 1
         # What every attempt will send, checked now rather than refused by the publisher.
         check_registration(
             Registration(
@@ -221,7 +225,7 @@ class Listener(ConnectionLoop, HandingOut):
                 self.change_kinds,
                 since=cursor,
                 batch=self.config.batch,
-                multi=self._multi,
+                multi=multi,
             ),
             "change_kind" if change_kind is not None else "change_kinds",
         )
@@ -231,17 +235,33 @@ class Listener(ConnectionLoop, HandingOut):
         self._token = token
         self._http = http
         self._own_http = http is None
-        self._buffer = buffer or make_buffer(self.config.buffer_kind, self.config.buffer_size)
-        self._backoff = Backoff(self.config.backoff, rng)
-        self._lifecycle = Lifecycle(self._on_transition)
-        self._clock = time.monotonic
-        self._cursor = cursor
-        self._handed = cursor  # the cursor of the last event handed out
-        self._position = cursor  # ... and of the last one the application is done with
-        super().__init__()
-        self._attached = 0
-        self._running: set[Sink] = set()
+        self._inbox = Inbox(
+            buffer or make_buffer(self.config.buffer_kind, self.config.buffer_size),
+            cursor,
+            resources=self.resources,
+            multi=multi,
+            high_water=self.config.high_water,
+            fields=self._fields,
+        )
+        self._connection = ConnectionLoop(
+            self._inbox,
+            url=url,
+            api_url=self.api_url,
+            instance=instance,
+            service=service,
+            change_kinds=self.change_kinds,
+            config=self.config,
+            token=token,
+            backoff=RegistrationBackoff(self.config.backoff, rng),
+            name=self.name,
+            on_resumed=self._resumed,
+        )
+        self._attachments = Attachments()
+        self._checkpointer: Checkpointer | None = None
+        self._fatal: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
         self._dispatcher: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None  # see _controllers_must_run
         if checkpoint is not None:
             self._use_checkpoint(checkpoint)
         if registry is not None:
@@ -257,22 +277,22 @@ class Listener(ConnectionLoop, HandingOut):
     @property
     def state(self) -> ConnectionState:
         """Where the connection lifecycle is now."""
-        return self._lifecycle.state
+        return self._connection.state
 
     @property
     def cursor(self) -> str | None:
         """The cursor a reconnect resumes from: that of the last event handed out."""
-        return self._cursor
+        return self._inbox.resume
 
     @property
     def route(self) -> str | None:
         """The (first) bootstrap route's absolute URL, known after the first ack."""
-        return self._routes.get(self.resources[0])
+        return self._connection.routes.get(self.resources[0])
 
     @property
     def routes(self) -> dict[str, str]:
         """Each resource's bootstrap route (absolute URL), known after the first ack."""
-        return dict(self._routes)
+        return dict(self._connection.routes)
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -283,93 +303,100 @@ class Listener(ConnectionLoop, HandingOut):
 
     @property
     def buffer(self) -> Buffer:
-        return self._buffer
+        return self._inbox.buffer
+
+    # The counters of ``status()`` that the listener also shows as attributes.
+
+    @property
+    def attempts(self) -> int:
+        """Connection attempts since start."""
+        return self._connection.attempts
+
+    @property
+    def registrations(self) -> int:
+        """Acks received."""
+        return self._connection.registrations
+
+    @property
+    def resumes(self) -> int:
+        """Registrations that sent ``since`` and were answered ``resumed: true``."""
+        return self._connection.resumes
+
+    @property
+    def bootstraps(self) -> int:
+        """Bootstrap walks completed."""
+        return self._connection.bootstraps
+
+    @property
+    def aborts(self) -> int:
+        """Connections that ended."""
+        return self._connection.aborts
+
+    @property
+    def overflows(self) -> int:
+        """Times the buffer overflowed."""
+        return self._inbox.overflows
+
+    @property
+    def items_received(self) -> int:
+        """Change items decoded from the socket."""
+        return self._inbox.received
+
+    @property
+    def frames_received(self) -> int:
+        """Websocket frames received."""
+        return self._inbox.frames
+
+    @property
+    def last_error(self) -> str | None:
+        """The last failure, as text."""
+        return self._connection.last_error
 
     @property
     def items_delivered(self) -> int:
         """Change items handed to the application (iteration or controllers)."""
-        return self._staged_total - len(self._staged) + self._dispatched
+        return self._inbox.delivered
 
     def status(self) -> ListenerStatus:
         """A snapshot of the listener's state and counters."""
-        now = self._clock()
-        held = self._held()
-        self._peak = max(self._peak, held)
+        connection, inbox = self._connection, self._inbox
+        backoff = connection.backoff
+        held = inbox.held()
+        live_since = connection.live_since
         return ListenerStatus(
             name=self.name,
-            state=self.state,
-            attempts=self.attempts,
-            failures=self._backoff.failures,
-            registrations=self.registrations,
-            resumes=self.resumes,
-            bootstraps=self.bootstraps,
+            state=connection.state,
+            attempts=connection.attempts,
+            failures=backoff.failures,
+            registrations=connection.registrations,
+            resumes=connection.resumes,
+            bootstraps=connection.bootstraps,
             buffer_size=held,
-            buffer_capacity=self._buffer.capacity,
-            buffer_peak=self._peak,
-            overflows=self.overflows,
-            aborts=self.aborts,
-            backoff_delay=self._backoff.delay,
-            backoff_ceiling=self._backoff.ceiling,
-            backoff_resets=self._backoff.resets,
-            last_error=self.last_error,
-            cursor=self._cursor,
-            items_received=self.items_received,
-            items_delivered=self.items_delivered,
-            frames_received=self.frames_received,
-            live_for=0.0 if self._live_since is None else now - self._live_since,
+            buffer_capacity=inbox.buffer.capacity,
+            buffer_peak=max(inbox.peak, held),
+            overflows=inbox.overflows,
+            aborts=connection.aborts,
+            backoff_delay=backoff.delay,
+            backoff_ceiling=backoff.ceiling,
+            backoff_resets=backoff.resets,
+            last_error=connection.last_error,
+            cursor=self._inbox.resume,
+            items_received=inbox.received,
+            items_delivered=inbox.delivered,
+            frames_received=inbox.frames,
+            live_for=0.0 if live_since is None else time.monotonic() - live_since,
             route=self.route,
             resources=self.resources,
-            bootstrap=tuple(self._progress[r] for r in self.resources if r in self._progress),
-            not_resumed=dict(self._not_resumed),
+            bootstrap=tuple(
+                connection.progress[r] for r in self.resources if r in connection.progress
+            ),
+            not_resumed=dict(connection.not_resumed),
             checkpoint=None if self._checkpointer is None else self._checkpointer.status(),
         )
 
     def metric_samples(self) -> list[Sample]:
         """This listener's values for the ``changefeed_listener_*`` metrics."""
-        st = self.status()
-        p = "changefeed_listener_"
-        samples = [
-            Sample(p + "state", 1.0 if st.state is state else 0.0, (("state", state.value),))
-            for state in ConnectionState
-        ]
-        samples += [
-            Sample(p + "connection_attempts", st.attempts),
-            Sample(p + "registrations", st.registrations),
-            Sample(p + "resumes", st.resumes),
-            Sample(p + "bootstraps", st.bootstraps),
-            Sample(p + "aborts", st.aborts),
-            Sample(p + "overflows", st.overflows),
-            Sample(p + "buffer_items", st.buffer_size),
-            Sample(p + "buffer_capacity", st.buffer_capacity),
-            Sample(p + "backoff_seconds", st.backoff_delay),
-            Sample(p + "backoff_failures", st.failures),
-            Sample(p + "items_received", st.items_received),
-            Sample(p + "items_delivered", st.items_delivered),
-        ]
-        samples += [
-            Sample(p + "not_resumed", count, (("reason", reason),))
-            for reason, count in sorted(st.not_resumed.items())
-        ]
-        checkpoint = st.checkpoint
-        if checkpoint is not None:
-            saved_at = checkpoint.last_saved_at
-            samples += [
-                Sample(p + "checkpoint_saves", checkpoint.saves),
-                Sample(p + "checkpoint_save_failures", checkpoint.save_failures),
-                Sample(p + "checkpoint_save_seconds", checkpoint.last_save_seconds),
-                Sample(
-                    p + "checkpoint_age_seconds",
-                    0.0 if saved_at is None else max(0.0, time.time() - saved_at),
-                ),
-            ]
-        for progress in st.bootstrap:
-            labels = (("resource", progress.resource),)
-            samples += [
-                Sample(p + "bootstrap_items", progress.items, labels),
-                Sample(p + "bootstrap_pages", progress.pages, labels),
-                Sample(p + "bootstrap_items_per_second", progress.rate, labels),
-            ]
-        return samples
+        return samples_of("changefeed_listener_", self.status())
 
     def start(self) -> None:
         """Start the connection lifecycle in a background task (idempotent)."""
@@ -384,7 +411,7 @@ class Listener(ConnectionLoop, HandingOut):
         self._task = asyncio.create_task(self._run(), name=f"changefeed-listener-{self.name}")
         if self._checkpointer is not None:
             self._checkpointer.start()
-        if self._sinks:
+        if self._attachments:
             self._dispatcher = asyncio.create_task(
                 self._dispatch(), name=f"changefeed-dispatch-{self.name}"
             )
@@ -392,21 +419,23 @@ class Listener(ConnectionLoop, HandingOut):
     async def close(self) -> None:
         """Stop: save the last checkpoint (with a store), close the connection, drop the
         buffer, end iteration. Idempotent."""
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None and watchdog is not asyncio.current_task():
+            watchdog.cancel()
         if self._checkpointer is not None:
             self._checkpointer.final("listener closed")
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        if self._lifecycle.can(S.STOPPED):
-            self._lifecycle.to(S.STOPPED)
-        await self._clear()
-        self._ready.set()
+        self._connection.stop()
+        await self._inbox.clear()
+        self._inbox.stop(None)
         dispatcher, self._dispatcher = self._dispatcher, None
         if dispatcher is not None:
             dispatcher.cancel()
             await asyncio.gather(dispatcher, return_exceptions=True)
-        self._stop_sinks(self._fatal)
+        self._stop_controllers(self._fatal)
         if self._checkpointer is not None:
             await self._checkpointer.close()
         if self._own_http and self._http is not None:
@@ -437,8 +466,14 @@ class Listener(ConnectionLoop, HandingOut):
     ) -> None:
         await self.close()
 
-    def __aiter__(self) -> Self:
-        return self
+    def __aiter__(self) -> AsyncIterator[Event]:
+        """The events, handed out by the inbox: ``Resynced`` or ``ChangeItem``.
+
+        Raises:
+            ListenerError: controllers are attached: they are its consumers.
+        """
+        self._check_iterable()
+        return self._inbox
 
     async def __anext__(self) -> Event:
         """The next event: ``Resynced`` or ``ChangeItem``.
@@ -449,34 +484,62 @@ class Listener(ConnectionLoop, HandingOut):
             ListenerError: controllers are attached: they are its consumers.
             StopAsyncIteration: the listener was closed.
         """
-        # Asking for the next event means the application is done with the last one
-        # (with the last ``Resynced`` of a bootstrap: the others are not consistent
-        # with its cursor on their own).
-        if not self._resyncs:
-            self._position = self._handed
-        staged = self._staged
-        if staged:  # the hot path: one item of a batch already taken from the buffer
-            item = staged.popleft()
-            self._cursor = self._handed = item.cursor
-            return item
-        if self._sinks:
+        self._check_iterable()
+        return await self._inbox.__anext__()
+
+    def _check_iterable(self) -> None:
+        if self._attachments:
             raise ListenerError(f"controllers are attached to listener {self.name}: not iterable")
-        unit = await self._next_unit()
-        if isinstance(unit, Resynced):
-            self._handed = unit.cursor
-            if not self._resyncs:  # a reconnect before the last one must bootstrap again
-                self._cursor = unit.cursor
-            return unit
-        self._staged_total += len(unit)
-        staged.extend(unit)
-        item = staged.popleft()
-        self._cursor = self._handed = item.cursor
-        return item
+
+    # -- the background tasks ------------------------------------------------------
+
+    async def _run(self) -> None:
+        """The connection lifecycle, after loading the checkpoint (with a store)."""
+        try:
+            if self._checkpointer is not None:
+                self._inbox.restore(await self._checkpointer.restore(self.config.resume))
+            await self._connection.run(self.http)
+        except asyncio.CancelledError:
+            raise
+        except ListenerError as exc:
+            self._fail(exc)
+        except Exception as exc:  # a bug: stop loudly rather than spin
+            log_event(log, "listener.crashed", logging.ERROR, exc=exc, **self._fields())
+            self._fail(exc)
+
+    async def _dispatch(self) -> None:
+        """Hand every attached controller its resource's events until the listener stops."""
+        ending: BaseException | None = None
+        try:
+            await self._inbox.dispatch(self._attachments.consumers)
+        except Exception as exc:
+            if exc is not self._fatal:  # a bug here: stop loudly rather than hang the controllers
+                log_event(
+                    log, "listener.dispatch_crashed", logging.ERROR, exc=exc, **self._fields()
+                )
+                self._fail(exc)
+                if self._task is not None:
+                    self._task.cancel()
+            ending = exc
+        self._stop_controllers(ending)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop for good with ``exc``: iteration and the controllers raise it."""
+        self._fatal = exc
+        self._connection.stop(exc)
+        self._inbox.stop(exc)
+
+    def _fields(self) -> dict[str, Any]:
+        return self._connection.fields()
 
     # -- controllers ---------------------------------------------------------------
 
-    def _attach(self, resource: str, sink: Sink) -> None:
-        """Make ``sink`` (a controller) the consumer of ``resource``'s events.
+    def _started(self) -> bool:
+        return self._task is not None or self.state is not S.IDLE
+
+    def _attach(self, resource: str, sink: Attached) -> ControllerLink:
+        """Make ``sink`` (a controller) the consumer of ``resource``'s events: a
+        controller's one way into its listener.
 
         Raises:
             ListenerConfigError: the listener does not register ``resource``, or it has
@@ -486,25 +549,23 @@ class Listener(ConnectionLoop, HandingOut):
             raise ListenerConfigError(
                 "resource", f"{resource!r} is not registered by listener {self.name}"
             )
-        if self._task is not None or self.state is not S.IDLE:
+        if self._started():
             raise ListenerConfigError(
                 "listener", "attach every controller before the listener starts"
             )
         if self._checkpointer is not None:
             self._check_checkpointable(sink)
-        self._sinks[resource] = [*self._sinks.get(resource, ()), sink]
-        self._attached += 1
-
-    def _detach(self, sink: Sink) -> None:
-        """Undo ``_attach`` (the controller's constructor failed after it)."""
-        for resource, sinks in list(self._sinks.items()):
-            if sink in sinks:
-                rest = [s for s in sinks if s is not sink]
-                if rest:
-                    self._sinks[resource] = rest
-                else:
-                    del self._sinks[resource]
-                self._attached -= 1
+        self._attachments.attach(resource, sink)
+        return ControllerLink(
+            running=functools.partial(self._controller_running, sink),
+            stopping=functools.partial(self._controller_stopping, sink),
+            done=functools.partial(self._controller_done, sink),
+            detach=functools.partial(self._attachments.detach, sink),
+            use_checkpoint=self._use_checkpoint,
+            registered=self._connection.registered,
+            routes=lambda: self._connection.routes,
+            http=lambda: self.http,
+        )
 
     def _use_checkpoint(self, store: CheckpointStore) -> None:
         """Keep checkpoints in ``store`` (``Listener(checkpoint=)``, ``Controller(checkpoint=)``).
@@ -517,28 +578,30 @@ class Listener(ConnectionLoop, HandingOut):
             if self._checkpointer.store is store:
                 return
             raise ListenerConfigError("checkpoint", f"listener {self.name} has another store")
-        if self._cursor is not None:
+        if self._inbox.resume is not None:
             raise ListenerConfigError(
                 "checkpoint", "give a cursor or a checkpoint store, not both: it keeps the cursor"
             )
-        if self._task is not None or self.state is not S.IDLE:
+        if self._started():
             raise ListenerConfigError("checkpoint", "give the store before the listener starts")
-        for sinks in self._sinks.values():
-            for sink in sinks:
-                self._check_checkpointable(sink)
+        for sink in self._attachments.all():
+            self._check_checkpointable(sink)
+        inbox = self._inbox
         self._checkpointer = Checkpointer(
             store,
-            _Checkpointed(self),
+            self.change_kinds,
+            position=lambda: inbox.done,
+            sources=self._attachments.all,
             interval=self.config.checkpoint_interval,
             load_timeout=self.config.checkpoint_load_timeout,
             name=self.name,
         )
 
-    def _check_checkpointable(self, sink: Sink) -> None:
+    def _check_checkpointable(self, sink: Attached) -> None:
         problem = sink.checkpoint_problem()
         if problem is not None:
             raise ListenerConfigError("checkpoint", problem)
-        names = [s.name for sinks in self._sinks.values() for s in sinks if s is not sink]
+        names = [s.name for s in self._attachments.all() if s is not sink]
         if sink.name in names:
             raise ListenerConfigError(
                 "checkpoint",
@@ -546,76 +609,90 @@ class Listener(ConnectionLoop, HandingOut):
                 "its controller's name (give name=)",
             )
 
-    def _controller_stopping(self, sink: Sink) -> None:
-        """An attached controller is about to stop taking events: the last checkpoint is
-        taken now, while its mirror still follows the cursor."""
-        if self._checkpointer is not None and sink in self._running:
-            self._checkpointer.final(f"controller {sink.name} stopped")
+    def _resumed(self) -> None:
+        for sink in self._attachments.all():
+            sink.resumed(self.config.checkpoint_replay)
 
-    def _controller_running(self, sink: Sink) -> None:
-        """An attached controller runs; the listener starts once all of them do."""
-        self._running.add(sink)
+    def _stop_controllers(self, error: BaseException | None) -> None:
+        if self._checkpointer is not None:  # while every mirror still follows the cursor
+            self._checkpointer.final("listener stopped")
+        for sink in self._attachments.all():
+            sink.stopped(error)
+
+    def _controller_running(self, sink: Attached) -> None:
+        """An attached controller runs; the listener starts once all of them do. On a
+        listener that has stopped, it stops at once, the way the listener did."""
+        if self.state is S.STOPPED:
+            sink.stopped(self._fatal)
+            return
+        self._attachments.start(sink)
         self._start_when_all_run()
 
     def _start_when_all_run(self) -> None:
-        if len(self._running) >= self._attached:
+        waited_for = self._attachments.waited_for()
+        if not waited_for:
             self.start()
-        else:
-            log_event(
-                log,
-                "listener.waiting_for_controllers",
-                **self._fields(),
-                running=len(self._running),
-                attached=self._attached,
-            )
-
-    async def _controller_done(self, sink: Sink) -> None:
-        """An attached controller stopped: it gets nothing more, and the listener no
-        longer waits for it to start; once started, the last one running closes it."""
-        for resource, sinks in list(self._sinks.items()):
-            if sink in sinks:
-                self._sinks[resource] = [s for s in sinks if s is not sink]
-                self._attached -= 1
-        started = self._task is not None or self.state is not S.IDLE
-        if sink in self._running:
-            self._running.discard(sink)
-            if not self._running and started:
-                await self.close()
-        elif self._running and not started:
-            self._start_when_all_run()  # it may have been the one the others waited for
-
-    # -- logging --------------------------------------------------------------
-
-    def _on_transition(self, old: ConnectionState, new: ConnectionState) -> None:
+            return
+        running = len(self._attachments.running)
         log_event(
             log,
-            "listener.state",
-            logging.DEBUG,
-            listener=self.name,
-            old=old.value,
-            new=new.value,
-            attempt=self.attempts,
+            "listener.waiting_for_controllers",
+            **self._fields(),
+            running=running,
+            attached=running + len(waited_for),
         )
-        if new is S.LIVE:
-            log_event(log, "listener.live", **self._fields(), cursor=self._cursor)
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.create_task(
+                self._controllers_must_run(), name=f"changefeed-watchdog-{self.name}"
+            )
 
+    async def _controllers_must_run(self) -> None:
+        """Stop the listener (and so the controllers that run) with a clear error when
+        the others attached to it have not run within ``controller_start_timeout``."""
+        timeout = self.config.controller_start_timeout
+        await asyncio.sleep(timeout)
+        idle = [sink.name for sink in self._attachments.waited_for()]
+        if self._started() or not idle or not self._attachments.running:
+            return  # started, or nobody waits any more
+        error = ListenerConfigError(
+            "controllers",
+            f"{', '.join(idle)} attached to listener {self.name} did not run within "
+            f"{timeout:g}s of the first that did (ListenerConfig.controller_start_timeout): "
+            "run every controller made with a listener, or close() those you do not run",
+        )
+        log_event(
+            log,
+            "listener.controllers_not_running",
+            logging.ERROR,
+            **self._fields(),
+            idle=idle,
+            running=sorted(sink.name for sink in self._attachments.running),
+            waited=timeout,
+        )
+        self._fail(error)
+        self._stop_controllers(error)
 
-class _Checkpointed:
-    """The listener's side of ``_checkpointer.CheckpointHost``: what a checkpoint reads
-    from it. A separate object, so that these calls are not part of ``Listener``'s
-    public face."""
+    def _controller_stopping(self, sink: Attached) -> None:
+        """An attached controller is about to stop taking events. The last one running
+        takes the last checkpoint now, while every mirror still follows the cursor.
+        One that stops while others run is parked instead (``_controller_done``), and
+        checkpoints go on."""
+        if self._checkpointer is not None and self._attachments.running == {sink}:
+            self._checkpointer.final(f"controller {sink.name} stopped")
 
-    __slots__ = ("_listener",)
-
-    def __init__(self, listener: Listener) -> None:
-        self._listener = listener
-
-    @property
-    def change_kinds(self) -> tuple[ChangeKind, ...]:
-        return self._listener.change_kinds
-
-    def checkpoint_position(self) -> str | None:
-        return self._listener._position
-
-    def checkpoint_sources(self) -> list[Sink]:
-        return self._listener._controllers()
+    async def _controller_done(self, sink: Attached) -> None:
+        """An attached controller stopped (or was closed without running): the listener
+        no longer waits for it to start; once started, the last one running closes it.
+        One that stops while others run stays attached, *parked*, when there are
+        checkpoints: it then takes its events into its mirror and pending ids only, so
+        that the checkpoints taken after it stopped are still consistent for it.
+        Without checkpoints it gets nothing more."""
+        outcome = self._attachments.stop(
+            sink, started=self._started(), checkpoints=self._checkpointer is not None
+        )
+        if outcome is Stopped.PARKED:
+            log_event(log, "listener.controller_parked", **self._fields(), controller=sink.name)
+        elif outcome is Stopped.CLOSE:
+            await self.close()
+        elif outcome is Stopped.START_OTHERS:
+            self._start_when_all_run()

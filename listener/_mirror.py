@@ -17,7 +17,7 @@ but the controller, and never hands out a mutable reference to its dicts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -84,6 +84,11 @@ class Mirror(Mapping[str, V]):
             if value is _MISSING:
                 return default
         return value
+
+    def holds_any(self, keys: Iterable[str]) -> bool:
+        """Whether any of ``keys`` is in the store (set work in C: a batch of ids
+        that were absent and still are costs no step per id)."""
+        return not (self._items.keys().isdisjoint(keys) and self._encoded.keys().isdisjoint(keys))
 
     def view(self) -> Mapping[str, V]:
         """A read-only live view of the store (the same object every time)."""

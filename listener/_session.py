@@ -1,12 +1,12 @@
 """One connection of a listener: connect, register, bootstrap while buffering, read frames.
 
-The websockets / httpx half of ``Listener`` (module ``_listener``). The
-lifecycle task (``_connection``) makes one ``Session`` per attempt and runs
-it; a session only ends by raising ``SessionError``, and classifying that,
-clearing and backing off stay with the lifecycle task. A session owns nothing
-that outlives its connection: what it learns goes to its ``SessionHost`` (the
-listener's ``_reports.SessionReports``), which keeps the counters, the buffer
-and the connection state.
+The websockets / httpx adapter of the listener. The connection loop
+(``_connection``) makes one ``Session`` per attempt and runs it; a session
+only ends by raising ``SessionError``, and classifying that, clearing and
+backing off stay with the loop. A session owns nothing that outlives its
+connection: what it learns goes to its ``SessionHost`` (the connection loop),
+and each frame it reads goes, undecoded, to the inbox (``_inbox``: decoding,
+the buffer, the hand-out).
 
 A registration of several change kinds (v2) is answered with one bootstrap
 route per kind; when the publisher does not resume, every route is walked at
@@ -28,7 +28,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from changefeed.bootstrap import BootstrapError, Pager, PagerProgress, bearer_headers
 from changefeed.logs import log_event
-from changefeed.schemas import Ack, ChangeItem, ChangeKind, ErrorFrame, ProtocolError
+from changefeed.schemas import Ack, ChangeKind, ProtocolError
 
 from ._config import ListenerConfig
 from ._errors import (
@@ -39,10 +39,22 @@ from ._errors import (
     SessionError,
 )
 from ._events import Resynced
-from ._frames import decode_frame, error_frame
+from ._inbox import error_frame, publisher_error
 from ._log import log
 
 __all__ = ["Session", "SessionHost", "bootstrap_routes"]
+
+
+class Frames(Protocol):
+    """Where a session's frames go: the listener's inbox (``_inbox.Inbox``)."""
+
+    async def receive(self, frame: str | bytes) -> None:
+        """A frame arrived, undecoded (error and bad frames too).
+
+        Raises:
+            SessionError: it ends the session (an error frame, a bad frame, an
+                overflow of the buffer).
+        """
 
 
 class SessionHost(Protocol):
@@ -51,10 +63,7 @@ class SessionHost(Protocol):
     def log_fields(self) -> dict[str, Any]:
         """The listener's fields for this session's log events."""
 
-    def frame_received(self) -> None:
-        """A frame arrived (before it is decoded: error and bad frames count too)."""
-
-    def registered(self, ack: Ack, routes: dict[str, str], resuming: bool) -> None:
+    def registered_ack(self, ack: Ack, routes: dict[str, str], resuming: bool) -> None:
         """The publisher acked the registration; ``routes``: resource -> absolute
         bootstrap URL; ``resuming``: the registration carried ``since``."""
 
@@ -71,13 +80,6 @@ class SessionHost(Protocol):
 
     def live(self) -> None:
         """Resumed or bootstrapped: items now flow to the application."""
-
-    async def received(self, items: Sequence[ChangeItem]) -> None:
-        """One frame's change items arrived.
-
-        Raises:
-            BufferOverflow: they do not fit in the buffer; the session ends.
-        """
 
 
 def bootstrap_routes(
@@ -114,23 +116,24 @@ def _absolute(api_url: str, route: str) -> str:
     return url
 
 
+def _retry_after(value: str) -> float | None:
+    """A ``Retry-After`` header in seconds (an HTTP date is not worth honouring here)."""
+    value = value.strip()
+    return float(value) if value.isascii() and value.isdigit() else None
+
+
 def _closed(exc: ConnectionClosed) -> PublisherClosed:
     code = exc.rcvd.code if exc.rcvd is not None else None
     reason = exc.rcvd.reason if exc.rcvd is not None else str(exc)
     return PublisherClosed(f"connection closed: {reason or exc}", code)
 
 
-def _error(error: ErrorFrame, what: str) -> PublisherClosed:
-    return PublisherClosed(
-        f"{what} {error.code}: {error.message}", None, error.code, retry_after=error.retry_after
-    )
-
-
 class Session:
     """One connection to the publisher, from the handshake to its end.
 
     Args:
-        host: the listener it reports to.
+        host: the connection loop it reports to.
+        frames: where its frames go (the inbox).
         url: the publisher's websocket endpoint.
         api_url: what the ack's bootstrap routes are resolved against.
         registration: the encoded registration frame (with ``since`` when resuming).
@@ -148,6 +151,7 @@ class Session:
     def __init__(
         self,
         host: SessionHost,
+        frames: Frames,
         *,
         url: str,
         api_url: str,
@@ -162,6 +166,7 @@ class Session:
         first_bootstrap: bool,
     ) -> None:
         self._host = host
+        self._frames = frames
         self._url = url
         self._api_url = api_url
         self._registration = registration
@@ -194,7 +199,11 @@ class Session:
             raise
         except InvalidStatus as exc:
             status = exc.response.status_code
-            raise PublisherClosed(f"handshake refused: HTTP {status}", status=status) from None
+            raise PublisherClosed(
+                f"handshake refused: HTTP {status}",
+                status=status,
+                retry_after=_retry_after(exc.response.headers.get("Retry-After", "")),
+            ) from None
         except InvalidURI as exc:
             raise RegistrationRefused("bad_url", str(exc)) from None
         except ConnectionClosed as exc:
@@ -212,13 +221,13 @@ class Session:
             raise _closed(exc) from None
         decoded = error_frame(raw)
         if decoded is not None:
-            raise _error(decoded, "registration refused")
+            raise publisher_error(decoded, "registration refused")
         try:
             ack = Ack.decode(raw)
         except ProtocolError as exc:
             raise BadPublisherFrame(f"bad ack ({exc.code}): {exc.message}") from None
         routes = bootstrap_routes(ack, self._kinds, self._multi, self._api_url)
-        self._host.registered(ack, routes, self._resuming)
+        self._host.registered_ack(ack, routes, self._resuming)
         log_event(
             log,
             "listener.registered",
@@ -274,7 +283,9 @@ class Session:
             failure = None if walk.cancelled() else walk.exception()
             if isinstance(failure, BootstrapError):
                 raise BootstrapFailed(
-                    f"bootstrap walk of {resource} failed: {failure}", failure.status
+                    f"bootstrap walk of {resource} failed: {failure}",
+                    failure.status,
+                    retry_after=getattr(failure, "retry_after", None),
                 ) from None
             if failure is not None:  # e.g. httpx.InvalidURL: still this session's failure
                 # Not one the pager expects (possibly a bug): its traceback goes to the log.
@@ -350,23 +361,11 @@ class Session:
 
     async def _receive(self, ws: ClientConnection) -> None:
         """Read frames into the host until the connection ends; always raises SessionError."""
-        host = self._host
-        resources = {kind.resource for kind in self._kinds} if self._multi else None
+        receive = self._frames.receive
         while True:
             try:
                 # Undecoded: the frame decoder checks the UTF-8 of what it keeps.
                 raw = await ws.recv(decode=False)
             except ConnectionClosed as exc:
                 raise _closed(exc) from None
-            host.frame_received()
-            decoded = decode_frame(raw)
-            if isinstance(decoded, ErrorFrame):
-                raise _error(decoded, "publisher error")
-            if resources is not None:
-                for item in decoded:
-                    if item.change_kind.resource not in resources:
-                        raise BadPublisherFrame(
-                            f"an item of resource {item.change_kind.resource!r}, "
-                            "which this connection did not register"
-                        )
-            await host.received(decoded)
+            await receive(raw)

@@ -28,36 +28,65 @@ Every save is one transaction, so a process killed at any moment (SIGKILL
 included) leaves the previous checkpoint or the new one, never a mix; the
 file is in WAL mode, and with ``synchronous=NORMAL`` a power loss may take
 the last saves back but never tears one. Blocking SQLite calls run in a
-worker thread, one connection per call; loading splits the chunks on the
-event loop one at a time, with the garbage collector paused meanwhile (as
-the bootstrap pager does), so the loop is never held for long.
+worker thread, on the store's one connection (opened at the first load or
+save, closed by ``close``); loading splits the chunks on the event loop one
+at a time, with the garbage collector paused meanwhile (as the bootstrap
+pager does), so the loop is never held for long.
+
+**One writer.** Opening the store takes an exclusive lock (``flock``) on
+``<file>.<name>.lock`` beside the file, held until ``close`` (or the
+process's end, however it ends): a second store on the same file and name,
+in this process or another, is refused with ``CheckpointRefused`` when it
+first loads or saves, so two listeners can never overwrite each other's
+checkpoints, whole saves included. Other names in the same file are not
+held up.
+
+**A file it cannot use.** A file that is not a SQLite database, or one
+SQLite finds corrupt, or one holding a checkpoint of a newer layout than this
+store writes, is renamed aside (``<file>.corrupt-<time>``, ``<file>.v<N>-<time>``,
+with its ``-wal`` and ``-shm``), logged at ERROR
+(``listener.checkpoint.moved_aside``), and a new file is started: the
+listener bootstraps once, and its saves succeed again instead of failing at
+every interval. A newer-layout file that also holds tables that are not the
+store's (the application's own) is not moved: the store refuses it with
+``CheckpointRefused`` naming the file, so that an older version never takes
+an application's tables away.
 
 It must never apply an incremental save to a checkpoint it was not made
-for (another listener's, or an older one: ``CheckpointError``), and never
-leave a save half-written.
+for (another listener's, or an older one: ``CheckpointError``), never
+write a file another store holds, and never leave a save half-written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import hashlib
 import itertools
+import logging
 import os
+import re
 import sqlite3
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import orjson
 
 from changefeed.collector import collector_paused
+from changefeed.logs import log_event
 from changefeed.schemas import ChangeKind
 
 from ._checkpoint import Checkpoint, JsonItems, MirrorCheckpoint
-from ._errors import CheckpointError
+from ._errors import CheckpointError, CheckpointRefused
+from ._log import log
 
 __all__ = ["FOLD_FLOOR", "FOLD_RATIO", "FORMAT_VERSION", "SqliteCheckpointStore"]
+
+R = TypeVar("R")
 
 FORMAT_VERSION = 1
 """The layout's version; a file of another version is refused, not guessed at."""
@@ -105,6 +134,31 @@ CREATE TABLE IF NOT EXISTS changefeed_checkpoint_change (
 ) WITHOUT ROWID;
 """
 
+_UNUSABLE = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
+"""SQLite's result codes for a file that is not a database, or a damaged one: moved aside.
+Any other error (locked, cannot open, I/O) says nothing against the file itself."""
+
+_SLUG = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+_Raw = tuple[
+    tuple[int, int, str | None, str, float],
+    dict[str, tuple[str, bytes, list[tuple[bytes, bytes]], list[tuple[str, bytes | None]]]],
+]
+"""What a load reads: the checkpoint's row, and each controller's rows."""
+
+
+class _MoveAside(Exception):
+    """The file cannot be used as it is: move it aside (``suffix``) and start a new one."""
+
+    def __init__(self, suffix: str, why: str) -> None:
+        super().__init__(why)
+        self.suffix = suffix
+        self.why = why
+
+
+def _unusable(exc: sqlite3.DatabaseError) -> bool:
+    return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _UNUSABLE
+
 
 class SqliteCheckpointStore:
     """Keeps a listener's checkpoint in a SQLite file (``CheckpointStore``).
@@ -135,9 +189,22 @@ class SqliteCheckpointStore:
         self.name = name
         self.chunk_items = chunk_items
         self.timeout = timeout
+        slug = name if _SLUG.fullmatch(name) else hashlib.sha256(name.encode()).hexdigest()[:16]
+        self.lock_path = Path(f"{self.path}.{slug}.lock")
+        """The file whose lock says this store holds the checkpoint."""
+        self.moved_aside: list[Path] = []
+        """Where files this store could not use were moved (newest last)."""
+        self._conn: sqlite3.Connection | None = None
+        self._lock: IO[str] | None = None
+        self._mutex = threading.Lock()  # one worker thread at a time on the connection
 
     def __repr__(self) -> str:
         return f"SqliteCheckpointStore({str(self.path)!r}, name={self.name!r})"
+
+    async def close(self) -> None:
+        """Close the connection and let go of the file (a later load or save opens it
+        again). The listener calls it when it closes."""
+        await asyncio.to_thread(self._locked, self._close)
 
     def size_on_disk(self) -> int:
         """Bytes of the file and its write-ahead log."""
@@ -149,26 +216,155 @@ class SqliteCheckpointStore:
 
     # -- the connection (worker thread only) -------------------------------------
 
-    @contextlib.contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+    def _locked(self, work: Callable[[], R]) -> R:
+        with self._mutex:
+            return work()
+
+    def _connection(self) -> sqlite3.Connection:
+        """The store's connection, opened (the file claimed, checked, created or moved
+        aside) on first use.
+
+        Raises:
+            CheckpointRefused: another store holds the file under this name.
+            CheckpointError: a newer-layout file that holds the application's tables.
+            sqlite3.Error: the file cannot be opened (a missing directory, ...).
+        """
+        if self._conn is not None:
+            return self._conn
+        self._claim()
+        try:
+            try:
+                self._conn = self._open()
+            except _MoveAside as unusable:
+                self._move_aside(unusable)
+                self._conn = self._open()
+        except BaseException:
+            self._release()
+            raise
+        return self._conn
+
+    def _claim(self) -> None:
+        lock = open(self.lock_path, "a+", encoding="utf-8")  # noqa: SIM115 - held until close
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            lock.close()
+            raise CheckpointRefused(
+                f"{self.path}: checkpoint {self.name!r} is in use by another listener"
+                f" (process {holder}; lock {self.lock_path}): two listeners must not share"
+                " a checkpoint; give each its own file or name"
+            ) from None
+        except BaseException:
+            lock.close()
+            raise
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        self._lock = lock
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.close()  # the lock goes with the file description
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        try:
+            if conn is not None:
+                conn.close()
+        finally:
+            self._release()
+
+    def _open(self) -> sqlite3.Connection:
+        """A connection to the file, set up and checked.
+
+        Raises:
+            _MoveAside: the file is not a database, is damaged, or holds a newer layout.
+        """
+        conn = sqlite3.connect(
+            self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
+        )
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             # A whole save of a large mirror passes through the log: give the disk back after.
             conn.execute("PRAGMA journal_size_limit=67108864")
             conn.executescript(_SCHEMA)
-            yield conn
-        finally:
+            (newest,) = conn.execute("SELECT max(version) FROM changefeed_checkpoint").fetchone()
+            if newest is not None and newest > FORMAT_VERSION:
+                self._refuse_if_shared(conn, newest)
+                raise _MoveAside(
+                    f"v{newest}",
+                    f"it holds checkpoints of layout version {newest}, this store writes"
+                    f" {FORMAT_VERSION}",
+                )
+        except sqlite3.DatabaseError as exc:
             conn.close()
+            if _unusable(exc):
+                raise _MoveAside("corrupt", f"{type(exc).__name__}: {exc}") from exc
+            raise
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _refuse_if_shared(self, conn: sqlite3.Connection, version: int) -> None:
+        """A newer-layout file that also holds tables of the application's is not moved."""
+        others = [
+            name
+            for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            if not name.startswith("changefeed_checkpoint")
+        ]
+        if others:
+            conn.close()
+            raise CheckpointRefused(
+                f"{self.path}: holds checkpoints of layout version {version} (this store writes"
+                f" {FORMAT_VERSION}) beside other tables ({', '.join(sorted(others)[:5])}):"
+                " not moved aside; use another file, or a newer changefeed"
+            )
+
+    def _move_aside(self, unusable: _MoveAside) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = Path(f"{self.path}.{unusable.suffix}-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+        self.moved_aside.append(aside)
+        log_event(
+            log,
+            "listener.checkpoint.moved_aside",
+            logging.ERROR,
+            exc=unusable.__cause__ if isinstance(unusable.__cause__, BaseException) else None,
+            file=str(self.path),
+            name=self.name,
+            moved_to=str(aside),
+            why=unusable.why,
+        )
+
+    def _reopen_aside(self, exc: sqlite3.DatabaseError) -> None:
+        """The file turned out damaged while in use: move it aside, start a new one."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+        unusable = _MoveAside("corrupt", f"{type(exc).__name__}: {exc}")
+        unusable.__cause__ = exc
+        self._move_aside(unusable)
+        self._conn = self._open()
 
     # -- load ----------------------------------------------------------------------
 
     async def load(self) -> Checkpoint | None:
-        """The checkpoint last saved under ``name``, or None.
+        """The checkpoint last saved under ``name``, or None (also when the file could
+        not be used and was moved aside).
 
         Raises:
-            CheckpointError: the file holds another layout version, or a row
+            CheckpointRefused: another store holds the file under this name, or a
+                newer-layout file holds the application's tables too.
+            CheckpointError: the checkpoint has an older layout version, or a row
                 that does not decode.
             sqlite3.Error: the file cannot be read.
         """
@@ -207,45 +403,49 @@ class SqliteCheckpointStore:
         _apply_changes(items, changes)
         return items
 
-    def _read(
-        self,
-    ) -> (
-        tuple[
-            tuple[int, int, str | None, str, float],
-            dict[str, tuple[str, bytes, list[tuple[bytes, bytes]], list[tuple[str, bytes | None]]]],
-        ]
-        | None
-    ):
-        with self._connect() as conn:
-            conn.execute("BEGIN")  # one read snapshot: a save in between is seen whole or not
+    def _read(self) -> _Raw | None:
+        with self._mutex:
+            conn = self._connection()
             try:
-                head = conn.execute(
-                    "SELECT version, sequence, cursor, change_kinds, saved_at"
-                    " FROM changefeed_checkpoint WHERE name = ?",
-                    (self.name,),
-                ).fetchone()
-                if head is None:
-                    return None
-                mirrors = {}
-                for controller, resource, pending in conn.execute(
-                    "SELECT controller, resource, pending FROM changefeed_checkpoint_mirror"
-                    " WHERE name = ? ORDER BY controller",
-                    (self.name,),
-                ).fetchall():
-                    chunks = conn.execute(
-                        "SELECT ids, items FROM changefeed_checkpoint_chunk"
-                        " WHERE name = ? AND controller = ? ORDER BY seq",
-                        (self.name, controller),
-                    ).fetchall()
-                    changes = conn.execute(
-                        "SELECT id, item FROM changefeed_checkpoint_change"
-                        " WHERE name = ? AND controller = ?",
-                        (self.name, controller),
-                    ).fetchall()
-                    mirrors[controller] = (resource, pending, chunks, changes)
-                return head, mirrors
-            finally:
-                conn.execute("COMMIT")
+                return self._read_from(conn)
+            except sqlite3.DatabaseError as exc:
+                if not _unusable(exc):
+                    raise
+                self._reopen_aside(exc)
+                return None
+
+    def _read_from(self, conn: sqlite3.Connection) -> _Raw | None:
+        conn.execute("BEGIN")  # one read snapshot: a save in between is seen whole or not
+        try:
+            head = conn.execute(
+                "SELECT version, sequence, cursor, change_kinds, saved_at"
+                " FROM changefeed_checkpoint WHERE name = ?",
+                (self.name,),
+            ).fetchone()
+            if head is None:
+                return None
+            mirrors = {}
+            for controller, resource, pending in conn.execute(
+                "SELECT controller, resource, pending FROM changefeed_checkpoint_mirror"
+                " WHERE name = ? ORDER BY controller",
+                (self.name,),
+            ).fetchall():
+                chunks = conn.execute(
+                    "SELECT ids, items FROM changefeed_checkpoint_chunk"
+                    " WHERE name = ? AND controller = ? ORDER BY seq",
+                    (self.name, controller),
+                ).fetchall()
+                changes = conn.execute(
+                    "SELECT id, item FROM changefeed_checkpoint_change"
+                    " WHERE name = ? AND controller = ?",
+                    (self.name, controller),
+                ).fetchall()
+                mirrors[controller] = (resource, pending, chunks, changes)
+            return head, mirrors
+        finally:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):  # it only read
+                    conn.execute("ROLLBACK")
 
     # -- save ------------------------------------------------------------------------
 
@@ -253,43 +453,62 @@ class SqliteCheckpointStore:
         """Keep ``checkpoint`` (one transaction, in a worker thread).
 
         Raises:
+            CheckpointRefused: as ``load``.
             CheckpointError: an incremental checkpoint whose ``base`` this file does
-                not hold (another listener wrote under the same name), or whose fold
-                finds a chunk that does not decode.
+                not hold (the file changed under the listener, or was damaged and
+                moved aside), or whose fold finds a chunk that does not decode.
             sqlite3.Error: the file cannot be written (disk full, read-only, ...).
         """
         await asyncio.to_thread(self._write, checkpoint)
 
     def _write(self, checkpoint: Checkpoint) -> None:
-        name = self.name
-        with self._connect() as conn:
-            conn.execute("BEGIN IMMEDIATE")
+        with self._mutex:
+            conn = self._connection()
             try:
-                if checkpoint.whole:
-                    self._write_whole(conn, checkpoint)
-                else:
-                    self._write_changes(conn, checkpoint)
-                kinds = orjson.dumps([kind.to_json() for kind in checkpoint.change_kinds])
-                conn.execute(
-                    "INSERT INTO changefeed_checkpoint"
-                    " (name, version, sequence, cursor, change_kinds, saved_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
-                    " version = excluded.version, sequence = excluded.sequence,"
-                    " cursor = excluded.cursor, change_kinds = excluded.change_kinds,"
-                    " saved_at = excluded.saved_at",
-                    (
-                        name,
-                        FORMAT_VERSION,
-                        checkpoint.sequence,
-                        checkpoint.cursor,
-                        kinds.decode(),
-                        checkpoint.saved_at or time.time(),
-                    ),
-                )
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                self._write_to(conn, checkpoint)
+            except sqlite3.DatabaseError as exc:
+                if not _unusable(exc):
+                    raise
+                self._reopen_aside(exc)
+                if not checkpoint.whole:
+                    raise CheckpointError(
+                        f"{self.path} was damaged and has been moved aside: an incremental"
+                        " checkpoint has nothing to go on top of (the next save is whole)"
+                    ) from exc
+                assert self._conn is not None
+                self._write_to(self._conn, checkpoint)
+
+    def _write_to(self, conn: sqlite3.Connection, checkpoint: Checkpoint) -> None:
+        name = self.name
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if checkpoint.whole:
+                self._write_whole(conn, checkpoint)
+            else:
+                self._write_changes(conn, checkpoint)
+            kinds = orjson.dumps([kind.to_json() for kind in checkpoint.change_kinds])
+            conn.execute(
+                "INSERT INTO changefeed_checkpoint"
+                " (name, version, sequence, cursor, change_kinds, saved_at)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
+                " version = excluded.version, sequence = excluded.sequence,"
+                " cursor = excluded.cursor, change_kinds = excluded.change_kinds,"
+                " saved_at = excluded.saved_at",
+                (
+                    name,
+                    FORMAT_VERSION,
+                    checkpoint.sequence,
+                    checkpoint.cursor,
+                    kinds.decode(),
+                    checkpoint.saved_at or time.time(),
+                ),
+            )
+        except BaseException:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):  # the error that ended it goes on
+                    conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
 
     def _write_whole(self, conn: sqlite3.Connection, checkpoint: Checkpoint) -> None:
         name = self.name

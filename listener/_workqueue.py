@@ -25,8 +25,7 @@ import contextlib
 import heapq
 import itertools
 import time
-from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Generic, TypeVar
 
 __all__ = ["WorkQueue"]
@@ -43,7 +42,10 @@ class WorkQueue(Generic[K]):
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._queue: deque[K] = deque()
+        self._queue: list[K] = []
+        """Ids ready to be handed out: those from ``_head`` on (a list sliced in C, the
+        part handed out dropped now and then, rather than a deque popped per id)."""
+        self._head = 0
         self._dirty: set[K] = set()
         self._processing: set[K] = set()
         self._waiting: list[tuple[float, int, K]] = []
@@ -66,7 +68,7 @@ class WorkQueue(Generic[K]):
 
     def __len__(self) -> int:
         """Depth: ids ready to be handed out."""
-        return len(self._queue)
+        return len(self._queue) - self._head
 
     def __contains__(self, key: object) -> bool:
         return key in self._dirty or key in self._processing or key in self._due
@@ -89,6 +91,10 @@ class WorkQueue(Generic[K]):
     def queued(self) -> set[K]:
         """Every id that still needs processing (queued, requeued or delayed; a snapshot)."""
         return self._dirty | self._due.keys()
+
+    def is_queued(self, key: K) -> bool:
+        """Whether ``key`` still needs processing: queued, requeued, or delayed."""
+        return key in self._dirty or key in self._due
 
     def is_processing(self, key: K) -> bool:
         return key in self._processing
@@ -131,15 +137,24 @@ class WorkQueue(Generic[K]):
             return
         keys = list(keys)
         dirty, processing = self._dirty, self._processing
-        # In order, each key once, and only keys not queued already: set work in C.
-        fresh = [key for key in dict.fromkeys(keys) if key not in dirty]
-        dirty.update(fresh)
-        self._queue.extend(
-            fresh if not processing else [key for key in fresh if key not in processing]
-        )
+        # In order, each key once, and only keys not queued already; set work in C, and
+        # a step in Python only per key that was queued or is being processed.
+        fresh: Collection[K]
+        if dirty.isdisjoint(keys):
+            before = len(dirty)
+            dirty.update(keys)
+            # Every key new, and each once (the common case): queued as they came.
+            fresh = keys if len(dirty) - before == len(keys) else dict.fromkeys(keys)
+        else:
+            fresh = dict.fromkeys(keys)
+            for key in dirty.intersection(fresh):
+                del fresh[key]
+            dirty.update(fresh)
+        busy = processing.intersection(fresh) if processing else None
+        self._queue.extend([key for key in fresh if key not in busy] if busy else fresh)
         self.adds += len(keys)
         self.coalesced += len(keys) - len(fresh)
-        if self._queue:
+        if len(self._queue) > self._head:
             self._wake.set()
         self._changed()
 
@@ -184,12 +199,19 @@ class WorkQueue(Generic[K]):
         """Hand out up to ``most`` ready ids (possibly none); each stays "processing"
         until ``done``."""
         self._promote(self._clock() if now is None else now)
-        queue = self._queue
-        popleft = queue.popleft
-        taken = [popleft() for _ in range(min(most, len(queue)))]
+        queue, head = self._queue, self._head
+        taken = queue[head : head + most]
+        head += len(taken)
+        if head == len(queue):
+            queue.clear()
+            head = 0
+        elif head > 1024 and head * 2 > len(queue):
+            del queue[:head]
+            head = 0
+        self._head = head
         self._dirty.difference_update(taken)
         self._processing.update(taken)
-        if not queue:
+        if len(queue) == head:
             self._wake.clear()
         self.processed += len(taken)
         return taken
@@ -226,14 +248,11 @@ class WorkQueue(Generic[K]):
 
     def done_many(self, keys: Iterable[K]) -> None:
         """``done`` for each of ``keys`` (a worker's whole batch)."""
-        processing, dirty, queue = self._processing, self._dirty, self._queue
-        requeued = False
-        for key in keys:
-            processing.discard(key)
-            if key in dirty:
-                queue.append(key)
-                requeued = True
-        if requeued:
+        keys = list(keys)
+        self._processing.difference_update(keys)
+        again = self._dirty.intersection(keys)
+        if again:  # added while processed: queued again now, in the batch's order
+            self._queue.extend([key for key in keys if key in again])
             self._wake.set()
         self._changed()
 

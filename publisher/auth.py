@@ -24,6 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from changefeed.logs import log_event
+from changefeed.schemas import AccessDenied, AccessGranted, decide
 
 from .errors import PublisherError
 
@@ -148,3 +149,22 @@ class BearerAuth:
             log_event(log, "auth.unavailable", logging.ERROR, error=repr(exc))
             raise AuthUnavailable("authorization is unavailable; retry later") from exc
         return None if allowed is None else frozenset(allowed)
+
+    async def check(
+        self, authorization: str, *, basic: bool = False, resource: str | None = None
+    ) -> AccessGranted | AccessDenied:
+        """Whether a request with this ``Authorization`` header may go on: the one
+        decision every route renders (``changefeed.schemas.access``). Never raises:
+        an authorizer that fails or takes longer than 5 s is ``unavailable``.
+
+        Args:
+            authorization: the header's value (empty when there is none).
+            basic: also take ``Basic`` credentials, whose password is the token.
+            resource: the resource the request reads, when it reads one: a token
+                not allowed it is ``forbidden``.
+        """
+        try:
+            allowed = await self.resolve(authorization, basic=basic)
+        except AuthUnavailable:
+            return AccessDenied.unavailable()
+        return decide(allowed, resource)

@@ -1,8 +1,13 @@
 """Publisher configuration: a typed model, loaded from TOML and/or built in Python.
 
-Every key carries its documentation, unit and default in the model itself
-(``field(metadata=...)``), so the config reference in docs/ is generated from
-it and a bad value is refused with an error that names the key and the file.
+Every key is declared once, in the model: its type, its bounds, its unit and
+its documentation (``Annotated[..., _doc(...)]``, a ``msgspec.Meta``). msgspec
+parses a TOML document into it (types, unknown keys, required keys, bounds),
+the same checks refuse a value built in Python, the config reference in docs/
+is generated from it (``config_reference``), and a bad value is refused with
+a ``ConfigError`` that names the key and the file. Durations are the one
+thing msgspec does not read: a string such as ``"24h"`` is turned into
+seconds first, for the keys the model marks as durations.
 
 TOML layout::
 
@@ -18,16 +23,18 @@ TOML layout::
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import re
 import tomllib
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+import msgspec.inspect as mi
+from msgspec import Meta
 
 from changefeed.schemas import ProtocolError, quote_schema
+from changefeed.tcp_liveness import NOTSENT_LOWAT
 
 from .errors import ConfigError
 
@@ -65,184 +72,257 @@ def parse_duration(value: Any, key: str = "duration", source: str | None = None)
     return seconds
 
 
-def _doc(text: str, unit: str = "", kind: str = "") -> dict[str, str]:
-    """A key's documentation; ``kind`` names its type in the reference when the
-    type hint alone would mislead (a key the model leaves None until checked)."""
-    return {"doc": text, "unit": unit, "kind": kind}
+def _doc(
+    text: str,
+    unit: str = "",
+    kind: str = "",
+    *,
+    duration: bool = False,
+    ge: int | None = None,
+    gt: int | None = None,
+    le: int | None = None,
+    lt: int | None = None,
+) -> Meta:
+    """A key's declaration besides its type: its documentation and unit, ``kind``
+    naming its type in the reference when the type hint alone would mislead (a key
+    the model leaves None until checked), whether TOML gives it as a duration, and
+    its bounds (which msgspec checks when it parses a file)."""
+    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt}
+    declared: dict[str, Any] = {k: v for k, v in bounds.items() if v is not None}
+    declared["description"] = text
+    declared["extra"] = {"unit": unit, "kind": kind, "duration": duration}
+    meta: Meta = Meta(**declared)
+    return meta
 
 
-@dataclass(frozen=True, slots=True)
-class ResourceConfig:
+class ResourceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A resource with a change feed (one ``[[resources]]`` table)."""
 
-    name: str = field(metadata=_doc("Resource name listeners register for, e.g. `vm`."))
-    bootstrap_route: str = field(
-        metadata=_doc(
+    name: Annotated[
+        str,
+        _doc("Resource name listeners register for, e.g. `vm`."),
+    ]
+    bootstrap_route: Annotated[
+        str,
+        _doc(
             "Keyset-paginated list route listeners hydrate from: a path on this API "
             "(`/vms`) or an absolute URL on the API that owns the resource."
-        )
-    )
-    sub_resources: tuple[str, ...] = field(
-        default=(), metadata=_doc('Sub-resources a change may name, e.g. `["nic", "alias"]`.')
-    )
+        ),
+    ]
+    sub_resources: Annotated[
+        tuple[str, ...],
+        _doc('Sub-resources a change may name, e.g. `["nic", "alias"]`.'),
+    ] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class PublisherConfig:
+class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything a publisher needs (the ``[publisher]`` table plus ``[[resources]]``)."""
 
-    resources: tuple[ResourceConfig, ...] = field(
-        default=(), metadata=_doc("The resources this publisher has change feeds for.")
-    )
-    dsn: str | None = field(
-        default=None,
-        metadata=_doc(
+    resources: Annotated[
+        tuple[ResourceConfig, ...],
+        _doc("The resources this publisher has change feeds for."),
+    ] = ()
+    dsn: Annotated[
+        str | None,
+        _doc(
             "PostgreSQL DSN of the feed database. Required, even with a pool: the tailer "
             "opens its own connection (LISTEN); an embedding API's pool serves the other queries.",
             kind="string",
         ),
-    )
-    schema: str = field(default="changefeed", metadata=_doc("Schema holding the feed table."))
-    create_schema: bool = field(
-        default=True, metadata=_doc("Create or upgrade the feed schema at start-up.")
-    )
-    max_age: float = field(
-        default=86400.0,
-        metadata=_doc("RFD 5 max age: entries older than this are trimmed.", "seconds"),
-    )
-    retention: bool = field(
-        default=True,
-        metadata=_doc(
-            "Trim entries older than max_age inline. Turn off when the Spark job does it."
+    ] = None
+    read_dsn: Annotated[
+        str | None,
+        _doc(
+            "PostgreSQL DSN of a hot standby of `dsn` to read the feed from: tailing, "
+            "catch-up pages and resume checks go there, and `dsn` (the primary) keeps only "
+            "the doorbell (LISTEN), schema changes, retention and the writers' age. None: "
+            'everything reads `dsn` (docs/design.md, "Reading from a standby").',
+            kind="string",
         ),
-    )
-    retention_interval: float = field(
-        default=60.0, metadata=_doc("How often inline retention runs.", "seconds")
-    )
-    poll_interval: float = field(
-        default=0.5,
-        metadata=_doc(
-            "Tailer poll when no doorbell (NOTIFY) rings; bounds latency if one is lost.", "seconds"
+    ] = None
+    standby_wait: Annotated[
+        float,
+        _doc(
+            "With `read_dsn`: how long a registration whose cursor the standby has not "
+            "replayed yet (a fresher publisher issued it) is held while the standby catches "
+            "up; after that it is answered `unavailable` (4010) with `retryAfter`, never "
+            "`resumed: false`. Keep it below the listeners' wait for an ack "
+            "(changefeed.listener's `ack_timeout`: 10 s).",
+            "seconds",
+            duration=True,
+            ge=0,
         ),
-    )
-    tail_batch: int = field(
-        default=1000, metadata=_doc("Entries read per tailer query.", "entries")
-    )
-    queue_size: int = field(
-        default=4096,
-        metadata=_doc(
+    ] = 5.0
+    schema: Annotated[
+        str,
+        _doc("Schema holding the feed table."),
+    ] = "changefeed"
+    create_schema: Annotated[
+        bool,
+        _doc("Create or upgrade the feed schema at start-up."),
+    ] = True
+    max_age: Annotated[
+        float,
+        _doc("RFD 5 max age: entries older than this are trimmed.", "seconds", duration=True, gt=0),
+    ] = 86400.0
+    retention: Annotated[
+        bool,
+        _doc("Trim entries older than max_age inline. Turn off when the Spark job does it."),
+    ] = True
+    retention_interval: Annotated[
+        float,
+        _doc("How often inline retention runs.", "seconds", duration=True, gt=0),
+    ] = 60.0
+    poll_interval: Annotated[
+        float,
+        _doc(
+            "Tailer poll when no doorbell (NOTIFY) rings; bounds latency if one is lost.",
+            "seconds",
+            duration=True,
+            gt=0,
+        ),
+    ] = 0.5
+    tail_batch: Annotated[
+        int,
+        _doc("Entries read per tailer query.", "entries", ge=1),
+    ] = 1000
+    queue_size: Annotated[
+        int,
+        _doc(
             "Items queued for one live listener at most. A listener whose queue cannot take "
             "the next batch is not evicted: it catches up from the window or the feed table, "
             "at its own pace (docs/fanout.md).",
             "items",
+            ge=1,
         ),
-    )
-    window_bytes: int = field(
-        default=64 << 20,
-        metadata=_doc(
+    ] = 4096
+    window_bytes: Annotated[
+        int,
+        _doc(
             "Memory for the window of recently tailed entries that listeners catch up from, "
             "shared by all of them (a quarter as much again for pages of the feed table read "
             "for listeners further behind).",
             "bytes",
+            ge=1,
         ),
-    )
-    window_max_age: float = field(
-        default=300.0,
-        metadata=_doc(
+    ] = 64 << 20
+    window_max_age: Annotated[
+        float,
+        _doc(
             "Entries older than this (by their published time) leave the window of recent "
             "entries; listeners further behind read the feed table. A memory bound, not a "
             "rule the Spark job depends on: below the job's rewrite horizon catch-up reads "
             "the table, whatever its `compaction_lag` (docs/compaction.md).",
             "seconds",
+            duration=True,
+            gt=0,
         ),
-    )
-    stall_timeout: float = field(
-        default=60.0,
-        metadata=_doc(
+    ] = 300.0
+    stall_timeout: Annotated[
+        float,
+        _doc(
             "A listener that has items to take and takes nothing at all for this long is "
             "evicted (4009). A listener that reads, however slowly, never is.",
             "seconds",
+            duration=True,
+            gt=0,
         ),
-    )
-    max_batch: int = field(
-        default=256,
-        metadata=_doc("Items per frame for listeners that registered with batch.", "items"),
-    )
-    send_interval: float = field(
-        default=0.002,
-        metadata=_doc(
+    ] = 60.0
+    max_batch: Annotated[
+        int,
+        _doc("Items per frame for listeners that registered with batch.", "items", ge=1),
+    ] = 256
+    send_interval: Annotated[
+        float,
+        _doc(
             "Longest wait between two flushes of the listeners' send queues. A flush may "
             "start once three times the previous one's cost has passed since it started: "
             "with few listeners a change goes out at once; with many, changes read "
             "meanwhile go out together (one batch frame per listener), and flushing takes "
             "at most a third of the time. 0: every tailer read at once (docs/fanout.md).",
             "seconds",
+            duration=True,
+            ge=0,
         ),
-    )
-    max_frame_bytes: int = field(
-        default=65536, metadata=_doc("Largest frame accepted from a listener.", "bytes")
-    )
-    registration_timeout: float = field(
-        default=10.0,
-        metadata=_doc("A connection that sends no registration by then is closed.", "seconds"),
-    )
-    close_timeout: float = field(
-        default=10.0,
-        metadata=_doc(
+    ] = 0.002
+    max_frame_bytes: Annotated[
+        int,
+        _doc("Largest frame accepted from a listener.", "bytes", ge=1),
+    ] = 65536
+    registration_timeout: Annotated[
+        float,
+        _doc(
+            "A connection that sends no registration by then is closed.",
+            "seconds",
+            duration=True,
+            gt=0,
+        ),
+    ] = 10.0
+    close_timeout: Annotated[
+        float,
+        _doc(
             "How long the publisher waits to hand a closing listener its error and close "
             "frames (an evicted listener may not be reading) before it lets the connection go.",
             "seconds",
+            duration=True,
+            ge=0,
         ),
-    )
-    max_registrations: int = field(
-        default=32, metadata=_doc("Registrations (change kinds) allowed on one connection.")
-    )
-    max_connections: int = field(
-        default=10000, metadata=_doc("Listener connections one publisher process accepts.")
-    )
-    replay_limit: int = field(
-        default=1000000,
-        metadata=_doc(
+    ] = 10.0
+    max_registrations: Annotated[
+        int,
+        _doc("Registrations (change kinds) allowed on one connection.", ge=1),
+    ] = 32
+    max_connections: Annotated[
+        int,
+        _doc("Listener connections one publisher process accepts.", ge=1),
+    ] = 10000
+    replay_limit: Annotated[
+        int,
+        _doc(
             "A resume more entries behind than this (estimated from entry identities) is "
             "answered resumed=false (reason too_far_behind): bootstrapping is then cheaper.",
             "entries",
+            ge=1,
         ),
-    )
-    db_retry_budget: float = field(
-        default=30.0,
-        metadata=_doc(
+    ] = 1000000
+    db_retry_budget: Annotated[
+        float,
+        _doc(
             "After this long without the database the publisher reports itself unavailable "
             "(it keeps retrying).",
             "seconds",
+            duration=True,
+            ge=0,
         ),
-    )
-    cursor_key: str | None = field(
-        default=None,
-        metadata=_doc(
+    ] = 30.0
+    cursor_key: Annotated[
+        str | None,
+        _doc(
             "Key of the cursors' digest. By default the key made with the feed and kept in "
             "its database (every instance reads it there, and nobody else knows it); set "
             "one only to manage it yourself, at least 16 characters, the same on every "
             "instance of one feed."
         ),
-    )
-    auth_tokens: tuple[str, ...] = field(
-        default=(),
-        metadata=_doc(
+    ] = None
+    auth_tokens: Annotated[
+        tuple[str, ...],
+        _doc(
             "Bearer tokens accepted on /changefeeds, /changefeeds/stats and bootstrap routes, "
             "each allowed to read every resource; `sha256:<hex>` gives a token by its SHA-256. "
             "No tokens here or in token_resources: no auth (docs/security.md)."
         ),
-    )
-    token_resources: dict[str, tuple[str, ...]] = field(
-        default_factory=dict,
-        metadata=_doc(
+    ] = ()
+    token_resources: Annotated[
+        dict[str, tuple[str, ...]],
+        _doc(
             'Bearer tokens allowed to read only some resources: `{"<token>" = ["vm"]}` '
             '(a `[publisher.token_resources]` table; keys may be `"sha256:<hex>"`). '
             "Other resources are refused with `forbidden` (close code 4004)."
         ),
-    )
+    ] = {}
 
     def __post_init__(self) -> None:
+        _check_bounds(self, "publisher")
         _check(self, source=None)
 
     def resource(self, name: str) -> ResourceConfig | None:
@@ -253,100 +333,144 @@ class PublisherConfig:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How ``changefeed serve`` listens (the ``[server]`` table)."""
 
-    host: str = field(default="127.0.0.1", metadata=_doc("Address to listen on."))
-    port: int = field(default=8080, metadata=_doc("TCP port to listen on."))
-    ping_interval: float = field(
-        default=20.0,
-        metadata=_doc(
-            "Websocket ping interval; keep load balancer idle timeouts above it.", "seconds"
+    host: Annotated[
+        str,
+        _doc("Address to listen on."),
+    ] = "127.0.0.1"
+    port: Annotated[
+        int,
+        _doc("TCP port to listen on.", ge=1, le=65535),
+    ] = 8080
+    ping_interval: Annotated[
+        float,
+        _doc(
+            "Websocket ping interval; keep load balancer idle timeouts above it.",
+            "seconds",
+            duration=True,
+            gt=0,
         ),
-    )
-    ping_timeout: float = field(
-        default=20.0,
-        metadata=_doc("A listener that does not answer a ping within this is dropped.", "seconds"),
-    )
-    drain_grace: float = field(
-        default=5.0,
-        metadata=_doc(
-            "On SIGTERM, time allowed for listeners to be closed with 1001 before exit.", "seconds"
+    ] = 20.0
+    ping_timeout: Annotated[
+        float,
+        _doc(
+            "A listener that neither answers a ping within this nor makes progress meanwhile "
+            "(takes more of what was sent, or sends anything) is evicted (`keepalive_timeout`).",
+            "seconds",
+            duration=True,
+            gt=0,
         ),
-    )
-    header_timeout: float = field(
-        default=15.0,
-        metadata=_doc(
+    ] = 20.0
+    notsent_lowat: Annotated[
+        int,
+        _doc(
+            "Bytes the kernel may hold unsent for each connection (TCP_NOTSENT_LOWAT); the "
+            "rest waits in the publisher, so that a ping or a pong to a listener catching up "
+            "waits behind little more than the listener's own receive buffer. 0: the host's "
+            "setting (`net.ipv4.tcp_notsent_lowat`, unlimited by default).",
+            "bytes",
+            ge=0,
+            lt=1 << 31,
+        ),
+    ] = NOTSENT_LOWAT
+    drain_grace: Annotated[
+        float,
+        _doc(
+            "On SIGTERM, time allowed for listeners to be closed with 1001 before exit.",
+            "seconds",
+            duration=True,
+            ge=0,
+        ),
+    ] = 5.0
+    header_timeout: Annotated[
+        float,
+        _doc(
             "An HTTP connection whose request line and headers have not all arrived this long "
             "after it was accepted (or after its previous response) is closed, with 408 if it "
             "sent part of them; so is one whose request body stops arriving for this long. "
             "Websockets, once upgraded, are not affected.",
             "seconds",
+            duration=True,
+            gt=0,
         ),
-    )
+    ] = 15.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ConfigError("server.port", f"must be 1-65535, got {self.port}")
-        for key in ("header_timeout", "ping_interval", "ping_timeout"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"server.{key}", f"must be positive, got {getattr(self, key)}")
+        _check_bounds(self, "server")
 
 
-_DURATION_KEYS = {
-    "max_age",
-    "retention_interval",
-    "poll_interval",
-    "registration_timeout",
-    "close_timeout",
-    "stall_timeout",
-    "window_max_age",
-    "send_interval",
-    "db_retry_budget",
-    "ping_interval",
-    "ping_timeout",
-    "drain_grace",
-    "header_timeout",
-}
-_POSITIVE_DURATIONS = {
-    # 0 would trim every entry, spin a loop, or close every listener at once; the
-    # other durations take 0 (send at once, do not wait, report at once).
-    "max_age",
-    "retention_interval",
-    "poll_interval",
-    "window_max_age",
-    "registration_timeout",
-    "stall_timeout",
-}
-_POSITIVE_INTS = {
-    "tail_batch",
-    "queue_size",
-    "max_batch",
-    "max_frame_bytes",
-    "max_registrations",
-    "max_connections",
-    "replay_limit",
-    "window_bytes",
-}
+# -- the declarations, read ------------------------------------------------------------
+
+
+@functools.cache
+def _keys(cls: type[msgspec.Struct]) -> dict[str, tuple[mi.Type, Meta]]:
+    """Each key of ``cls``: its type (msgspec's view of it) and its declaration."""
+    keys: dict[str, tuple[mi.Type, Meta]] = {}
+    for info, f in zip(
+        mi.type_info(cls).fields,  # type: ignore[attr-defined]
+        msgspec.structs.fields(cls),
+        strict=True,
+    ):
+        metas = [m for m in getattr(f.type, "__metadata__", ()) if isinstance(m, Meta)]
+        kind = info.type.type if isinstance(info.type, mi.Metadata) else info.type
+        keys[f.name] = (kind, metas[0] if metas else Meta())
+    return keys
+
+
+def _durations(cls: type[msgspec.Struct]) -> set[str]:
+    return {name for name, (_, meta) in _keys(cls).items() if (meta.extra or {}).get("duration")}
+
+
+def _bound_error(meta: Meta, value: Any) -> str | None:
+    """What is wrong with ``value`` under the bounds ``meta`` declares (None: nothing)."""
+    seconds = " seconds" if (meta.extra or {}).get("duration") else ""
+    low, high = meta.ge if meta.ge is not None else meta.gt, meta.le
+    if high is None and meta.lt is not None:
+        high = meta.lt - 1
+    too_low = (meta.ge is not None and value < meta.ge) or (
+        meta.gt is not None and value <= meta.gt
+    )
+    too_high = (meta.le is not None and value > meta.le) or (
+        meta.lt is not None and value >= meta.lt
+    )
+    if not (too_low or too_high):
+        return None
+    if low is not None and high is not None:
+        return f"must be {low}-{high}, got {value!r}"
+    if meta.gt is not None:
+        return f"must be more than {meta.gt}{seconds}"
+    if meta.ge is not None:
+        return f"must be at least {meta.ge}{seconds}" if meta.ge else "must not be negative"
+    return f"must be at most {high}"
+
+
+def _check_bounds(config: msgspec.Struct, prefix: str) -> None:
+    """The declared bounds, for a config built in Python (msgspec checks them in a file)."""
+    for name, (_, meta) in _keys(type(config)).items():
+        value = getattr(config, name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            problem = _bound_error(meta, value)
+            if problem is not None:
+                raise ConfigError(f"{prefix}.{name}", problem)
 
 
 def _check(config: PublisherConfig, source: str | None) -> None:
+    """What a key's type and bounds cannot say."""
     try:
         quote_schema(config.schema)
     except ProtocolError as exc:
         raise ConfigError("publisher.schema", exc.message, source) from None
-    for key in _POSITIVE_INTS:
-        if getattr(config, key) < 1:
-            raise ConfigError(f"publisher.{key}", "must be at least 1", source)
-    for key in _POSITIVE_DURATIONS:
-        if not getattr(config, key) > 0:
-            raise ConfigError(f"publisher.{key}", "must be more than 0 seconds", source)
     if config.cursor_key is not None and len(config.cursor_key) < 16:
         raise ConfigError(
             "publisher.cursor_key",
             "must be at least 16 characters (or left out: the feed's own key is used)",
             source,
+        )
+    if config.read_dsn is not None and not config.read_dsn.strip():
+        raise ConfigError(
+            "publisher.read_dsn", "must not be empty (leave it out to read dsn)", source
         )
     if config.queue_size < config.tail_batch:
         raise ConfigError(
@@ -379,7 +503,7 @@ def _check_tokens(config: PublisherConfig, source: str | None) -> None:
     if not isinstance(config.token_resources, dict):
         raise ConfigError("publisher.token_resources", "expected a table", source)
     # Python callers may pass lists; the model keeps tuples.
-    object.__setattr__(
+    msgspec.structs.force_setattr(
         config,
         "token_resources",
         {token: tuple(resources) for token, resources in config.token_resources.items()},
@@ -410,54 +534,86 @@ def _check_tokens(config: PublisherConfig, source: str | None) -> None:
                 )
 
 
-def _coerce(key: str, hint: Any, value: Any, source: str | None) -> Any:
-    """Check one TOML value against the model's type hint."""
-    if key.rsplit(".", 1)[-1] in _DURATION_KEYS:
-        return parse_duration(value, key, source)
-    origin = typing.get_origin(hint)
-    if origin in (types.UnionType, typing.Union):
-        if value is None:
+# -- TOML documents -----------------------------------------------------------------------
+
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "str | null": "a string",
+    "array": "a list of strings",
+    "object": "a table",
+}
+_FAILURE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+_EXPECTED = re.compile(r"^Expected `(?P<type>[^`]+)`(?:, got `[^`]+`| (?P<bound>[<>]=?) .*)$")
+
+
+def _at(doc: Any, path: str) -> Any:
+    """The value at a msgspec path (``.queue_size``, ``.resources[0].name``) of ``doc``."""
+    for part in re.findall(r"\.(\w+)|\[(\d+)\]", path):
+        name, index = part
+        try:
+            doc = doc[int(index)] if index else doc[name]
+        except (KeyError, IndexError, TypeError):
             return None
-        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        origin = typing.get_origin(hint)
-    if origin is tuple:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(key, f"expected a list of strings, got {value!r}", source)
-        return tuple(value)
-    if origin is dict:
-        if not isinstance(value, dict) or not all(
-            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in value.values()
-        ):
-            raise ConfigError(
-                key, f'expected a table such as {{"<token>" = ["vm"]}}, got {value!r}', source
-            )
-        return {str(k): tuple(v) for k, v in value.items()}
-    if hint is bool and not isinstance(value, bool):
-        raise ConfigError(key, f"expected true or false, got {value!r}", source)
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(key, f"expected an integer, got {value!r}", source)
-    if hint is float and (isinstance(value, bool) or not isinstance(value, int | float)):
-        raise ConfigError(key, f"expected a number, got {value!r}", source)
-    if hint is str and not isinstance(value, str):
-        raise ConfigError(key, f"expected a string, got {value!r}", source)
-    return float(value) if hint is float else value
+    return doc
 
 
-def _build(
-    cls: type[Any], doc: Any, prefix: str, source: str | None, skip: set[str]
-) -> dict[str, Any]:
-    if not isinstance(doc, dict):
-        raise ConfigError(prefix, f"expected a table, got {doc!r}", source)
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)} - skip
-    values = {}
-    for key, value in doc.items():
-        if key not in known:
+def _key(prefix: str, path: str) -> str:
+    """The dotted key of a msgspec path under ``prefix``: ``publisher.queue_size``,
+    ``resources[0].name`` (a path into a table of values names the table)."""
+    path = path.split("[...]", 1)[0]
+    if path.startswith(".resources"):
+        return path[1:]
+    return f"{prefix}{path}"
+
+
+def _convert(cls: type[_S], doc: dict[str, Any], prefix: str, source: str | None) -> _S:
+    """``doc`` as ``cls``, or a ``ConfigError`` naming the key and the file."""
+    try:
+        return msgspec.convert(doc, cls)
+    except ConfigError as exc:  # a check of the model's own, in __post_init__
+        raise ConfigError(exc.key, exc.message, source) from None
+    except msgspec.ValidationError as exc:
+        failure = _FAILURE.match(str(exc))
+        assert failure is not None
+        what, path = failure.group("what"), failure.group("path") or ""
+        key = _key(prefix, path)
+        struct = ResourceConfig if key.startswith("resources[") else cls
+        if unknown := re.match(r"Object contains unknown field `(\w+)`", what):
+            known = ", ".join(sorted(n for n in _keys(struct) if n != "resources"))
             raise ConfigError(
-                f"{prefix}.{key}", f"unknown key (known: {', '.join(sorted(known))})", source
-            )
-        values[key] = _coerce(f"{prefix}.{key}", hints[key], value, source)
-    return values
+                f"{key}.{unknown.group(1)}", f"unknown key (known: {known})", source
+            ) from None
+        if missing := re.match(r"Object missing required field `(\w+)`", what):
+            raise ConfigError(f"{key}.{missing.group(1)}", "is required", source) from None
+        value = _at(doc, path)
+        expected = _EXPECTED.match(what)
+        if expected is not None and expected.group("bound"):
+            name = key.rsplit(".", 1)[-1]
+            problem = _bound_error(_keys(struct)[name][1], value)
+            raise ConfigError(key, problem or what, source) from None
+        if expected is not None:
+            words = _TYPE_WORDS.get(expected.group("type"), f"`{expected.group('type')}`")
+            if "[...]" in path or expected.group("type") == "object":
+                words = 'a table such as {"<token>" = ["vm"]}' if "token" in key else words
+            raise ConfigError(key, f"expected {words}, got {value!r}", source) from None
+        raise ConfigError(key, what, source) from None
+
+
+def _table(doc: dict[str, Any], name: str, source: str | None) -> dict[str, Any]:
+    """The ``[name]`` table of ``doc``, its durations in seconds."""
+    table = doc.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(name, f"expected a table, got {table!r}", source)
+    cls = PublisherConfig if name == "publisher" else ServerConfig
+    return {
+        key: parse_duration(value, f"{name}.{key}", source) if key in _durations(cls) else value
+        for key, value in table.items()
+    }
 
 
 def config_from_dict(doc: dict[str, Any], source: str | None = None) -> PublisherConfig:
@@ -465,46 +621,38 @@ def config_from_dict(doc: dict[str, Any], source: str | None = None) -> Publishe
     for key in doc:
         if key not in ("publisher", "resources", "server"):
             raise ConfigError(key, "unknown table (known: publisher, resources, server)", source)
-    values = _build(PublisherConfig, doc.get("publisher", {}), "publisher", source, {"resources"})
-    raw_resources = doc.get("resources", [])
-    if not isinstance(raw_resources, list):
+    publisher = _table(doc, "publisher", source)
+    if "resources" in publisher:  # they are [[resources]] tables of their own
+        known = ", ".join(sorted(n for n in _keys(PublisherConfig) if n != "resources"))
+        raise ConfigError("publisher.resources", f"unknown key (known: {known})", source)
+    resources = doc.get("resources", [])
+    if not isinstance(resources, list):
         raise ConfigError("resources", "expected [[resources]] tables", source)
-    resources = []
-    for i, raw in enumerate(raw_resources):
-        fields = _build(ResourceConfig, raw, f"resources[{i}]", source, set())
-        for required in ("name", "bootstrap_route"):
-            if required not in fields:
-                raise ConfigError(f"resources[{i}].{required}", "is required", source)
-        resources.append(ResourceConfig(**fields))
-    try:
-        return PublisherConfig(resources=tuple(resources), **values)
-    except ConfigError as exc:
-        raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source) from None
+    return _convert(PublisherConfig, {**publisher, "resources": resources}, "publisher", source)
 
 
 def server_config_from_dict(doc: dict[str, Any], source: str | None = None) -> ServerConfig:
     """The ``[server]`` table of a parsed TOML document."""
-    values = _build(ServerConfig, doc.get("server", {}), "server", source, set())
-    try:
-        return ServerConfig(**values)
-    except ConfigError as exc:
-        raise ConfigError(exc.key, str(exc).split(": ", 1)[-1], source) from None
+    return _convert(ServerConfig, _table(doc, "server", source), "server", source)
 
 
-def _type_name(cls: type[Any], name: str) -> str:
-    kind: str = {f.name: f.metadata.get("kind", "") for f in dataclasses.fields(cls)}[name]
-    if kind:
-        return kind
-    if name in _DURATION_KEYS:
+# -- the reference ----------------------------------------------------------------------------
+
+
+def _type_name(cls: type[msgspec.Struct], name: str) -> str:
+    kind, meta = _keys(cls)[name]
+    if (meta.extra or {}).get("kind"):
+        return str((meta.extra or {})["kind"])
+    if (meta.extra or {}).get("duration"):
         return "duration"
-    hint = typing.get_type_hints(cls)[name]
-    if typing.get_origin(hint) is tuple:
+    if isinstance(kind, mi.VarTupleType):
         return "list of strings"
-    if typing.get_origin(hint) is dict:
+    if isinstance(kind, mi.DictType):
         return "table of lists of strings"
-    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+    if isinstance(kind, mi.UnionType):
         return "string (optional)"
-    return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(hint, str(hint))
+    words = {mi.BoolType: "boolean", mi.IntType: "integer", mi.FloatType: "number"}
+    return words.get(type(kind), "string")
 
 
 def config_reference() -> str:
@@ -520,7 +668,7 @@ def config_reference() -> str:
         "file and the key.",
         "",
     ]
-    sections: list[tuple[str, type[Any], set[str]]] = [
+    sections: list[tuple[str, type[msgspec.Struct], set[str]]] = [
         ("[publisher]", PublisherConfig, {"resources"}),
         ("[[resources]]", ResourceConfig, set()),
         ("[server] (only `changefeed serve`)", ServerConfig, set()),
@@ -532,12 +680,13 @@ def config_reference() -> str:
             "| key | type | default | unit | meaning |",
             "| --- | --- | --- | --- | --- |",
         ]
-        for f in dataclasses.fields(cls):
+        for f in msgspec.structs.fields(cls):
             if f.name in skip:
                 continue
-            if f.default_factory is not dataclasses.MISSING:
+            meta = _keys(cls)[f.name][1]
+            if f.default_factory is not msgspec.NODEFAULT:
                 default = "(none)"
-            elif f.default is dataclasses.MISSING:
+            elif f.default is msgspec.NODEFAULT:
                 default = "required"
             elif f.default in (None, ()):
                 default = "(none)"
@@ -545,10 +694,10 @@ def config_reference() -> str:
                 default = f"`{str(f.default).lower()}`"
             else:
                 default = f"`{f.default!r}`".replace("'", '"')
-            unit = f.metadata.get("unit", "")
+            unit = (meta.extra or {}).get("unit", "")
             lines.append(
                 f"| `{f.name}` | {_type_name(cls, f.name)} | {default} | {unit} | "
-                f"{f.metadata.get('doc', '')} |"
+                f"{meta.description or ''} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -10,9 +10,10 @@ catches up, and a receiver, which takes whatever the listener sends
 answering pings only while someone reads) and notices the disconnect.
 
 Refusals: a missing or bad bearer token is refused at the handshake with HTTP
-401 (503 when the authorizer is unavailable), before anything is read from
-the listener; every later refusal is an error frame followed by a documented
-close code (changefeed.schemas.closecodes). Nothing a listener sends can stop
+401 (503 and ``Retry-After`` when the authorizer is unavailable; the decision
+is changefeed.schemas.access's), before anything is read from the listener;
+every later refusal is an error frame followed by a documented close code
+(changefeed.schemas.closecodes). Nothing a listener sends can stop
 the publisher from serving the others: every wait on a listener is bounded
 (``registration_timeout``, ``close_timeout``, and ``stall_timeout`` through
 the publisher's watch), and a connection's failure ends that connection only.
@@ -24,23 +25,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.types import Message, Receive, Scope, Send
 
+from changefeed.backoff import Backoff
 from changefeed.logs import log_event
-from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
+from changefeed.schemas import ERROR_CLOSE_CODES, AccessDenied, ErrorFrame
 
-from .auth import AuthUnavailable
 from .catchup import Filled
 from .delivery import Closing, Delivery
+from .entries import Item
 from .feed import DB_ERRORS
 from .host import ListenerHost
+from .inflight import InFlight
 from .pages import CursorExpired
 from .registration import Refusal
 from .registry import Session
-from .wire import DIRECT_WRITES, DISCONNECT_CAUSE, BatchFrames, Disconnect, FrameWriter, batch_text
+from .wire import (
+    DIRECT_WRITES,
+    DISCONNECT_CAUSE,
+    BatchFrames,
+    Disconnect,
+    FrameWriter,
+    batch_text,
+    frame_size,
+)
 
 __all__ = ["ListenerEndpoint"]
 
@@ -58,10 +70,18 @@ all of them early; the senders then go on in turns of _FRAMES_PER_TURN."""
 _REFILL_TURNS = 2
 """Turns of items a catching-up connection queues at a time."""
 
-_FEED_RETRY = (0.05, 2.0)
-"""First and longest wait before reading the feed again after a failed page read."""
+_FEED_RETRY = Backoff(initial=0.05, maximum=2.0, jitter=0.5)
+"""Waits before reading the feed again after failed page reads in a row
+(changefeed.backoff's policy): 50 ms doubling to 2 s, the upper half of each drawn
+at random, so that the connections of a database outage do not all ask at once."""
 
-_HTTP_STATUS = {"unauthorized": 401, "forbidden": 403, "unavailable": 503}
+_JITTER = random.Random()
+"""The draws of those waits (the connections' own, not the global ``random``)."""
+
+_REFUSALS = ("frame_too_large", "bad_frame")
+"""Server closes that refuse what the listener sent (counted as refusals)."""
+
+_KEEPALIVE_MESSAGE = "no answer to pings, and no progress meanwhile (keepalive timeout)"
 
 
 class _Gone(Exception):
@@ -80,7 +100,7 @@ def _server_closing(message: Message) -> Closing | None:
     if cause is Disconnect.FRAME_TOO_LARGE:
         return Closing(code, "frame_too_large", "frame exceeds the server's size limit")
     if cause is Disconnect.KEEPALIVE_TIMEOUT:
-        return Closing(code, None, "no answer to pings (keepalive timeout)")
+        return Closing(code, "keepalive_timeout", _KEEPALIVE_MESSAGE)
     if cause is Disconnect.BAD_FRAME:
         return Closing(code, "bad_frame", "a text frame that is not UTF-8")
     return None
@@ -135,13 +155,9 @@ class _Connection:
 
     async def _serve(self) -> None:
         host = self.host
-        try:
-            access = await host.authenticate(Headers(scope=self.scope))
-        except AuthUnavailable as exc:
-            await self._refuse_handshake("unavailable", str(exc))
-            return
-        if access is None:
-            await self._refuse_handshake("unauthorized", "missing or invalid bearer token")
+        access = await host.access(Headers(scope=self.scope), self.peer)
+        if isinstance(access, AccessDenied):
+            await self._refuse_handshake(access)
             return
         await self.send({"type": "websocket.accept"})
         full = host.capacity()
@@ -155,7 +171,7 @@ class _Connection:
             return
         except _Gone:
             return
-        outcome = await host.register(text, access, self.peer)
+        outcome = await host.register(text, access.resources, self.peer)
         if isinstance(outcome, Refusal):
             await self._refuse(outcome)
             return
@@ -169,35 +185,30 @@ class _Connection:
                 )
                 session.delivery.send_now = direct.send_now
                 session.delivery.buffered = self.writer.buffered
+                session.delivery.in_flight = InFlight()
             await self._pump(session, direct)
         finally:
             session.delivery.send_now = None
             session.delivery.buffered = None
+            session.delivery.in_flight = None
             host.forget(session)
 
     # -- refusals and closing ----------------------------------------------
 
-    async def _refuse_handshake(self, code: str, message: str) -> None:
-        """Refuse before accepting: an HTTP answer where the server can send one
-        (ASGI websocket denial response), else accept, error frame, close code."""
-        self.host.refused(code, "websocket", self.peer, message)
+    async def _refuse_handshake(self, denied: AccessDenied) -> None:
+        """Refuse before accepting (``host.access`` counted it): an HTTP answer where the
+        server can send one (ASGI websocket denial response), else accept, error
+        frame, close code."""
         if "websocket.http.response" not in self.scope.get("extensions", {}):
             await self.send({"type": "websocket.accept"})
-            await self._close(ERROR_CLOSE_CODES[code], ErrorFrame(code, message))
+            await self._close(denied.close_code, denied.frame())
             return
         headers = [(b"content-type", b"application/json")]
-        if code == "unauthorized":
-            headers.append((b"www-authenticate", b"Bearer"))
-        elif code == "unavailable":
-            headers.append((b"retry-after", b"1"))
+        headers += [(k.lower().encode(), v.encode()) for k, v in denied.headers().items()]
         await self.send(
-            {
-                "type": "websocket.http.response.start",
-                "status": _HTTP_STATUS[code],
-                "headers": headers,
-            }
+            {"type": "websocket.http.response.start", "status": denied.status, "headers": headers}
         )
-        body = ErrorFrame(code, message).encode().encode()
+        body = denied.frame().encode().encode()
         await self.send({"type": "websocket.http.response.body", "body": body})
 
     async def _refuse(self, refusal: Refusal) -> None:
@@ -240,7 +251,7 @@ class _Connection:
         if message["type"] == "websocket.disconnect":
             self._gone = True
             closing = _server_closing(message)
-            if closing is not None and closing.error_code is not None:
+            if closing is not None and closing.error_code in _REFUSALS:
                 self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
             raise _Gone()
         text = message.get("text")
@@ -259,16 +270,17 @@ class _Connection:
         # The sender and the receiver are tasks of their own, not coroutines awaited
         # here: resuming a task wakes every coroutine frame it awaits through, and
         # this one sits under a dozen (server, middleware, router). A sender woken
-        # for each change must resume two frames, not fourteen.
+        # for each change must resume two frames, not fourteen. Every way the
+        # connection ends closes the delivery (each task does so when it ends), so
+        # this waits for that alone: no asyncio.wait kept for each idle listener.
         sender = asyncio.create_task(
-            self._send_loop(session, direct), name=f"changefeed-send-{session.id}"
+            self._sender(session, direct), name=f"changefeed-send-{session.id}"
         )
         receiver = asyncio.create_task(
             self._receive_loop(session), name=f"changefeed-receive-{session.id}"
         )
-        closed = session.delivery.closed()
         try:
-            await asyncio.wait((sender, receiver, closed), return_when=asyncio.FIRST_COMPLETED)
+            await session.delivery.ended.wait()
             if not sender.done():
                 # Closing (evicted, draining, the listener left or sent too much): the
                 # sender finishes the frame it is writing, unless the listener does not
@@ -301,51 +313,76 @@ class _Connection:
             )
             await self._close(why.close_code, error)
 
-    async def _send_loop(self, session: Session, direct: _DirectSender | None) -> None:
+    async def _sender(self, session: Session, direct: _DirectSender | None) -> None:
+        """Write what the delivery queues, and refill it while the listener catches
+        up, until the delivery closes. One coroutine frame: every idle listener
+        holds it."""
         delivery = session.delivery
-        send = self.send
         ready = delivery.ready
-        batch = delivery.batch
-        turn = self.host.config.max_batch if batch else _FRAMES_PER_TURN
+        turn = self.host.config.max_batch if delivery.batch else _FRAMES_PER_TURN
         refill = min(turn * _REFILL_TURNS, delivery.capacity)
         catchup = self.host.catchup
         failures = 0
-        while True:
-            await ready.wait()
-            if delivery.closing is not None:
-                return
-            if not delivery.queue:
-                if delivery.live:
-                    ready.clear()  # a flush's direct write took what woke us
+        try:
+            while True:
+                await ready.wait()
+                if delivery.closing is not None:
+                    return
+                if not delivery.queue:
+                    if delivery.live:
+                        ready.clear()  # a flush's direct write took what woke us
+                        continue
+                    if catchup.fill(delivery, refill) is Filled.NEEDS_FEED:
+                        failures = await self._load(session, refill, failures)
+                    # Take turns: a refill that found nothing wanted, or a page that
+                    # was already kept, awaited nothing.
+                    await asyncio.sleep(0)
                     continue
-                if catchup.fill(delivery, refill) is Filled.NEEDS_FEED:
-                    failures = await self._load(session, refill, failures)
-                # Take turns: a refill that found nothing wanted, or a page that was
-                # already kept, awaited nothing.
-                await asyncio.sleep(0)
-                continue
-            if direct is not None and direct.ready():
-                direct.write_turn()
+                if direct is not None and direct.ready():
+                    direct.write_turn()
+                else:
+                    await self._send_turn(delivery, delivery.take(turn), direct)
+                if delivery.queue or not delivery.live:
+                    # Yield even when the transport never blocks: without it one busy
+                    # connection starves every other one on the event loop.
+                    await asyncio.sleep(0)
+        except OSError:
+            session.close(Closing(1006, None, "gone mid-send"))
+            raise
+        except Exception as exc:
+            session.close(Closing(1011, None, f"internal error: {exc!r}"))
+            raise
+        finally:
+            if session.closing is None:  # an unexpected end: let the connection know
+                session.close(Closing(1011, None, "sender ended"))
+
+    async def _send_turn(
+        self, delivery: Delivery, items: list[Item], direct: _DirectSender | None
+    ) -> None:
+        """Send ``items`` through ASGI sends, which wait while the transport is paused."""
+        send = self.send
+        delivery.sending = len(items)
+        sent, size = 0, 0
+        try:
+            if delivery.batch:
+                text = batch_text([i.text for i in items])
+                await send({"type": "websocket.send", "text": text})
+                delivery.frames += 1
+                sent, size = len(items), frame_size(len(text.encode()))
             else:
-                items = delivery.take(turn)
-                delivery.sending = True
-                try:
-                    if batch:
-                        await send(
-                            {"type": "websocket.send", "text": batch_text([i.text for i in items])}
-                        )
-                        delivery.frames += 1
-                    else:
-                        for item in items:
-                            await send({"type": "websocket.send", "text": item.text})
-                        delivery.frames += len(items)
-                finally:
-                    delivery.sending = False
-                delivery.sent += len(items)
-            if delivery.queue or not delivery.live:
-                # Yield even when the transport never blocks: without it one busy
-                # connection starves every other one on the event loop.
-                await asyncio.sleep(0)
+                for item in items:
+                    if direct is not None and direct.lost():
+                        break  # gone meanwhile: the server would only log each write
+                    await send({"type": "websocket.send", "text": item.text})
+                    sent += 1
+                    size += len(item.wire) if direct is not None else 0
+                delivery.frames += sent
+        finally:
+            delivery.sending = 0
+        delivery.sent += sent
+        if direct is not None:
+            # What a direct write will follow: count it as written, not taken.
+            direct.wrote(size, items[:sent])
 
     async def _load(self, session: Session, most: int, failures: int) -> int:
         """Read the next page of the feed for a listener behind the window; returns
@@ -371,49 +408,55 @@ class _Connection:
                     instance=session.instance,
                     peer=session.peer,
                 )
-            first, longest = _FEED_RETRY
             # Waiting for the database is not the listener's fault (stall.py).
             session.delivery.waiting_on_feed = True
             try:
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(longest, first * 2 ** (failures - 1))):
-                        await session.delivery.closed()
+                    async with asyncio.timeout(_FEED_RETRY.delay(failures, _JITTER)):
+                        await session.delivery.ended.wait()
             finally:
                 session.delivery.waiting_on_feed = False
             return failures
         return 0
 
     async def _receive_loop(self, session: Session) -> None:
+        """Take what the listener sends until it disconnects. One coroutine frame:
+        every idle listener holds it."""
+        max_frame_bytes = self.host.config.max_frame_bytes
+        receive = self.receive
         try:
-            await self._receive(session)
+            while True:
+                message: Message = await receive()
+                if message["type"] == "websocket.disconnect":
+                    self._disconnected(session, message)
+                    return
+                data: Any = message.get("text")
+                if data is None:
+                    data = message.get("bytes") or b""
+                elif len(data) * 4 > max_frame_bytes:
+                    data = data.encode()  # the limit is in bytes; UTF-8 takes up to 4 a character
+                if len(data) > max_frame_bytes:
+                    why = f"frame exceeds {max_frame_bytes} bytes"
+                    self.host.refused("frame_too_large", "websocket", self.peer, why)
+                    session.close(Closing(4006, "frame_too_large", why))
+                    return
+                # Anything else (RFD 5 listeners send "heartbeat") needs no answer.
         finally:
             if session.closing is None:  # an unexpected end: let the sender know
                 session.close(Closing(1011, None, "receiver ended"))
 
-    async def _receive(self, session: Session) -> None:
-        max_frame_bytes = self.host.config.max_frame_bytes
-        receive = self.receive
-        while True:
-            message: Message = await receive()
-            if message["type"] == "websocket.disconnect":
-                self._gone = True
-                closing = _server_closing(message)
-                code = int(message.get("code", 1005))
-                if closing is not None and closing.error_code is not None:
-                    self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
-                session.close(closing or Closing(code, None, "closed by listener"))
-                return
-            data: Any = message.get("text")
-            if data is None:
-                data = message.get("bytes") or b""
-            elif len(data) * 4 > max_frame_bytes:
-                data = data.encode()  # the limit is in bytes; UTF-8 takes up to 4 a character
-            if len(data) > max_frame_bytes:
-                why = f"frame exceeds {max_frame_bytes} bytes"
-                self.host.refused("frame_too_large", "websocket", self.peer, why)
-                session.close(Closing(4006, "frame_too_large", why))
-                return
-            # Anything else (RFD 5 listeners send "heartbeat") needs no answer.
+    def _disconnected(self, session: Session, message: Message) -> None:
+        """The connection ended: why, and what the publisher makes of it."""
+        self._gone = True
+        closing = _server_closing(message)
+        code = int(message.get("code", 1005))
+        if closing is not None and closing.error_code == "keepalive_timeout":
+            # A liveness close is an eviction like the stall watch's.
+            self.host.evict(session, closing.error_code, closing.message, code)
+            return
+        if closing is not None and closing.error_code in _REFUSALS:
+            self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
+        session.close(closing or Closing(code, None, "closed by listener"))
 
 
 class _Refused(Exception):
@@ -444,6 +487,10 @@ class _DirectSender:
         self._batches = batches
         self._turn = max_batch if delivery.batch else _FRAMES_PER_TURN
         self._flush_turn = max_batch if delivery.batch else _FRAMES_PER_FLUSH
+
+    def lost(self) -> bool:
+        """True once the connection is closing or gone."""
+        return self._writer.lost
 
     def ready(self) -> bool:
         """True when a direct write may go out now."""
@@ -485,3 +532,13 @@ class _DirectSender:
             return
         delivery.frames += frames
         delivery.sent += len(items)
+        self.wrote(len(data), items)
+
+    def wrote(self, size: int, items: list[Any]) -> None:
+        """``items`` went out in ``size`` bytes (directly, or through the sender's
+        ASGI sends): not taken until the listener's TCP acknowledges them."""
+        in_flight = self._delivery.in_flight
+        if in_flight is not None and items:
+            in_flight.wrote(size, len(items), items[0].published)
+            if in_flight.crowded:
+                in_flight.settle(self._writer.buffered())

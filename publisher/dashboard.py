@@ -17,6 +17,7 @@ names are whatever listeners sent.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from importlib import resources
 
@@ -24,7 +25,10 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from .auth import AuthUnavailable, BearerAuth
+from changefeed.schemas import AccessDenied
+
+from .auth import BearerAuth
+from .figures import dashboard_labels
 
 __all__ = ["DASHBOARD_PATH", "dashboard_routes"]
 
@@ -50,6 +54,12 @@ _SECURITY_HEADERS = {
 
 _CHALLENGE = 'Basic realm="changefeed", charset="UTF-8"'
 
+_SIGN_IN = (
+    "This dashboard needs a bearer token. Reload the page and sign in with any\n"
+    "user name and the token as the password, or send it as\n"
+    "'Authorization: Bearer <token>'.\n"
+)
+
 Refused = Callable[[str, str, str, str], None]
 """Counts a refusal: (error code, endpoint, peer, reason), as ``Publisher.refused``."""
 
@@ -66,7 +76,12 @@ def dashboard_routes(auth: BearerAuth, refused: Refused) -> list[BaseRoute]:
             Basic password, like the stats it reads).
         refused: counts a refused request (``Publisher.refused``).
     """
-    page_bytes = _static("dashboard.html")
+    # Data, not script: the CSP's script-src does not apply to it, and "<" is escaped
+    # so that nothing in it can end the element.
+    since_start = json.dumps(dashboard_labels()).replace("<", "\\u003c")
+    page_bytes = _static("dashboard.html").replace(
+        b'id="since-start">[]<', f'id="since-start">{since_start}<'.encode()
+    )
     assets = {}
     for name, media_type in _ASSETS.items():
         content = _static(name)
@@ -74,27 +89,17 @@ def dashboard_routes(auth: BearerAuth, refused: Refused) -> list[BaseRoute]:
         assets[name] = (content, media_type, etag)
 
     async def page(request: Request) -> Response:
-        peer = f"{request.client.host}:{request.client.port}" if request.client else ""
-        try:
-            allowed = await auth.resolve(request.headers.get("authorization", ""), basic=True)
-        except AuthUnavailable as exc:
-            refused("unavailable", "http", peer, str(exc))
-            headers = {**_SECURITY_HEADERS, "Retry-After": "1", "Cache-Control": "no-store"}
-            return PlainTextResponse(f"{exc}\n", 503, headers)
-        if allowed is None:
-            refused("unauthorized", "http", peer, request.url.path)
+        outcome = await auth.check(request.headers.get("authorization", ""), basic=True)
+        if isinstance(outcome, AccessDenied):
+            peer = f"{request.client.host}:{request.client.port}" if request.client else ""
+            refused(outcome.code, "http", peer, f"{request.url.path}: {outcome.message}")
             headers = {
                 **_SECURITY_HEADERS,
-                "WWW-Authenticate": _CHALLENGE,
+                **outcome.headers(challenge=_CHALLENGE),
                 "Cache-Control": "no-store",
             }
-            return PlainTextResponse(
-                "This dashboard needs a bearer token. Reload the page and sign in with any\n"
-                "user name and the token as the password, or send it as\n"
-                "'Authorization: Bearer <token>'.\n",
-                401,
-                headers,
-            )
+            text = _SIGN_IN if outcome.code == "unauthorized" else f"{outcome.message}\n"
+            return PlainTextResponse(text, outcome.status, headers)
         return Response(
             page_bytes,
             media_type="text/html; charset=utf-8",

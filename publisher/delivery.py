@@ -17,8 +17,6 @@ most ``capacity`` references to shared items, and a few fields.
 
 from __future__ import annotations
 
-import asyncio
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,7 +24,9 @@ from datetime import datetime
 from changefeed.schemas import Position
 
 from .entries import Item
+from .inflight import InFlight
 from .matching import Interest
+from .wakeup import Wakeup
 
 __all__ = ["Closing", "Delivery"]
 
@@ -57,7 +57,6 @@ class Delivery:
     """
 
     __slots__ = (
-        "_closed",
         "batch",
         "buffered",
         "capacity",
@@ -65,7 +64,9 @@ class Delivery:
         "cursor",
         "cursor_published",
         "dropped",
+        "ended",
         "frames",
+        "in_flight",
         "interest",
         "live",
         "progress_at",
@@ -91,7 +92,9 @@ class Delivery:
         self.interest = interest
         self.capacity = capacity
         self.batch = batch
-        self.queue: deque[Item] = deque()
+        # A list, not a deque: an empty deque allocates a 64-slot block, and ten
+        # thousand idle listeners would hold megabytes of them.
+        self.queue: list[Item] = []
         self.live = start >= head
         self.skip_until = start
         """While live: entries at or before this are not sent (a resume cursor
@@ -100,21 +103,25 @@ class Delivery:
         """While catching up: every wanted entry up to here has been queued."""
         self.cursor_published: datetime | None = None
         """When the entry at ``cursor`` was published (for the lag in seconds)."""
-        self.ready = asyncio.Event()
+        self.ready = Wakeup()
         """Set while items are queued, while catching up, and once closing: the
         connection's sender has work."""
         if not self.live:
             self.ready.set()
         self.closing: Closing | None = None
-        self._closed: asyncio.Future[None] | None = None
-        self.sending = False
-        """True while the connection's sender writes items it took through an ASGI
-        send: nothing else may write meanwhile, or frames would overtake each other."""
+        self.ended = Wakeup()
+        """Set once the delivery is closing."""
+        self.sending = 0
+        """Items the connection's sender took and is writing through ASGI sends (0:
+        none): nothing else may write meanwhile, or frames would overtake each other."""
         self.send_now: Callable[[], bool] | None = None
         """Set by a connection that can write synchronously: writes one turn of the
         queue now; True when nothing is left, False when its sender must go on."""
         self.buffered: Callable[[], int] | None = None
-        """Set by a connection that can tell: bytes its transport has yet to send."""
+        """Set by a connection that can tell: bytes written that the listener has yet
+        to take (in its transport's buffer and the kernel's send queue)."""
+        self.in_flight: InFlight | None = None
+        """Set by a connection that writes directly: its writes not yet taken."""
         self.waiting_on_feed = False
         """True while the sender waits for a page of the feed table (not the listener's fault)."""
         self.sent = 0
@@ -134,7 +141,29 @@ class Delivery:
     def pending(self) -> bool:
         """True when there is something the listener has yet to take (queued, behind
         the head, or in a send under way)."""
-        return bool(self.queue) or not self.live or self.sending
+        return bool(self.queue) or not self.live or self.sending > 0
+
+    def untaken(self) -> int:
+        """Items written that the listener has not taken yet (0 where the connection
+        cannot tell: they count as taken once written)."""
+        in_flight, buffered = self.in_flight, self.buffered
+        if in_flight is None or buffered is None:
+            return 0
+        return in_flight.settle(buffered())
+
+    def outstanding(self, untaken: int) -> int:
+        """Items the listener has yet to take of those queued for it: queued, in a
+        send under way, or ``untaken`` (written, not acknowledged)."""
+        return len(self.queue) + self.sending + untaken
+
+    def delivered(self) -> int:
+        """Items the listener has taken."""
+        return self.sent - self.untaken()
+
+    def oldest_untaken(self) -> float | None:
+        """When the oldest item written and not yet taken was published (as of the
+        last ``untaken``)."""
+        return self.in_flight.oldest() if self.in_flight is not None else None
 
     def offer(self, items: Sequence[Item]) -> bool:
         """Queue a live batch's items whole, or none of them (returns False: the
@@ -162,12 +191,11 @@ class Delivery:
         """Remove and return up to ``most`` queued items (possibly none)."""
         queue = self.queue
         if len(queue) <= most:
-            taken = list(queue)
-            queue.clear()
+            taken, self.queue = queue, []
         else:
-            popleft = queue.popleft
-            taken = [popleft() for _ in range(most)]
-        if not queue and self.live and self.closing is None:
+            taken = queue[:most]
+            del queue[:most]
+        if not self.queue and self.live and self.closing is None:
             self.ready.clear()
         return taken
 
@@ -175,14 +203,6 @@ class Delivery:
         """Wake the sender if anything is queued."""
         if self.queue:
             self.ready.set()
-
-    def closed(self) -> asyncio.Future[None]:
-        """A future done once the delivery is closing (made on first use, in the loop)."""
-        if self._closed is None:
-            self._closed = asyncio.get_running_loop().create_future()
-            if self.closing is not None:
-                self._closed.set_result(None)
-        return self._closed
 
     def close(self, closing: Closing) -> None:
         """Mark for closing (the first reason wins), drop what is queued, wake the sender."""
@@ -192,5 +212,4 @@ class Delivery:
         self.dropped += len(self.queue)
         self.queue.clear()
         self.ready.set()
-        if self._closed is not None and not self._closed.done():
-            self._closed.set_result(None)
+        self.ended.set()

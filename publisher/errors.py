@@ -31,6 +31,7 @@ class ConfigError(PublisherError):
         where = f"{source}: " if source else ""
         super().__init__(f"{where}{key}: {message}")
         self.key = key
+        self.message = message
         self.source = source
 
 

@@ -41,6 +41,8 @@ class Fanout:
 
     def __init__(self) -> None:
         self._groups: dict[Interest, dict[Delivery, None]] = {}
+        self._shared: dict[Interest, Interest] = {}
+        """Each group's interest, the one its deliveries share."""
         self._by_resource: dict[str, set[Interest]] = {}
 
     def __len__(self) -> int:
@@ -52,8 +54,13 @@ class Fanout:
         group = self._groups.get(interest)
         if group is None:
             group = self._groups[interest] = {}
+            self._shared[interest] = interest
             for resource in interest.resources:
                 self._by_resource.setdefault(resource, set()).add(interest)
+        else:
+            # Equal interests are one object: thousands of listeners of the same
+            # change kinds hold one matcher, not thousands.
+            delivery.interest = self._shared[interest]
         group[delivery] = None
 
     def leave(self, delivery: Delivery) -> None:
@@ -65,6 +72,7 @@ class Fanout:
         del group[delivery]
         if not group:
             del self._groups[interest]
+            del self._shared[interest]
             for resource in interest.resources:
                 interests = self._by_resource[resource]
                 interests.discard(interest)

@@ -4,7 +4,8 @@
 entry commits or rolls back with the caller's own write. ``FeedReader`` reads
 only entries that are final (their transaction is below the snapshot horizon,
 invariant I1), in ``(txid, id)`` order from a position, and never waits on
-listeners.
+listeners. Every read works the same on a hot standby: its snapshot's horizon
+is as safe as the primary's (docs/design.md, "Reading from a standby").
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "FeedState",
     "FeedTrimmed",
     "PageOfFeed",
+    "ReplicaBehind",
     "ResumeFacts",
     "Rewrites",
     "install_trigger",
@@ -35,7 +37,14 @@ __all__ = [
 ]
 
 
+class ReplicaBehind(Exception):
+    """The server asked has not replayed what this publisher already read elsewhere
+    (a standby catching up after a restart, or another standby behind the same
+    address): retried, like an unreachable database, until it has."""
+
+
 DB_ERRORS: tuple[type[BaseException], ...] = (
+    ReplicaBehind,
     OSError,
     TimeoutError,
     asyncpg.PostgresError,
@@ -44,7 +53,9 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
     # server went away): retried on a new connection, like the others.
     asyncpg.InternalClientError,
 )
-"""Failures that mean "the database is unreachable, restarting or failing over": retried."""
+"""Failures that mean "the database is unreachable, restarting, failing over or behind":
+retried. A read a standby cancelled because it conflicted with replay (SQLSTATE
+40001) is an ``asyncpg.PostgresError`` too."""
 
 
 class FeedTrimmed(Exception):
@@ -110,6 +121,8 @@ class ResumeFacts:
     """The transaction id the database gives out next: no entry can be at or past it."""
     stamp: int | None
     """The stamp of the entry at the position (None: the feed holds no entry there)."""
+    in_recovery: bool = False
+    """Read on a standby: a "no such entry" may only mean it has not replayed it yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +323,14 @@ class FeedReader:
             " s.rewritten_through_txid::text::bigint AS rw_txid,"
             " s.rewritten_through_id AS rw_id"
         )
+        # The tailer's read, with the snapshot's horizon: a tailer on a standby
+        # learns from it whether the transactions the doorbell named have been
+        # replayed. (`trimmed` is NULL when there are no entries.)
+        self._after_horizon = (
+            "SELECT h.horizon, p.* FROM (SELECT"
+            " pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS horizon) h"
+            f" LEFT JOIN LATERAL ({self._after}) p ON true ORDER BY p.txid, p.id"
+        )
         # A catch-up page, the low-water mark and the compaction job's rewrites
         # in one statement, so one snapshot: when the mark is at or before
         # `after`, nothing after it was trimmed, and the page has no hole
@@ -317,9 +338,15 @@ class FeedReader:
         # shows any of a run's changes shows that run's announcement. The
         # page's rows come in feed order; the marks come on every row (and
         # alone, with NULL entries, when there are none).
+        # `complete`: every transaction up to the page's end has ended in this
+        # snapshot, so the page holds every entry of (after, upto]. Always true on
+        # the primary (upto was read below its horizon, which only moves on); false
+        # on a standby that has not yet replayed what the tailer read, which must
+        # then not be taken for a page with no entries.
         self._page = (
             "SELECT s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id,"
-            f" {rewrites}, p.*"
+            f" {rewrites},"
+            " $3::bigint::text::xid8 < pg_snapshot_xmin(pg_current_snapshot()) AS complete, p.*"
             f" FROM {q}.feed_state s LEFT JOIN LATERAL ("
             f" SELECT {columns} FROM {q}.feed f"
             " WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2)"
@@ -336,11 +363,18 @@ class FeedReader:
         # The write transaction that holds the horizon back (open, or prepared for
         # two-phase commit): its age is how long delivery of anything committed
         # after it has been waiting. min(published) walks the published index.
-        self._health = (
-            "SELECT (SELECT coalesce(extract(epoch FROM clock_timestamp() - min(started)), 0)"
+        writer = (
+            "(SELECT coalesce(extract(epoch FROM clock_timestamp() - min(started)), 0)"
             " FROM (SELECT xact_start AS started FROM pg_stat_activity"
             " WHERE backend_xid IS NOT NULL"
-            " UNION ALL SELECT prepared FROM pg_prepared_xacts) AS writers)::float8 AS writer,"
+            " UNION ALL SELECT prepared FROM pg_prepared_xacts) AS writers)::float8"
+        )
+        # Only the primary knows its writers (a standby's pg_stat_activity shows
+        # its own sessions): a publisher reading a standby asks the primary this
+        # part alone, which reads no feed table.
+        self._writer = f"SELECT {writer}"
+        self._health = (
+            f"SELECT {writer} AS writer,"
             " coalesce((SELECT extract(epoch FROM clock_timestamp() - min(published))"
             f" FROM {q}.feed), 0)::float8 AS entry,"
             f" pg_total_relation_size('{q}.feed'::regclass) AS bytes,"
@@ -375,6 +409,7 @@ class FeedReader:
         self._resume_facts = (
             f"SELECT {state},"
             " pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS next_txid,"
+            " pg_is_in_recovery() AS in_recovery,"
             f" (SELECT published FROM {q}.feed"
             " WHERE txid = $1::bigint::text::xid8 AND id = $2) AS published,"
             " n.txid AS n_txid, n.id AS n_id"
@@ -402,6 +437,20 @@ class FeedReader:
             raise FeedTrimmed(f"the feed was trimmed past {after} before it was read")
         return [_entry(r) for r in rows]
 
+    async def read_after_horizon(
+        self, conn: PgConnection, after: Position, limit: int
+    ) -> tuple[list[FeedEntry], int]:
+        """``read_after``, and the horizon of the snapshot it read in: every transaction
+        below it has ended (committed or not) as far as that server knows.
+
+        Raises:
+            FeedTrimmed: as ``read_after``.
+        """
+        rows = await conn.fetch(self._after_horizon, after.txid, after.id, limit)
+        if rows[0]["trimmed"]:
+            raise FeedTrimmed(f"the feed was trimmed past {after} before it was read")
+        return [_entry(r) for r in rows if r["id"] is not None], int(rows[0]["horizon"])
+
     async def read_page(
         self,
         conn: PgConnection,
@@ -417,6 +466,8 @@ class FeedReader:
             self._page, after.txid, after.id, upto.txid, upto.id, list(resources), limit
         )
         first = rows[0]  # the marks come on every row, and alone when there are no entries
+        if not first["complete"]:
+            raise ReplicaBehind(f"this server has not yet replayed the feed up to {upto}")
         return PageOfFeed(
             [_entry(r) for r in rows if r["id"] is not None],
             Position(first["lw_txid"], first["lw_id"]),
@@ -457,6 +508,7 @@ class FeedReader:
             newest=newest,
             next_txid=int(row["next_txid"]),
             stamp=None if published is None else stamp_of(published),
+            in_recovery=row["in_recovery"],
         )
 
     async def rotate_identity(self, conn: PgConnection, feed_id: uuid.UUID) -> FeedState:
@@ -476,6 +528,11 @@ class FeedReader:
             int(row["bytes"]),
             Position(row["lw_txid"] or 0, row["lw_id"] or 0),
         )
+
+    async def oldest_writer_seconds(self, conn: PgConnection) -> float:
+        """Age of the oldest open or prepared write transaction on ``conn``'s server
+        (``health``'s first figure, alone: ask the primary)."""
+        return max(0.0, float(await conn.fetchval(self._writer)))
 
     async def low_water(self, conn: PgConnection) -> Position:
         """Return the oldest resumable position: a cursor at or after it can resume."""

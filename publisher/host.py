@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from changefeed.schemas import AccessDenied, AccessGranted
+
 from .catchup import Catchup
 from .config import PublisherConfig
 from .registration import Refusal
@@ -36,12 +38,8 @@ class ListenerHost(Protocol):
     def catchup(self) -> Catchup:
         """Refills the queue of a connection that is behind."""
 
-    async def authenticate(self, headers: Mapping[str, str]) -> frozenset[str] | None:
-        """The resources a handshake's bearer token may read; None: refused.
-
-        Raises:
-            auth.AuthUnavailable: the authorizer cannot answer now.
-        """
+    async def access(self, headers: Mapping[str, str], peer: str) -> AccessGranted | AccessDenied:
+        """Whether a handshake may go on (its bearer token); a refusal is counted."""
 
     def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None:
         """Count and log one refusal."""
@@ -58,8 +56,11 @@ class ListenerHost(Protocol):
     async def register(self, text: str, access: frozenset[str], peer: str) -> Admitted | Refusal:
         """Decide on a registration frame, and admit the connection if it may register."""
 
-    def evict(self, session: Session, code: str, message: str) -> None:
-        """Close a session for the publisher's own reason (error code ``code``)."""
+    def evict(
+        self, session: Session, code: str, message: str, close_code: int | None = None
+    ) -> None:
+        """Close a session for the publisher's own reason (error code ``code``;
+        ``close_code``: the one the server already closed it with)."""
 
     def forget(self, session: Session) -> None:
         """The session's connection ended."""

@@ -18,9 +18,10 @@ from collections.abc import Callable
 from changefeed.logs import log_event
 from changefeed.schemas import Cursor, CursorCodec, PgConnection, Position
 
-from .feed import FeedReader, FeedState
+from .feed import FeedReader, FeedState, ReplicaBehind, ResumeFacts
 from .pages import FeedPages
 from .registration import plan_resume
+from .standby import Standby, wait_replayed
 from .window import Window
 
 __all__ = ["FeedIdentity", "join_feed"]
@@ -70,6 +71,7 @@ async def join_feed(
     pages: FeedPages,
     feed_changed: Callable[[str], None],
     resume_all: Callable[[str], None],
+    standby: Standby | None = None,
 ) -> tuple[Position, int]:
     """The tailer's ``join``, each time it connects (registrations wait meanwhile):
     take the feed's identity and cursor key, and check that the feed still holds
@@ -84,18 +86,33 @@ async def join_feed(
     listeners, a bug) is let go too, and every listener is told to resume
     (``resume_all``: 4010), so that none keeps a gap.
 
+    On a standby (``standby``), a position the standby does not hold may only
+    mean it has not replayed it yet (it restarted, or the address now leads to
+    another standby, behind the one read before): it is believed only once the
+    standby has caught up with the primary, and the new identity is given on
+    the primary, then awaited on the standby.
+
     Returns:
         the position to read after, and its entry's stamp.
+
+    Raises:
+        ReplicaBehind: the standby did not catch up within ``standby_wait`` (the
+            tailer joins again).
     """
     if position is None:
         identity.adopt(await reader.state(conn))
         return await _start_at_head(conn, reader, window, pages)
-    facts = await reader.resume_facts(conn, position)
     known = identity.feed_id
     assert known is not None
-    resumed, reason = plan_resume(
-        Cursor(position, stamp), facts, feed_id=known, head=position, replay_limit=1 << 62
-    )
+    cursor = Cursor(position, stamp)
+    facts = await reader.resume_facts(conn, position)
+    resumed, reason = plan_resume(cursor, facts, feed_id=known, head=position, replay_limit=1 << 62)
+    late = reason in ("cursor_ahead", "unknown_position")
+    if late and standby is not None and facts.in_recovery:
+        facts = await _caught_up(conn, position, reader, standby)
+        resumed, reason = plan_resume(
+            cursor, facts, feed_id=known, head=position, replay_limit=1 << 62
+        )
     if resumed:
         identity.adopt(facts.state)
         if window.head != position:
@@ -106,7 +123,12 @@ async def join_feed(
         return position, stamp
     state = facts.state
     if reason in ("cursor_ahead", "unknown_position"):
-        state = await reader.rotate_identity(conn, state.feed_id)
+        if standby is None or not facts.in_recovery:
+            state = await reader.rotate_identity(conn, state.feed_id)
+        else:
+            async with standby.primary() as primary:
+                await reader.rotate_identity(primary, state.feed_id)
+            state = (await _caught_up(conn, position, reader, standby)).state
     head, head_stamp = await reader.head_entry(conn)
     # From here on no await: the new identity, window and pages are in place
     # before any listener hears of the change.
@@ -123,6 +145,17 @@ async def join_feed(
     )
     feed_changed(f"the feed changed under this publisher ({reason})")
     return head, head_stamp
+
+
+async def _caught_up(
+    conn: PgConnection, position: Position, reader: FeedReader, standby: Standby
+) -> ResumeFacts:
+    """The facts about ``position`` once ``conn``'s standby has replayed everything the
+    primary had written when asked."""
+    target = await standby.primary_position()
+    if not await wait_replayed(conn, target, standby.wait):
+        raise ReplicaBehind(f"the standby has not replayed the primary's {target} yet")
+    return await reader.resume_facts(conn, position)
 
 
 async def _start_at_head(

@@ -1,8 +1,9 @@
 """Prometheus metrics of one publisher (invariant I7), read from its state at scrape time.
 
-Nothing is counted here: every metric is read, when /metrics is scraped, from
-the one place that keeps it (counters.Counters, the deliveries, the tailer,
-catch-up, the window), the same places /changefeeds/stats reads. Each
+Nothing is counted here, and no counter is declared here (``figures``): every
+metric is read, when /metrics is scraped, from the one place that keeps it
+(counters.Counters, the deliveries, the tailer, catch-up, the window), the
+same places /changefeeds/stats reads. Each
 publisher has its own CollectorRegistry, so several publishers in one process
 (tests, multi-feed servers) never clash.
 
@@ -16,7 +17,8 @@ Names (all prefixed ``changefeed_``): ``listeners``, ``open_connections``,
 ``catchup_page_reads_total``, ``catchup_pages_shared_total``,
 ``window_bytes``, ``window_entries``, ``queue_depth_max``, ``queued_items``,
 ``lag_seconds_max``, ``tailer_lag_seconds``, ``tailer_up``,
-``tailer_position``, ``tailer_fanout_wait_seconds_total``,
+``tailer_position``, ``tailer_fanout_wait_seconds_total``, ``doorbell_up``,
+``replay_waits_total``, ``replay_conflicts_total``,
 ``oldest_open_transaction_seconds``, ``feed_oldest_entry_seconds``,
 ``feed_max_age_seconds``, ``feed_bytes``, and the histograms
 ``flush_seconds`` (the CPU time of each fan-out flush) and
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from .figures import COUNTERS
 
 __all__ = [
     "ENTRY_AGE_BUCKETS",
@@ -60,39 +64,25 @@ class MetricsSnapshot:
     labelled_gauges: dict[str, tuple[tuple[str, ...], dict[tuple[str, ...], float]]]
 
 
-_HELP = {
+_GAUGE_HELP = {
     "listeners": "Connected, registered listener sockets",
     "open_connections": "Open /changefeeds websocket connections, registered or not",
     "catching_up": "Listeners catching up (behind the head) rather than served live",
     "active_registrations": "Registrations by resource",
-    "registrations": "Registrations accepted",
-    "connections": "Websocket handshakes received on /changefeeds",
-    "refusals": "Requests and connections refused, by error code and endpoint (websocket, http)",
-    "disconnects": "Registered listeners gone, for any reason (evictions included)",
-    "evictions": (
-        "Listeners the publisher closed: slow_listener (no progress for stall_timeout),"
-        " cursor_expired (trimmed past while catching up)"
-    ),
-    "dropped": "Items queued for listeners whose connection closed before they were written",
-    "entries_tailed": "Feed entries read by the tailer",
-    "queued": "Items queued to listener send queues (live and catch-up)",
-    "deliveries": "Change items written to listener sockets",
-    "frames": "Websocket frames of change items written (a batch frame counts once)",
-    "fell_behind": "Times a live listener's queue could not take a batch and it went to catch-up",
-    "rejoined": "Times a listener that was behind reached the head and went live again",
-    "catchup_items": "Items queued for listeners catching up, by source (window, feed)",
-    "catchup_page_reads": "Pages of the feed table read for listeners behind the window",
-    "catchup_pages_shared": "Catch-up pages served from what another listener's read brought",
     "window_bytes": "Estimated memory held by the window of recently tailed entries",
     "window_entries": "Entries in the window of recently tailed entries",
-    "queue_depth_max": "Deepest listener send queue, in items",
+    "queue_depth_max": (
+        "Most items any listener has yet to take of those queued for it (queued, being sent,"
+        " or written and not acknowledged)"
+    ),
     "queued_items": "Items waiting in all listener send queues",
     "lag_seconds_max": "Age of the oldest entry a listener has yet to take, over all listeners",
     "tailer_lag_seconds": "Age of the newest entry at the time the tailer read it",
     "tailer_up": "1 while the tailer is connected and running",
     "tailer_position": "Identity of the last entry the tailer read (grows while it makes progress)",
-    "tailer_fanout_wait_seconds": (
-        "Time the tailer waited, between full batches, for the fan-out to reach every listener"
+    "doorbell_up": (
+        "1 while the doorbell of a tailer reading a standby is connected to the primary,"
+        " listening or resting while the feed flows (always 1 for a tailer reading the primary)"
     ),
     "oldest_open_transaction_seconds": (
         "Age of the oldest open write transaction holding the horizon back"
@@ -105,6 +95,10 @@ _HELP = {
     ),
     "feed_bytes": "Size of the feed table on disk, indexes included",
 }
+
+
+_HELP = {**_GAUGE_HELP, **{f.metric: f.help for f in COUNTERS if f.metric is not None}}
+"""Every metric's help: the gauges' here, the counters' where they are declared."""
 
 
 class PublisherMetrics:

@@ -1,7 +1,9 @@
 """The publisher's figures, as /changefeeds/stats and /metrics show them. Pure code.
 
 Both read the same places (see counters): the stats document for people and
-tools that want the live picture, the metrics snapshot for Prometheus.
+tools that want the live picture, the metrics snapshot for Prometheus. Every
+counter is declared once, in ``figures.COUNTERS``, and both views are built
+from that table.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any, Protocol
 from .broadcast import Broadcast
 from .config import PublisherConfig
 from .counters import Counters
+from .doorbell import Doorbell
 from .feed import FeedHealth
+from .figures import COUNTERS, Reading
 from .metrics import MetricsSnapshot
 from .rates import RateHistory
 from .registry import Registry
@@ -35,6 +39,8 @@ class Observed(Protocol):
     @property
     def tailer(self) -> Tailer: ...
     @property
+    def doorbell(self) -> Doorbell | None: ...
+    @property
     def feed_health(self) -> FeedHealth: ...
     @property
     def draining(self) -> bool: ...
@@ -44,12 +50,31 @@ class Observed(Protocol):
     def rates(self) -> RateHistory: ...
 
 
+def _reading(observed: Observed) -> Reading:
+    counters, broadcast = observed.counters, observed.broadcast
+    sent, frames = _sent(observed)
+    dropped = counters.gone_dropped + sum(d.dropped for d in observed.registry.connected)
+    return Reading(
+        counters, broadcast.catchup, broadcast.pages, observed.tailer, sent, frames, dropped
+    )
+
+
+def _stats_counters(reading: Reading) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    for figure in COUNTERS:
+        if figure.stats is not None and figure.read is not None:
+            doc[figure.stats] = figure.read(reading)
+        if figure.stats_breakdown is not None and figure.breakdown is not None:
+            doc[figure.stats_breakdown] = figure.breakdown(reading)
+    return doc
+
+
 def _sent(observed: Observed) -> tuple[int, int]:
-    """Items and frames written, to connections open now and gone."""
+    """Items taken by listeners (of connections open now, and gone) and frames written."""
     counters = observed.counters
     sent, frames = counters.gone_sent, counters.gone_frames
     for delivery in observed.registry.connected:
-        sent += delivery.sent
+        sent += delivery.delivered()
         frames += delivery.frames
     return sent, frames
 
@@ -72,8 +97,6 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
     """
     counters, registry, window = observed.counters, observed.registry, observed.broadcast.window
     health = observed.feed_health
-    catchup, pages = observed.broadcast.catchup, observed.broadcast.pages
-    sent, frames = _sent(observed)
     catching_up = sum(1 for d in registry.deliveries if not d.live)
     everything = allowed is None or "*" in allowed
     return {
@@ -85,6 +108,10 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
         "tailer": {
             **observed.tailer.stats(),
             "oldestOpenTransactionSeconds": round(health.oldest_writer_seconds, 3),
+            # Where the feed is read: the primary (dsn), or a standby (read_dsn),
+            # whose doorbell then rings from the primary.
+            "reads": "dsn" if observed.doorbell is None else "read_dsn",
+            **({} if observed.doorbell is None else {"doorbell": observed.doorbell.stats()}),
         },
         "feed": {
             "head": list(window.head),
@@ -99,25 +126,7 @@ def stats_document(observed: Observed, allowed: frozenset[str] | None = None) ->
             "maxBytes": window.max_bytes,
         },
         "failed": dict(observed.failed),
-        "counters": {
-            "connections": counters.connections_opened,
-            "connectionsClosed": counters.connections_closed,
-            "listeners": counters.sessions,
-            "registrations": sum(counters.registrations.values()),
-            "disconnects": counters.disconnects,
-            "evictions": sum(counters.evictions.values()),
-            "evictionsByCode": dict(sorted(counters.evictions.items())),
-            "fellBehind": counters.fell_behind,
-            "rejoined": catchup.rejoined,
-            "caughtUpFromWindow": catchup.from_window,
-            "caughtUpFromFeed": catchup.from_feed,
-            "pageReads": pages.reads_total,
-            "pagesShared": pages.shared_total,
-            "sent": sent,
-            "frames": frames,
-            "dropped": counters.gone_dropped + sum(d.dropped for d in registry.connected),
-            "refused": counters.refusals_by_code(),
-        },
+        "counters": _stats_counters(_reading(observed)),
         # A token limited to some resources sees those resources' listeners only,
         # and no refusals (they name peers and other resources).
         "recentEvictions": [
@@ -134,48 +143,28 @@ def metrics_snapshot(observed: Observed) -> MetricsSnapshot:
     """Every figure of /metrics, read now."""
     counters, registry, tailer = observed.counters, observed.registry, observed.tailer
     broadcast, health = observed.broadcast, observed.feed_health
-    catchup, pages, window = broadcast.catchup, broadcast.pages, broadcast.window
+    window = broadcast.window
     deliveries = list(registry.deliveries)
     by_resource = registry.registrations_by_resource()
-    sent, frames = _sent(observed)
-    depths = [len(d.queue) for d in deliveries]
+    reading = _reading(observed)
+    # What waits in a connection's buffers has not been delivered yet either.
+    depths = [d.outstanding(d.untaken()) for d in deliveries]
     now = time.time()
-    oldest = [d.queue[0].published for d in deliveries if d.queue]
+    oldest = [t for d in deliveries if (t := d.oldest_untaken()) is not None]
+    oldest += [d.queue[0].published for d in deliveries if d.queue]
     oldest += [
         d.cursor_published.timestamp() for d in deliveries if not d.live and d.cursor_published
     ]
-    evictions: dict[tuple[str, ...], float] = {
-        (code,): float(count) for code, count in counters.evictions.items()
-    }
     return MetricsSnapshot(
         counters={
-            "connections": counters.connections_opened,
-            "disconnects": counters.disconnects,
-            "dropped": counters.gone_dropped + sum(d.dropped for d in registry.connected),
-            "entries_tailed": tailer.entries_total,
-            "queued": counters.queued_live + catchup.from_window + catchup.from_feed,
-            "deliveries": sent,
-            "frames": frames,
-            "fell_behind": counters.fell_behind,
-            "rejoined": catchup.rejoined,
-            "catchup_page_reads": pages.reads_total,
-            "catchup_pages_shared": pages.shared_total,
-            "tailer_fanout_wait_seconds": tailer.fanout_wait_seconds,
+            f.metric: f.read(reading)
+            for f in COUNTERS
+            if f.metric is not None and f.by_label is None and f.read is not None
         },
         labelled_counters={
-            "registrations": (
-                ("resource", "resumed"),
-                {
-                    (r, str(resumed).lower()): n
-                    for (r, resumed), n in counters.registrations.items()
-                },
-            ),
-            "refusals": (("code", "endpoint"), {k: n for k, n in counters.refusals.items()}),
-            "evictions": (("code",), evictions),
-            "catchup_items": (
-                ("source",),
-                {("window",): catchup.from_window, ("feed",): catchup.from_feed},
-            ),
+            f.metric: (f.labels, f.by_label(reading))
+            for f in COUNTERS
+            if f.metric is not None and f.by_label is not None
         },
         gauges={
             "listeners": len(registry),
@@ -188,6 +177,9 @@ def metrics_snapshot(observed: Observed) -> MetricsSnapshot:
             "lag_seconds_max": max((now - t for t in oldest), default=0.0),
             "tailer_lag_seconds": tailer.lag_seconds,
             "tailer_up": 1.0 if tailer.status == "running" else 0.0,
+            "doorbell_up": 1.0
+            if observed.doorbell is None or observed.doorbell.status in ("listening", "resting")
+            else 0.0,
             "tailer_position": float(tailer.position.id) if tailer.position else 0.0,
             "oldest_open_transaction_seconds": health.oldest_writer_seconds,
             "feed_oldest_entry_seconds": health.oldest_entry_seconds,

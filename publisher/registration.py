@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from changefeed.schemas import (
     ORIGIN,
+    AccessDenied,
     Cursor,
     CursorCodec,
     CursorError,
@@ -33,6 +34,7 @@ from changefeed.schemas import (
     ProtocolError,
     Registration,
     ResourceRoute,
+    allows,
 )
 
 from .config import PublisherConfig
@@ -129,8 +131,9 @@ def check_registration(
             return Refusal(
                 "unknown_resource", f"no change feed for resource {quote(kind.resource)}"
             )
-        if "*" not in access and kind.resource not in access:
-            return Refusal("forbidden", f"this token may not read resource {quote(kind.resource)}")
+        if not allows(access, kind.resource):
+            denied = AccessDenied.forbidden(kind.resource)
+            return Refusal(denied.code, denied.message)
         unknown = tuple(sorted(set(kind.sub_resources) - set(resource.sub_resources)))
         if resource.sub_resources and unknown:
             # Accepted: the config's list is what GET /changefeeds advertises, not a

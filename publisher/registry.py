@@ -48,11 +48,17 @@ class Session:
     def lag(self, head: Position, now: float) -> tuple[int, float | None]:
         """How far behind the head the listener is: entries (estimated from the
         entries' identities while it catches up) and seconds (the age of the
-        oldest entry it has yet to take; None while unknown)."""
+        oldest entry it has yet to take; None while unknown). Items written to
+        its connection that it has not taken yet count as not delivered."""
+        return self._lag(head, now, self.delivery.untaken())
+
+    def _lag(self, head: Position, now: float, untaken: int) -> tuple[int, float | None]:
         delivery = self.delivery
-        queued = len(delivery.queue)
-        if delivery.queue:
-            seconds: float | None = max(0.0, now - delivery.queue[0].published)
+        oldest = delivery.oldest_untaken() if untaken else None
+        if oldest is None and delivery.queue:
+            oldest = delivery.queue[0].published
+        if oldest is not None:
+            seconds: float | None = max(0.0, now - oldest)
         elif delivery.live:
             seconds = 0.0
         elif delivery.cursor_published is not None:
@@ -60,7 +66,7 @@ class Session:
         else:
             seconds = None
         behind = 0 if delivery.live else max(0, head.id - delivery.cursor.id)
-        return queued + behind, seconds
+        return delivery.outstanding(untaken) + behind, seconds
 
     def summary(self) -> dict[str, Any]:
         """The connection in the stats' vocabulary (for evictions and logs)."""
@@ -70,7 +76,7 @@ class Session:
             "peer": self.peer,
             "changeKinds": [kind.to_json() for kind in self.kinds],
             "connectedSince": timestamp(self.connected_since),
-            "delivered": self.delivery.sent,
+            "delivered": self.delivery.delivered(),
             "dropped": self.delivery.dropped,
         }
 
@@ -79,7 +85,8 @@ class Session:
     ) -> Iterator[dict[str, Any]]:
         """One stats row per registration (change kind) the token may see."""
         delivery = self.delivery
-        lag_entries, lag_seconds = self.lag(head, now)
+        untaken = delivery.untaken()
+        lag_entries, lag_seconds = self._lag(head, now, untaken)
         for kind in self.kinds:
             if allowed is not None and kind.resource not in allowed:
                 continue
@@ -92,10 +99,10 @@ class Session:
                 "resumed": self.resumed,
                 "batch": delivery.batch,
                 "state": "live" if delivery.live else "catching_up",
-                "delivered": delivery.sent,
+                "delivered": delivery.sent - untaken,
                 "frames": delivery.frames,
                 "dropped": delivery.dropped,
-                "queueDepth": len(delivery.queue),
+                "queueDepth": delivery.outstanding(untaken),
                 "lagEntries": lag_entries,
                 "lagSeconds": None if lag_seconds is None else round(lag_seconds, 3),
             }

@@ -1,24 +1,52 @@
 """The feed's facts about resume cursors, asked once for every registration that asks
-about the same position at the same time.
+about the same position at the same time, and from a standby, believed only once
+it has caught up.
 
 Listeners that reconnect together, after an outage or a failover, mostly resume
 from the same few cursors: a thousand of them cost a few queries, not a
 thousand. Each query is bounded, since an embedding API's pool may have no
 statement timeout.
+
+A publisher that reads a standby (``standby``) asks it, not the primary. A
+standby's "this feed holds no such entry" may only mean it has not replayed
+that entry yet: a fresher publisher issued the cursor. Before answering
+``resumed: false`` the standby is made to catch up with the primary as it is
+now (``Standby.primary_position``), for at most ``standby_wait``; then its
+answer stands, or, if it is still behind, the listener is told to retry
+(``StandbyBehind``: 4010 with ``retryAfter``). A read the standby cancelled
+for a conflict with replay is asked again; while the standby cannot be asked
+at all (it is restarting), the primary is.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 
-from changefeed.schemas import Position
+from changefeed.logs import log_event
+from changefeed.schemas import Cursor, PgConnection, Position
 
-from .feed import FeedReader, ResumeFacts
+from .feed import DB_ERRORS, FeedReader, ResumeFacts
+from .registration import plan_resume
+from .standby import Standby, wait_replayed
 
-__all__ = ["ResumeQueries"]
+__all__ = ["ResumeQueries", "StandbyBehind"]
+
+log = logging.getLogger(__name__)
+
+_CONFLICT_RETRIES = 3
+"""Times a query replay cancelled (SQLSTATE 40001) is asked again."""
+_LATE_REASONS = frozenset({"cursor_ahead", "unknown_position"})
+"""What a standby behind the cursor's issuer answers: believed only once it has caught up.
+(A standby behind answers no other reason that a caught-up one would not.)"""
+
+
+class StandbyBehind(Exception):
+    """The standby had not caught up with a cursor within ``standby_wait``."""
 
 
 class ResumeQueries:
@@ -26,17 +54,72 @@ class ResumeQueries:
 
     Args:
         reader: the feed's queries.
-        pool: the publisher's pool, once started.
+        pool: the pool of the server the publisher reads (its standby, or the
+            primary), once started.
         timeout: seconds allowed to get a connection, and again for the query.
+        standby: the primary beside the standby, when ``pool`` is a standby's.
+        on_facts: told every answer ``plan`` uses, before it decides.
     """
 
     def __init__(
-        self, reader: FeedReader, pool: Callable[[], asyncpg.Pool], timeout: float
+        self,
+        reader: FeedReader,
+        pool: Callable[[], asyncpg.Pool],
+        timeout: float,
+        *,
+        standby: Standby | None = None,
+        on_facts: Callable[[ResumeFacts], None] | None = None,
     ) -> None:
         self._reader = reader
+        self._on_facts = on_facts
         self._pool = pool
         self._timeout = timeout
-        self._asking: dict[Position, asyncio.Future[ResumeFacts]] = {}
+        self._standby = standby
+        self._asking: dict[tuple[Position, str], asyncio.Future[ResumeFacts | None]] = {}
+        self.confirmed_total = 0
+        """Answers of a standby checked again once it had caught up with the primary."""
+
+    async def plan(
+        self, cursor: Cursor, *, feed_id: uuid.UUID, head: Position, replay_limit: int
+    ) -> tuple[bool, str | None]:
+        """Whether a registration with ``cursor`` resumes, and if not why
+        (``registration.plan_resume`` on the feed's facts, from a standby only once
+        they may be believed).
+
+        Raises:
+            StandbyBehind: the standby did not catch up within ``standby_wait``.
+            the database's errors (``feed.DB_ERRORS``), and TimeoutError.
+        """
+        facts = await self.facts(cursor.position)
+        self._told(facts)
+        resumed, reason = plan_resume(
+            cursor, facts, feed_id=feed_id, head=head, replay_limit=replay_limit
+        )
+        late = reason in _LATE_REASONS and facts.in_recovery
+        if resumed or not late or self._standby is None:
+            return resumed, reason
+        self.confirmed_total += 1
+        target = await self._standby.primary_position()
+        caught_up = await self._shared(cursor.position, target, self._replayed_facts)
+        if caught_up is None:
+            log_event(
+                log,
+                "resume.standby_behind",
+                logging.WARNING,
+                position=str(cursor.position),
+                target=target,
+                waited=self._standby.wait,
+            )
+            raise StandbyBehind(
+                f"this publisher's standby has not caught up with the cursor within "
+                f"{self._standby.wait:g}s; retry"
+            )
+        self._told(caught_up)
+        return plan_resume(cursor, caught_up, feed_id=feed_id, head=head, replay_limit=replay_limit)
+
+    def _told(self, facts: ResumeFacts) -> None:
+        if self._on_facts is not None:
+            self._on_facts(facts)
 
     async def facts(self, position: Position) -> ResumeFacts:
         """The feed's facts about ``position`` (shared with whoever asks meanwhile).
@@ -44,21 +127,72 @@ class ResumeQueries:
         Raises:
             the database's errors (``feed.DB_ERRORS``), and TimeoutError.
         """
-        asked = self._asking.get(position)
+        facts = await self._shared(position, "", self._facts)
+        assert facts is not None
+        return facts
+
+    async def _shared(
+        self,
+        position: Position,
+        target: str,
+        ask: Callable[[Position, str], Awaitable[ResumeFacts | None]],
+    ) -> ResumeFacts | None:
+        key = (position, target)
+        asked = self._asking.get(key)
         if asked is None:
-            asked = self._asking[position] = asyncio.ensure_future(self._ask(position))
+            asked = self._asking[key] = asyncio.ensure_future(ask(position, target))
             asked.add_done_callback(self._asked)
         # Shielded: one registration that gives up does not cancel the others' answer.
         return await asyncio.shield(asked)
 
-    def _asked(self, asked: asyncio.Future[ResumeFacts]) -> None:
-        for position, future in list(self._asking.items()):
+    def _asked(self, asked: asyncio.Future[ResumeFacts | None]) -> None:
+        for key, future in list(self._asking.items()):
             if future is asked:
-                del self._asking[position]
+                del self._asking[key]
         if not asked.cancelled():
             asked.exception()  # retrieved: every registration that asked has it too
 
-    async def _ask(self, position: Position) -> ResumeFacts:
+    async def _facts(self, position: Position, _: str) -> ResumeFacts:
+        try:
+            return await self._retried(lambda: self._ask(self._pool(), position))
+        except DB_ERRORS as exc:
+            if self._standby is None:
+                raise
+            # The standby cannot be asked (restarting, unreachable): the primary
+            # holds everything it holds, and its answer stands (not in recovery).
+            log_event(log, "resume.asking_primary", logging.WARNING, exc=exc)
+            return await self._retried(lambda: self._ask_primary(position))
+
+    async def _replayed_facts(self, position: Position, target: str) -> ResumeFacts | None:
+        """The standby's facts once it has replayed ``target``, on one connection (an
+        address may lead to several standbys); None if it has not within the wait."""
+        assert self._standby is not None
+        wait = self._standby.wait
         async with self._pool().acquire(timeout=self._timeout) as conn:
-            async with asyncio.timeout(self._timeout):
-                return await self._reader.resume_facts(conn, position)
+            if not await wait_replayed(conn, target, wait):
+                return None
+            return await self._retried(lambda: self._on(conn, position))
+
+    async def _retried(self, ask: Callable[[], Awaitable[ResumeFacts]]) -> ResumeFacts:
+        for attempt in range(_CONFLICT_RETRIES + 1):
+            try:
+                return await ask()
+            except asyncpg.SerializationError as exc:
+                # Replay cancelled the query (a conflict with recovery): ask again.
+                if attempt == _CONFLICT_RETRIES:
+                    raise
+                log_event(log, "resume.replay_conflict", logging.WARNING, error=str(exc))
+        raise AssertionError("unreachable")
+
+    async def _ask(self, pool: asyncpg.Pool, position: Position) -> ResumeFacts:
+        async with pool.acquire(timeout=self._timeout) as conn:
+            return await self._on(conn, position)
+
+    async def _on(self, conn: PgConnection, position: Position) -> ResumeFacts:
+        async with asyncio.timeout(self._timeout):
+            return await self._reader.resume_facts(conn, position)
+
+    async def _ask_primary(self, position: Position) -> ResumeFacts:
+        assert self._standby is not None
+        async with self._standby.primary() as conn:
+            return await self._on(conn, position)

@@ -5,7 +5,9 @@ feed (``tailer``), each batch goes into the window of recent entries
 (``window``) and to the live listeners (``fanout``), whose queues the flush
 rounds write out (``scheduler``); a listener that falls behind catches up
 from the window or the feed table (``catchup``, ``pages``); registrations are
-decided (``registration``) and admitted here in one synchronous step. Appending
+decided (``registration``) and admitted here in one synchronous step. With
+``read_dsn`` the feed is read from a hot standby (``standby``, ``doorbell``).
+Appending
 entries needs none of it: writers call ``publish`` on their own connection
 (or ``SELECT changefeed.publish(...)`` from any language), and this object
 fans out whatever any writer committed, so publishing never waits on
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
@@ -27,12 +30,13 @@ from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
 
 from changefeed.logs import log_event
-from changefeed.schemas import Position, apply_schema, notify_channel
+from changefeed.schemas import AccessDenied, AccessGranted, Position, apply_schema, notify_channel
 
-from .auth import Authorizer, AuthUnavailable, BearerAuth
+from .auth import Authorizer, BearerAuth
 from .broadcast import Broadcast
 from .config import PublisherConfig
 from .counters import Counters
+from .doorbell import Doorbell
 from .errors import ConfigError
 from .feed import FeedHealth, FeedReader
 from .identity import FeedIdentity, join_feed
@@ -43,6 +47,7 @@ from .rates import RateHistory
 from .registry import Registry
 from .retention import trim_expired
 from .sessions import Sessions
+from .standby import Standby
 from .tailer import Tailer
 
 __all__ = ["Publisher"]
@@ -61,8 +66,10 @@ class Publisher:
 
     Args:
         config: what to publish and how (see PublisherConfig).
-        pool: an asyncpg pool of the embedding API, used for registrations,
+        pool: an asyncpg pool of the embedding API on ``dsn``, used for registrations,
             catch-up and retention queries; when None the publisher makes a small one.
+            With ``read_dsn``, registrations and catch-up read a pool of the
+            publisher's own on the standby instead.
         authorize: optional async callable for bearer tokens (see ``Authorizer``),
             asked about any token the static ``auth_tokens`` / ``token_resources``
             do not know. With neither, there is no authentication (docs/security.md).
@@ -81,24 +88,36 @@ class Publisher:
         self.identity = FeedIdentity(config.cursor_key.encode() if config.cursor_key else None)
         self.counters = Counters()
         self.reader = FeedReader(config.schema)
+        self.standby = (
+            Standby(lambda: self.pool, wait=config.standby_wait) if config.read_dsn else None
+        )
+        """The primary beside the standby the feed is read from (``read_dsn``)."""
         self.broadcast = Broadcast(
             config,
             identity=self.identity,
             counters=self.counters,
             reader=self.reader,
-            pool=lambda: self.pool,
+            pool=lambda: self.read_pool,
         )
+        channel = notify_channel(config.schema)
         self.tailer = Tailer(
             self._connect,
             self.reader,
-            notify_channel(config.schema),
+            channel,
             self.broadcast.dispatch,
             poll_interval=config.poll_interval,
             batch=config.tail_batch,
             retry_budget=config.db_retry_budget,
             fanned_out=self.broadcast.fanned_out,
             join=self._join_feed,
+            standby=self.standby is not None,
         )
+        self.doorbell = (
+            Doorbell(self._connect_primary, channel, self.tailer.ring) if self.standby else None
+        )
+        """The LISTEN on the primary that rings a tailer reading a standby."""
+        if self.doorbell is not None:
+            self.tailer.on_rest = self.doorbell.rest
         self.sessions = Sessions(
             config,
             identity=self.identity,
@@ -109,7 +128,8 @@ class Publisher:
             catchup=self.broadcast.catchup,
             tailer=self.tailer,
             reader=self.reader,
-            pool=lambda: self.pool,
+            pool=lambda: self.read_pool,
+            standby=self.standby,
         )
         self.feed_health = FeedHealth(0.0, 0.0, 0, Position(0, 0))
         """The feed as last seen by the watch (oldest writer, oldest entry, size)."""
@@ -119,6 +139,7 @@ class Publisher:
         """Background work that gave up: name -> its last error (see _task_ended)."""
         self._pool = pool
         self._own_pool = pool is None
+        self._read_pool: asyncpg.Pool | None = None
         self._tasks: list[asyncio.Task[None]] = []
         histograms = (self.broadcast.entry_age, self.broadcast.flush_seconds)
         self.metrics = PublisherMetrics(lambda: metrics_snapshot(self), histograms)
@@ -126,6 +147,7 @@ class Publisher:
     # -- lifecycle ---------------------------------------------------------
 
     async def _connect(self) -> asyncpg.Connection:
+        # The tailer's connection, to the server it reads (read_dsn, or dsn).
         # command_timeout: a read blocked on a lock or a half-open connection
         # becomes an error the tailer retries, instead of a silent stall.
         # plan_cache_mode: once the feed table has been analysed, PostgreSQL
@@ -134,7 +156,7 @@ class Publisher:
         # more than the read. The generic plan, an index range scan in feed
         # order under the LIMIT, is the right one for every cursor.
         return await asyncpg.connect(
-            self.config.dsn,
+            self.config.read_dsn or self.config.dsn,
             timeout=5.0,
             command_timeout=30.0,
             server_settings={
@@ -143,10 +165,25 @@ class Publisher:
             },
         )
 
+    async def _connect_primary(self) -> asyncpg.Connection:
+        # The doorbell's LISTEN, on the primary (a standby refuses LISTEN).
+        return await asyncpg.connect(
+            self.config.dsn,
+            timeout=5.0,
+            command_timeout=30.0,
+            server_settings={"application_name": "changefeed-doorbell"},
+        )
+
     @property
     def pool(self) -> asyncpg.Pool:
+        """The pool on ``dsn``, the primary."""
         assert self._pool is not None, "the publisher is not started"
         return self._pool
+
+    @property
+    def read_pool(self) -> asyncpg.Pool:
+        """The pool on the server the feed is read from (``read_dsn``, or ``dsn``)."""
+        return self._read_pool if self._read_pool is not None else self.pool
 
     async def start(self) -> None:
         """Connect, create the schema if configured, and start tailing."""
@@ -156,10 +193,23 @@ class Publisher:
             self._pool = await asyncpg.create_pool(
                 self.config.dsn, min_size=1, max_size=4, timeout=5.0, command_timeout=30.0
             )
+        if self.config.read_dsn and self._read_pool is None:
+            # min_size 0: a standby that is down when the publisher starts delays
+            # its reads (the tailer retries), not the embedding API's start-up.
+            self._read_pool = await asyncpg.create_pool(
+                self.config.read_dsn,
+                min_size=0,
+                max_size=4,
+                timeout=5.0,
+                command_timeout=30.0,
+                server_settings={"application_name": "changefeed-reads"},
+            )
         if self.config.create_schema:
             async with self._pool.acquire() as conn:
                 await apply_schema(conn, self.config.schema)
         self._spawn(self.tailer.run(), "tailer")
+        if self.doorbell is not None:
+            self._spawn(self.doorbell.run(), "doorbell")
         stall = every(_STALL_CHECK, self.sessions.evict_stalled, name="stall", log=log)
         self._spawn(stall, "stall")
         self._spawn(every(_STALL_CHECK, self._sample_rates, name="rates", log=log), "rates")
@@ -222,6 +272,11 @@ class Publisher:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self._read_pool is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(grace):
+                    await self._read_pool.close()
+            self._read_pool = None
         if self._own_pool and self._pool is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(grace):
@@ -246,6 +301,15 @@ class Publisher:
 
         return publisher_routes(self)
 
+    def listeners_first(self, app: Any) -> Any:
+        """``app`` (an ASGI app that mounts ``routes``), with the listener websocket
+        handed to this publisher before ``app``'s middleware and router: an idle
+        listener then holds no frames of theirs (``routes.ListenersFirst``)."""
+        from .connection import ListenerEndpoint
+        from .routes import ListenersFirst
+
+        return ListenersFirst(app, ListenerEndpoint(self.sessions))
+
     async def _join_feed(
         self, conn: asyncpg.Connection, position: Position | None, stamp: int
     ) -> tuple[Position, int]:
@@ -259,6 +323,7 @@ class Publisher:
             pages=self.broadcast.pages,
             feed_changed=self.sessions.feed_changed,
             resume_all=self.sessions.resume_all,
+            standby=self.standby,
         )
 
     # -- requests ------------------------------------------------------------
@@ -281,26 +346,28 @@ class Publisher:
         """Count and log one refusal (bad input, auth, limits) with its error code."""
         self.sessions.refused(code, endpoint, peer, reason)
 
-    async def authorize_request(self, request: HTTPConnection, resource: str | None = None) -> bool:
+    async def authorize_request(
+        self, request: HTTPConnection, resource: str | None = None
+    ) -> AccessGranted | AccessDenied:
         """For the embedding API's own routes (bootstrap routes): may this request go on?
+
+        The answer is true when it may. A refusal (false) says how to answer it,
+        as every route of the publisher does (``changefeed.schemas.access``):
+        ``status`` 401 ``unauthorized`` (no token, or an unknown one), 403
+        ``forbidden`` (a token not allowed ``resource``) or 503 ``unavailable``
+        (the authorizer failed or took longer than 5 s; ``Retry-After``), with
+        ``headers()`` and the error body ``frame()``. ``BootstrapRoute`` answers it
+        so. A refusal is counted (``changefeed_refusals_total``, stats).
 
         Args:
             request: the request (its ``Authorization: Bearer`` header).
             resource: when given, the token must also be allowed to read this resource.
-
-        A refusal is counted (``changefeed_refusals_total``, stats) as ``unauthorized``
-        or ``forbidden``; an unavailable authorizer refuses too (the caller answers 401).
         """
-        try:
-            allowed = await self.authenticate(request.headers)
-        except AuthUnavailable:
-            allowed = None
-        ok = allowed is not None and (resource is None or "*" in allowed or resource in allowed)
-        if not ok:
+        outcome = await self.auth.check(request.headers.get("authorization", ""), resource=resource)
+        if isinstance(outcome, AccessDenied):
             peer = f"{request.client.host}:{request.client.port}" if request.client else ""
-            code = "unauthorized" if allowed is None else "forbidden"
-            self.refused(code, "http", peer, request.url.path)
-        return ok
+            self.refused(outcome.code, "http", peer, f"{request.url.path}: {outcome.message}")
+        return outcome
 
     async def wait_ready(self) -> bool:
         """True once the tailer knows its position (it may be briefly reconnecting)."""
@@ -311,10 +378,17 @@ class Publisher:
     async def _watch(self) -> None:
         """Look at the feed's health, on the pool: a slow look never delays the
         tailer; while the database is away the last figures stay (the tailer
-        reports it)."""
-        async with self.pool.acquire(timeout=_READY_TIMEOUT) as conn:
+        reports it). Reading a standby, only the writers' age is asked of the
+        primary (it alone knows its writers); the feed is looked at on the standby."""
+        async with self.read_pool.acquire(timeout=_READY_TIMEOUT) as conn:
             async with asyncio.timeout(_READY_TIMEOUT):
-                self.feed_health = await self.reader.health(conn)
+                health = await self.reader.health(conn)
+        if self.standby is not None:
+            async with self.pool.acquire(timeout=_READY_TIMEOUT) as conn:
+                async with asyncio.timeout(_READY_TIMEOUT):
+                    writer = await self.reader.oldest_writer_seconds(conn)
+            health = dataclasses.replace(health, oldest_writer_seconds=writer)
+        self.feed_health = health
 
     async def _sample_rates(self) -> None:
         """A reading of the counters the dashboard charts (rates.RateHistory keeps

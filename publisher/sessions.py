@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 import asyncpg
 
 from changefeed.logs import log_event
-from changefeed.schemas import ERROR_CLOSE_CODES, Ack, Cursor
+from changefeed.schemas import ERROR_CLOSE_CODES, AccessDenied, AccessGranted, Ack, Cursor
 
 from .auth import BearerAuth
 from .catchup import Catchup
@@ -33,13 +33,13 @@ from .registration import (
     Request,
     check_capacity,
     check_registration,
-    plan_resume,
     quote,
     read_cursor,
 )
 from .registry import Registry, Session
-from .resume_queries import ResumeQueries
+from .resume_queries import ResumeQueries, StandbyBehind
 from .stall import stalled
+from .standby import Standby
 from .tailer import Tailer
 from .window import Window
 
@@ -48,6 +48,9 @@ __all__ = ["Sessions"]
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT = 5.0
+_STANDBY_RETRY = 2.0
+"""retryAfter (seconds) for a cursor this publisher's standby has not caught up with:
+by then it most likely has, or the balancer sends the listener elsewhere."""
 
 
 class Sessions:
@@ -63,7 +66,9 @@ class Sessions:
         catchup: refills connections that are behind.
         tailer: the feed's tailer (ready once it knows its position).
         reader: the feed's queries.
-        pool: the publisher's pool, once started.
+        pool: the pool of the server the publisher reads (``read_dsn``, or the
+            primary's), once started.
+        standby: the primary beside it, when the publisher reads a standby.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class Sessions:
         tailer: Tailer,
         reader: FeedReader,
         pool: Callable[[], asyncpg.Pool],
+        standby: Standby | None = None,
     ) -> None:
         self._config = config
         self._identity = identity
@@ -88,7 +94,15 @@ class Sessions:
         self._fanout = fanout
         self._catchup = catchup
         self._tailer = tailer
-        self._resume_queries = ResumeQueries(reader, pool, _READY_TIMEOUT)
+        # A listener may have read past a compaction run elsewhere: every answer about
+        # a cursor tells catch-up of it before the listener's start is decided (_admit).
+        self._resume_queries = ResumeQueries(
+            reader,
+            pool,
+            _READY_TIMEOUT,
+            standby=standby,
+            on_facts=lambda facts: catchup.observe(facts.state.rewrites),
+        )
         self.registry = Registry()
         self.draining = False
         self.direct_writes: bool | None = None
@@ -124,6 +138,14 @@ class Sessions:
             AuthUnavailable: the authorizer raised or took longer than 5 s.
         """
         return await self.auth.resolve(headers.get("authorization", ""))
+
+    async def access(self, headers: Mapping[str, str], peer: str) -> AccessGranted | AccessDenied:
+        """Whether a websocket handshake may go on (``BearerAuth.check``); a refusal
+        is counted and logged."""
+        outcome = await self.auth.check(headers.get("authorization", ""))
+        if isinstance(outcome, AccessDenied):
+            self.refused(outcome.code, "websocket", peer, outcome.message)
+        return outcome
 
     def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None:
         """Count and log one refusal (bad input, auth, limits) with its error code."""
@@ -196,25 +218,23 @@ class Sessions:
         self, cursor: Cursor, peer: str
     ) -> tuple[Cursor | None, str | None] | Refusal:
         """Ask the feed about a resume cursor: the cursor to start from, or None and
-        why not; a refusal (4010, retry) while the database cannot be asked, never a
-        ``resumed: false`` that would cost the listener a bootstrap."""
+        why not; a refusal (4010, retry) while the database cannot be asked, or while
+        this publisher's standby is behind the cursor, never a ``resumed: false``
+        that would cost the listener a bootstrap."""
         feed_id = self._identity.feed_id
         assert feed_id is not None
         try:
-            facts = await self._resume_queries.facts(cursor.position)
+            resumed, reason = await self._resume_queries.plan(
+                cursor,
+                feed_id=feed_id,
+                head=self._window.head,
+                replay_limit=self._config.replay_limit,
+            )
+        except StandbyBehind as exc:
+            return Refusal("unavailable", str(exc), _STANDBY_RETRY)
         except DB_ERRORS as exc:
             log_event(log, "resume.unavailable", logging.WARNING, exc=exc, peer=peer)
             return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
-        # The listener may have read past a compaction run elsewhere: learn of it
-        # before deciding where it starts (_admit, catchup).
-        self._catchup.observe(facts.state.rewrites)
-        resumed, reason = plan_resume(
-            cursor,
-            facts,
-            feed_id=feed_id,
-            head=self._window.head,
-            replay_limit=self._config.replay_limit,
-        )
         return (cursor if resumed else None), reason
 
     def _admit(
@@ -279,13 +299,16 @@ class Sessions:
         )
         return Admitted(session, ack.encode())
 
-    def evict(self, session: Session, code: str, message: str) -> None:
+    def evict(
+        self, session: Session, code: str, message: str, close_code: int | None = None
+    ) -> None:
         """Close ``session`` for the publisher's own reason (``code``: ``slow_listener``,
-        ``cursor_expired``)."""
+        ``cursor_expired``, ``keepalive_timeout``), with ``code``'s close code unless
+        ``close_code`` says which one the server already sent."""
         if session.closing is not None:
             return
         self._fanout.leave(session.delivery)
-        session.close(Closing(ERROR_CLOSE_CODES[code], code, message))
+        session.close(Closing(close_code or ERROR_CLOSE_CODES[code], code, message))
         if self.registry.retire(session):
             self._unregistered()
         self._counters.evictions[code] += 1
@@ -301,7 +324,7 @@ class Sessions:
             instance=session.instance,
             service=session.service,
             peer=session.peer,
-            delivered=session.delivery.sent,
+            delivered=session.delivery.delivered(),
             listeners=len(self.registry),
         )
 
@@ -324,7 +347,7 @@ class Sessions:
             service=session.service,
             peer=session.peer,
             reason=session.closing.message if session.closing else "closed by listener",
-            delivered=session.delivery.sent,
+            delivered=session.delivery.delivered(),
             listeners=len(self.registry),
         )
 

@@ -7,6 +7,13 @@ snapshot horizon (see ``FeedReader``), from its own in-memory position, so a
 reconnect after a dropped connection or a PostgreSQL restart carries on
 exactly where it stopped: nothing lost, nothing repeated. It never claims,
 marks or deletes entries: every publisher instance tails every entry (HA).
+
+On a hot standby (``standby``) it cannot LISTEN: the doorbell rings from a
+connection to the primary (``doorbell``), naming the writer's transaction,
+and the tailer reads until the standby has replayed it; while the feed flows
+the doorbell rests and the tailer reads on its own (``pacing``). A read that
+replay cancelled (SQLSTATE 40001, a conflict with recovery) is read again on
+the same connection.
 """
 
 from __future__ import annotations
@@ -14,18 +21,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from tenacity import AsyncRetrying, RetryCallState, wait_exponential_jitter
+from tenacity import RetryCallState
 
+from changefeed.backoff import Backoff, retrying
 from changefeed.logs import log_event
 from changefeed.schemas import Position, stamp_of
 
 from .feed import DB_ERRORS, FeedEntry, FeedReader, FeedTrimmed
+from .pacing import StandbyPacing
 
 __all__ = ["Join", "Tailer"]
 
@@ -40,6 +50,21 @@ _LOGGED_IDS = 20
 _UNEXPECTED_RETRIES = 3
 """Failures in a row that are not database errors (a bug, most likely) after which
 the tailer gives up instead of retrying them forever."""
+
+_RECONNECT = Backoff(initial=0.05, maximum=2.0, jitter=0.5)
+"""Waits before connecting again (changefeed.backoff's policy): 50 ms doubling to
+2 s, the upper half of each drawn at random."""
+
+_CONFLICT = Backoff(initial=0.01, maximum=1.0, jitter=0.5)
+"""Waits before reading again after reads replay cancelled, in a row."""
+
+
+def _txid(payload: object) -> int | None:
+    """The transaction a doorbell names (its payload), or None (an older writer's
+    empty payload, or anything else)."""
+    if isinstance(payload, str) and payload.isdigit() and len(payload) < 21:
+        return int(payload)
+    return None
 
 
 class Tailer:
@@ -61,6 +86,9 @@ class Tailer:
             ``unavailable`` (the tailer keeps retrying).
         fanned_out: awaited after a full batch, before the next read: returns once
             the fan-out's flush has given every listener its turn of what ``sink`` took.
+        standby: ``connect`` opens connections to a hot standby: no LISTEN on them
+            (``ring`` is called from elsewhere), and reads paced by ``pacing``.
+        rng: random source of the back-off's jitter (seed it in tests).
     """
 
     def __init__(
@@ -75,8 +103,11 @@ class Tailer:
         retry_budget: float = 30.0,
         fanned_out: Callable[[], Awaitable[None]] | None = None,
         join: Join | None = None,
+        standby: bool = False,
+        rng: random.Random | None = None,
     ) -> None:
         self._connect = connect
+        self._rng = rng or random.Random()
         self._reader = reader
         self._channel = channel
         self._sink = sink
@@ -85,6 +116,10 @@ class Tailer:
         self._retry_budget = retry_budget
         self._fanned_out = fanned_out
         self._join = join
+        self._pacing = StandbyPacing(poll_interval) if standby else None
+        self.on_rest: Callable[[bool], None] | None = None
+        """Told True when the feed flows and the doorbell may rest, False when it
+        must ring again (``Doorbell.rest``)."""
         self._unexpected = 0
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -103,10 +138,15 @@ class Tailer:
         self.lag_seconds = 0.0
         self.fanout_wait_seconds = 0.0
         """Time spent waiting for the fan-out between full batches (see _drain)."""
+        self.replay_conflicts_total = 0
+        """Reads the standby cancelled for a conflict with replay (read again)."""
 
-    def ring(self, *_: Any) -> None:
-        """Doorbell: read now (called by NOTIFY, or by anyone who knows there is news)."""
+    def ring(self, *args: Any) -> None:
+        """Doorbell: read now (called by NOTIFY, or by anyone who knows there is news).
+        The last argument is the notification's payload: the writer's transaction."""
         self.doorbells_total += 1
+        if self._pacing is not None:
+            self._pacing.rung(_txid(args[-1]) if args else None, time.monotonic())
         self._wake.set()
 
     async def run(self) -> None:
@@ -117,13 +157,10 @@ class Tailer:
         few times in a row, then the tailer gives up and raises, and the
         publisher reports itself failed (/readyz) rather than spin.
         """
-        retrying = AsyncRetrying(
-            retry=self._retryable,
-            wait=wait_exponential_jitter(multiplier=0.05, max=2.0, jitter=0.1),
-            before_sleep=self._on_retry,
-            reraise=True,
+        reconnecting = retrying(
+            _RECONNECT, retry=self._retryable, rng=self._rng, before_sleep=self._on_retry
         )
-        async for attempt in retrying:
+        async for attempt in reconnecting:
             with attempt:
                 await self._follow()
 
@@ -170,7 +207,8 @@ class Tailer:
         self.ready.clear()
         conn = await self._connect()
         try:
-            await conn.add_listener(self._channel, self.ring)
+            if self._pacing is None:
+                await conn.add_listener(self._channel, self.ring)
             first = self.position is None
             await self._join_feed(conn)
             if first:
@@ -186,6 +224,7 @@ class Tailer:
             self.failing_since = None
             self.last_error = None
             self.ready.set()
+            conflicts = 0
             while True:
                 self._wake.clear()
                 try:
@@ -200,10 +239,19 @@ class Tailer:
                     await self._join_feed(conn)
                     self.ready.set()
                     continue
+                except asyncpg.SerializationError as exc:
+                    # Replay cancelled the read (a standby's conflict with
+                    # recovery): nothing was handed on; read again.
+                    conflicts += 1
+                    pause = _CONFLICT.delay(conflicts, self._rng)
+                    self._replay_conflict(exc, pause)
+                    await asyncio.sleep(pause)
+                    continue
+                conflicts = 0
                 with contextlib.suppress(TimeoutError):
                     # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
                     # cancellation that races the doorbell, and stop() then hangs.
-                    async with asyncio.timeout(self._poll_interval):
+                    async with asyncio.timeout(self._next_read()):
                         await self._wake.wait()
                 self.polls_total += 1
         finally:
@@ -220,11 +268,38 @@ class Tailer:
         elif self.position is None:
             self.position = await self._reader.head(conn)
 
+    def _next_read(self) -> float:
+        """Seconds until the next read unless the doorbell rings first."""
+        return self._poll_interval if self._pacing is None else self._pacing.delay()
+
+    def _replay_conflict(self, exc: Exception, pause: float) -> None:
+        self.replay_conflicts_total += 1
+        log_event(
+            log,
+            "tailer.replay_conflict",
+            logging.WARNING,
+            error=f"{type(exc).__name__}: {exc}",
+            retry_in=round(pause, 4),
+            conflicts=self.replay_conflicts_total,
+        )
+
+    async def _read(self, conn: asyncpg.Connection, after: Position) -> list[FeedEntry]:
+        if self._pacing is None:
+            return await self._reader.read_after(conn, after, self._batch)
+        entries, horizon = await self._reader.read_after_horizon(conn, after, self._batch)
+        rest = self._pacing.read(horizon, bool(entries), time.monotonic())
+        if rest is not None:
+            event = "tailer.doorbell_rests" if rest else "tailer.doorbell_listens"
+            log_event(log, event, logging.DEBUG)  # counted in stats: doorbell.rests
+            if self.on_rest is not None:
+                self.on_rest(rest)
+        return entries
+
     async def _drain(self, conn: asyncpg.Connection) -> None:
         assert self.position is not None
         while True:
             read_from = time.monotonic()
-            entries = await self._reader.read_after(conn, self.position, self._batch)
+            entries = await self._read(conn, self.position)
             self.last_read_at = time.monotonic()
             if not entries:
                 self._unexpected = 0  # a round got through: whatever failed did not repeat
@@ -273,4 +348,11 @@ class Tailer:
             "polls": self.polls_total,
             "reconnects": self.reconnects_total,
             "lastError": self.last_error,
+            "replayWaits": self.replay_waits_total,
+            "replayConflicts": self.replay_conflicts_total,
         }
+
+    @property
+    def replay_waits_total(self) -> int:
+        """Reads made again because the standby had not replayed a rung transaction."""
+        return 0 if self._pacing is None else self._pacing.replay_waits

@@ -30,6 +30,7 @@ __all__ = [
     "Disconnect",
     "FrameWriter",
     "batch_text",
+    "frame_size",
     "text_frame",
 ]
 
@@ -62,6 +63,11 @@ class FrameWriter(Protocol):
         """True while a write goes out now: the connection is open and its
         transport is not paused (a paused one is left to ASGI sends, which wait)."""
 
+    @property
+    def lost(self) -> bool:
+        """True once the connection is closing or gone: nothing written now would
+        reach the listener."""
+
     def write(self, data: bytes) -> None:
         """Write ``data`` (whole frames); only when ``open``."""
 
@@ -73,6 +79,13 @@ class FrameWriter(Protocol):
 def batch_text(items: Sequence[str]) -> str:
     """The payload of a batch frame: the JSON array of already-encoded ``items``."""
     return "[" + ",".join(items) + "]"
+
+
+def frame_size(payload_bytes: int) -> int:
+    """Bytes on the wire of a server's (unmasked) frame carrying ``payload_bytes``."""
+    if payload_bytes < 126:
+        return 2 + payload_bytes
+    return (4 if payload_bytes < 1 << 16 else 10) + payload_bytes
 
 
 def text_frame(payload: str) -> bytes:

@@ -6,6 +6,7 @@ versioned feed-table migrations (``sql/``, ``migrations``). Pure code except
 ``migrations``, which talks to PostgreSQL.
 """
 
+from .access import AccessDenied, AccessGranted, allows, decide
 from .closecodes import ERROR_CLOSE_CODES, CloseCode
 from .cursor import ORIGIN, Cursor, CursorCodec, ForeignCursor, Position, stamp_of
 from .errors import CursorError, ProtocolError
@@ -28,6 +29,8 @@ __all__ = [
     "ERROR_CLOSE_CODES",
     "ORIGIN",
     "RESUME_REASONS",
+    "AccessDenied",
+    "AccessGranted",
     "Ack",
     "ChangeItem",
     "ChangeKind",
@@ -43,7 +46,9 @@ __all__ = [
     "ProtocolError",
     "Registration",
     "ResourceRoute",
+    "allows",
     "apply_schema",
+    "decide",
     "decode_change_frame",
     "dumps",
     "load_schema",

@@ -10,10 +10,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-import asyncpg
-from asyncpg.pool import PoolConnectionProxy
+if TYPE_CHECKING:  # asyncpg comes with changefeed[publisher]; the listener needs none of it
+    import asyncpg
+    from asyncpg.pool import PoolConnectionProxy
 
 from .errors import ProtocolError
 

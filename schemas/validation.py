@@ -9,13 +9,15 @@ import functools
 import json
 import re
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import ValidationError, best_match
 
 from .errors import ProtocolError
+
+if TYPE_CHECKING:  # jsonschema is imported on first use: importing the listener is quick
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import ValidationError
 
 __all__ = [
     "MESSAGE_LIMIT",
@@ -48,6 +50,8 @@ def load_schema(name: str) -> dict[str, Any]:
 
 @functools.cache
 def _validator(name: str) -> Draft202012Validator:
+    from jsonschema import Draft202012Validator
+
     return Draft202012Validator(load_schema(name))
 
 
@@ -61,6 +65,8 @@ def parse_json(data: str | bytes, what: str) -> Any:
 
 def schema_error(name: str, document: Any) -> ValidationError | None:
     """What ``document`` breaks of schema ``name`` first (None: nothing)."""
+    from jsonschema.exceptions import best_match
+
     error: ValidationError | None = best_match(_validator(name).iter_errors(document))
     return error
 

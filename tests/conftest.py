@@ -5,6 +5,10 @@ system temp dir, so that it also works as root), started once per session.
 With ``CHANGEFEED_TEST_DSN`` set, an external server is used instead; it
 cannot be restarted, so tests that need ``restart()`` skip (use the
 ``restartable_pg_server`` fixture to say so).
+
+``pg_standby`` is a real streaming standby of ``pg_server`` (``pg_basebackup
+-R``), started once per session by the first test that asks for it;
+``standby_dsn`` is the test's feed database there, once replicated.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from typing import Any
 
 import asyncpg
 import pytest
-from helpers import dsn_with_database
+from helpers import dsn_with_database, standby_caught_up
+from wheel_envs import Venvs, build_dist
 
-from changefeed.embedded import EmbeddedPostgres, temporary
+from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
 from changefeed.schemas import apply_schema
 
 
@@ -71,6 +76,29 @@ def restartable_pg_server(pg_server: PgServer) -> EmbeddedPostgres:
     return pg_server
 
 
+@pytest.fixture(scope="session")
+def pg_standby(pg_server: PgServer) -> Iterator[EmbeddedPostgres]:
+    """A hot standby streaming from ``pg_server``, for tests that read one. Replay
+    waits at most 500 ms for a conflicting query (then cancels it: SQLSTATE 40001),
+    so that a conflict is quick to cause and to see."""
+    if not isinstance(pg_server, EmbeddedPostgres):
+        pytest.skip("CHANGEFEED_TEST_DSN points at an external server: no standby of it")
+    standby = standby_of(pg_server, settings={"max_standby_streaming_delay": "500ms"})
+    try:
+        standby.start()
+        yield standby
+    finally:
+        standby.close()
+
+
+@pytest.fixture
+async def standby_dsn(feed_dsn: str, pg_server: PgServer, pg_standby: EmbeddedPostgres) -> str:
+    """``feed_dsn``'s database on ``pg_standby``, once the standby has replayed it."""
+    dsn = pg_standby.dsn_for(feed_dsn.rsplit("/", 1)[1])
+    await standby_caught_up(pg_server.dsn, pg_standby.dsn)
+    return dsn
+
+
 @pytest.fixture
 async def dsn(pg_server: PgServer) -> AsyncIterator[str]:
     """DSN of a fresh database ``test_<hex>``, dropped after the test."""
@@ -112,3 +140,11 @@ def spark() -> Iterator[Any]:
 
     with spark_session("local[2]") as session:
         yield session
+
+
+@pytest.fixture(scope="session")
+def wheel_venvs(tmp_path_factory: pytest.TempPathFactory) -> Venvs:
+    """The built wheel (from the sdist) and venvs made from it on first use
+    (tests/wheel_envs.py): tests/test_wheel.py and tests/test_asgi_servers.py share them."""
+    dist = build_dist(tmp_path_factory.mktemp("dist"))
+    return Venvs(dist, tmp_path_factory.mktemp("venvs"))

@@ -25,6 +25,7 @@ __all__ = [
     "free_port",
     "fresh_database",
     "metric_value",
+    "standby_caught_up",
     "wait_until",
 ]
 
@@ -129,3 +130,25 @@ def metric_value(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     raise KeyError(f"{name} {labels} not in /metrics")
+
+
+async def standby_caught_up(primary_dsn: str, standby_dsn: str, timeout: float = 30.0) -> None:
+    """Wait until the standby at ``standby_dsn`` has replayed everything the primary at
+    ``primary_dsn`` has written so far (its WAL insert position now)."""
+    import asyncpg
+
+    primary = await asyncpg.connect(primary_dsn)
+    try:
+        target = await primary.fetchval("SELECT pg_current_wal_insert_lsn()::text")
+    finally:
+        await primary.close()
+    standby = await asyncpg.connect(standby_dsn)
+    try:
+
+        async def replayed() -> bool:
+            query = "SELECT NOT pg_is_in_recovery() OR pg_last_wal_replay_lsn() >= $1::text::pg_lsn"
+            return bool(await standby.fetchval(query, target))
+
+        await wait_until(replayed, timeout, message=f"standby replayed {target}")
+    finally:
+        await standby.close()

@@ -132,6 +132,34 @@ async def test_http_routes_need_the_token_and_show_only_its_resources(feed_dsn: 
         await ws.close()
 
 
+async def test_answers_that_depend_on_the_token_are_neither_cached_nor_sniffed(
+    feed_dsn: str,
+) -> None:
+    """/changefeeds and /changefeeds/stats answer with ``Cache-Control: no-store`` and
+    ``X-Content-Type-Options: nosniff``, refusals included (the dashboard has both)."""
+    async with (
+        running_publisher(feed_dsn, **TOKENS) as pub,
+        httpx.AsyncClient(base_url=pub.server.url) as http,
+    ):
+        answers = [
+            await http.get("/changefeeds/stats", headers=bearer(OPS)),
+            await http.get("/changefeeds/stats", headers=basic_credentials(OPS)),
+            await http.get("/changefeeds/stats"),
+            await http.get("/changefeeds/stats?resource=network", headers=bearer(DNS)),
+            await http.get("/changefeeds/stats?limit=x", headers=bearer(OPS)),
+            await http.get("/changefeeds", headers=bearer(OPS)),
+            await http.get("/changefeeds"),
+        ]
+        assert [a.status_code for a in answers] == [200, 200, 401, 403, 400, 200, 401]
+        for answer in answers:
+            assert answer.headers["Cache-Control"] == "no-store", answer.request.url
+            assert answer.headers["X-Content-Type-Options"] == "nosniff", answer.request.url
+
+
+def basic_credentials(password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"ops:{password}".encode()).decode()}
+
+
 async def test_bootstrap_routes_use_authorize_request_with_a_resource(feed_dsn: str) -> None:
     async with (
         running_publisher(feed_dsn, **TOKENS) as pub,
@@ -291,3 +319,217 @@ def test_the_token_is_the_bearer_credential_or_when_asked_the_basic_password(
     header: str, basic: bool, token: str | None
 ) -> None:
     assert presented_token(header, basic=basic) == token
+
+
+# -- one decision for every route: unavailable, unauthorized, forbidden ------------
+
+OUTAGE_PATHS = (
+    "/changefeeds",
+    "/changefeeds/stats",
+    "/changefeeds/dashboard",
+    "/vms",
+    "/vms/6a3e5d8e-3f4b-4a39-9a53-1b7f2a1d0c11",
+    "/servers",
+)
+"""Every HTTP route behind the token: the publisher's and the example API's bootstrap
+routes (built with ``authorize=publisher.authorize_request``)."""
+
+
+def _outage_authorizer(outage: str, calls: list[str]) -> Authorize:
+    """``good`` may read everything; any other token finds the identity service down:
+    it raises, or it never answers (the publisher's own bounded wait decides)."""
+    never = asyncio.Event()
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        calls.append(token)
+        if token == "good":
+            return frozenset({"*"})
+        if outage == "raises":
+            raise ConnectionError("identity service down")
+        await never.wait()
+        return None
+
+    return authorize
+
+
+@pytest.mark.parametrize("outage", ["raises", "hangs"])
+async def test_an_authorizer_outage_is_503_with_retry_after_on_every_route(
+    dsn: str, outage: str
+) -> None:
+    """Never 401 (which makes listeners give up for good): 503, ``Retry-After`` and the
+    error body ``unavailable`` with ``retryAfter``, on the websocket's handshake, the
+    publisher's routes and the API's bootstrap and write routes alike. The bootstrap
+    routes used to answer 401."""
+    from test_listener_support import VmApiServer
+
+    calls: list[str] = []
+    authorize = _outage_authorizer(outage, calls)
+    async with (
+        VmApiServer(dsn, authorize=authorize) as api,
+        httpx.AsyncClient(base_url=api.url, timeout=30) as http,
+    ):
+        headers = bearer("anyone")
+
+        async def handshake() -> Any:
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(api.ws_url, additional_headers=headers, open_timeout=30)
+            return refused.value.response
+
+        async with asyncio.timeout(30):  # a hanging authorizer is given 5 s, all at once
+            answers = await asyncio.gather(
+                *(http.get(path, headers=headers) for path in OUTAGE_PATHS),
+                http.post("/vms", headers=headers, json={"alias": "x"}),
+                handshake(),
+            )
+        *responses, refused = answers
+        for path, response in zip((*OUTAGE_PATHS, "POST /vms"), responses, strict=True):
+            assert response.status_code == 503, (path, response.text)
+            assert response.headers["Retry-After"] == "1", path
+            if path != "/changefeeds/dashboard":  # the page answers in text
+                assert response.json()["error"] == {
+                    "code": "unavailable",
+                    "message": "authorization is unavailable; retry later",
+                    "retryAfter": 1,
+                }, path
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        body = orjson.loads(refused.body)
+        validate("error", body)
+        assert body["error"]["code"] == "unavailable" and body["error"]["retryAfter"] == 1
+        publisher = api.app.state.publisher
+        assert publisher.stats()["counters"]["refused"] == {"unavailable": len(answers)}
+        # The same token once the service answers again: let in.
+        assert (await http.get("/vms", headers=bearer("good"))).status_code == 200
+    assert calls.count("anyone") == len(answers)
+
+
+async def test_without_the_denial_extension_an_outage_is_4010_with_retry_after(
+    feed_dsn: str,
+) -> None:
+    """The frame form of the same refusal: error ``unavailable`` with ``retryAfter``, close
+    4010 (it used to carry no ``retryAfter``)."""
+    from servers import serve_app
+
+    publisher = Publisher(
+        PublisherConfig(dsn=feed_dsn, resources=(VM,), retention=False),
+        authorize=_outage_authorizer("raises", []),
+    )
+    inner = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            scope = {**scope, "extensions": {}}
+        await inner(scope, receive, send)
+
+    async with serve_app(app) as server:
+        await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
+        ws = await connect(server.ws_url + "/changefeeds", additional_headers=bearer("anyone"))
+        error = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        assert error["error"]["code"] == "unavailable" and error["error"]["retryAfter"] == 1
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 5)
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == CloseCode.UNAVAILABLE
+
+
+async def test_a_token_not_allowed_the_resource_is_forbidden_on_every_route(dsn: str) -> None:
+    """403 ``forbidden`` (4004 on the websocket) wherever a known token asks for a resource
+    it may not read, bootstrap routes included (they used to answer 401, the answer for
+    a token nobody knows); 401 stays for that."""
+    from test_listener_support import VmApiServer
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        return frozenset({"server"}) if token == "servers-only" else None
+
+    async with (
+        VmApiServer(dsn, authorize=authorize) as api,
+        httpx.AsyncClient(base_url=api.url, headers=bearer("servers-only")) as http,
+    ):
+        for method, path in [
+            ("GET", "/vms"),
+            ("GET", "/vms/6a3e5d8e-3f4b-4a39-9a53-1b7f2a1d0c11"),
+            ("POST", "/vms"),
+            ("GET", "/changefeeds/stats?resource=vm"),
+        ]:
+            response = await http.request(method, path, json={} if method == "POST" else None)
+            assert response.status_code == 403, (method, path, response.text)
+            assert response.json()["error"]["code"] == "forbidden"
+            assert "Retry-After" not in response.headers
+        assert (await http.get("/servers")).status_code == 200
+        unknown = await http.get("/vms", headers=bearer("nobody"))
+        assert unknown.status_code == 401 and unknown.headers["WWW-Authenticate"] == "Bearer"
+        ws, error = await register(
+            api.ws_url, registration(), additional_headers=bearer("servers-only")
+        )
+        assert error["error"]["code"] == "forbidden"
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 5)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == CloseCode.FORBIDDEN
+        refused = api.app.state.publisher.stats()["counters"]["refused"]
+        assert refused == {"forbidden": 5, "unauthorized": 1}
+
+
+async def test_a_listener_waits_out_an_authorizer_outage_and_then_goes_live(dsn: str) -> None:
+    """The identity service is down when the listener first connects (503 at the
+    handshake, ``Retry-After: 1``) and again for its first bootstrap page (503 there):
+    it keeps its registration going, waits at least the ``Retry-After``, and goes
+    live once the service answers."""
+    from test_listener import make_listener, next_event, seed_vms
+    from test_listener_support import VmApiServer, capture_events
+
+    from changefeed.listener import Resynced
+
+    failing = {"handshake": 1, "bootstrap": 1}
+    registered = asyncio.Event()
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        step = "bootstrap" if registered.is_set() else "handshake"
+        if failing[step]:
+            failing[step] -= 1
+            raise ConnectionError("identity service down")
+        if step == "handshake":
+            registered.set()  # the next call is for the bootstrap route
+        return frozenset({"vm"})
+
+    async with VmApiServer(dsn, authorize=authorize) as api:
+        await seed_vms(dsn, 3)
+        with capture_events() as events:
+            async with make_listener(api.ws_url, token="t") as listener:
+                event = await next_event(listener, timeout=30)
+                assert isinstance(event, Resynced) and len(event.items) == 3
+        aborted = events.named("listener.aborted")
+        assert [a["disposition"] for a in aborted] == ["retry"]
+        assert aborted[0]["retry_after"] == 1.0
+        assert events.named("listener.backoff")[0]["delay"] >= 1.0
+        retried = events.named("bootstrap.retry")
+        assert retried and "HTTP 503" in retried[0]["error"] and retried[0]["delay"] >= 1.0
+    assert failing == {"handshake": 0, "bootstrap": 0}
+
+
+@pytest.mark.parametrize(
+    ("revoked", "code"), [(None, "http_401"), (frozenset({"server"}), "http_403")]
+)
+async def test_a_listener_stops_when_the_bootstrap_route_refuses_its_token(
+    dsn: str, revoked: frozenset[str] | None, code: str
+) -> None:
+    """Registered with a good token, which is then revoked (401) or loses the resource
+    (403; the route used to answer 401 for that too) before the bootstrap: the
+    listener stops for good, after one attempt, with ``RegistrationRefused``."""
+    from test_listener import make_listener, next_event
+    from test_listener_support import VmApiServer
+
+    from changefeed.listener import RegistrationRefused
+
+    registered = asyncio.Event()
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        if registered.is_set():
+            return revoked
+        registered.set()
+        return frozenset({"vm", "server"})
+
+    async with VmApiServer(dsn, authorize=authorize) as api:
+        async with make_listener(api.ws_url, token="t") as listener:
+            with pytest.raises(RegistrationRefused) as refused:
+                await next_event(listener, timeout=20)
+        assert refused.value.code == code
+        assert listener.status().attempts == 1

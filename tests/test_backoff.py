@@ -1,13 +1,16 @@
-"""The re-registration and per-id retry schedules (pure: time is passed in, jitter is seeded)."""
+"""The one back-off policy (changefeed.backoff), the listener's re-registration schedule, and
+tenacity retrying by it (pure: time is passed in, jitter is seeded)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from tenacity import RetryCallState, retry_if_exception_type, stop_after_attempt
 
+from changefeed.backoff import MAX_RETRY_AFTER, Backoff, BackoffError, retrying
 from changefeed.listener import BackoffPolicy, ListenerConfigError, ListenerError
-from changefeed.listener._backoff import DEFAULT_ITEM_BACKOFF, Backoff, ItemBackoff
+from changefeed.listener._backoff import DEFAULT_ITEM_BACKOFF, RegistrationBackoff
 
 
 def test_default_is_client_go_reflector_schedule() -> None:
@@ -25,7 +28,7 @@ def test_ceiling_grows_by_factor_and_is_capped() -> None:
 
 
 def test_full_jitter_stays_within_zero_and_ceiling_and_varies() -> None:
-    backoff = Backoff(BackoffPolicy(initial=0.8, maximum=30.0), random.Random(1))
+    backoff = RegistrationBackoff(BackoffPolicy(initial=0.8, maximum=30.0), random.Random(1))
     delays, ceilings = [], []
     for _ in range(200):
         delays.append(backoff.failure(now=0.0))
@@ -41,14 +44,15 @@ def test_partial_jitter_bounds(jitter: float) -> None:
     policy = BackoffPolicy(initial=1.0, maximum=8.0, jitter=jitter)
     rng = random.Random(7)
     for failures in range(1, 8):
-        delay, ceiling = policy.delay(failures, rng)
+        delay, ceiling = policy.draw(failures, rng)
         assert ceiling * (1 - jitter) - 1e-9 <= delay <= ceiling + 1e-9
-    assert BackoffPolicy(initial=1.0, jitter=0.0).delay(3, rng) == (4.0, 4.0)
+    assert BackoffPolicy(initial=1.0, jitter=0.0).draw(3, rng) == (4.0, 4.0)
+    assert BackoffPolicy(initial=1.0, jitter=0.0).delay(3, rng) == 4.0
 
 
 def test_seeded_schedules_are_reproducible() -> None:
     def run(seed: int) -> list[float]:
-        backoff = Backoff(BackoffPolicy(initial=0.1, maximum=5.0), random.Random(seed))
+        backoff = RegistrationBackoff(BackoffPolicy(initial=0.1, maximum=5.0), random.Random(seed))
         return [backoff.failure(now=float(i)) for i in range(12)]
 
     assert run(3) == run(3)
@@ -56,7 +60,9 @@ def test_seeded_schedules_are_reproducible() -> None:
 
 
 def test_reset_after_a_healthy_period() -> None:
-    backoff = Backoff(BackoffPolicy(initial=1.0, maximum=64.0, reset_after=120.0), random.Random())
+    backoff = RegistrationBackoff(
+        BackoffPolicy(initial=1.0, maximum=64.0, reset_after=120.0), random.Random()
+    )
     for i in range(5):
         backoff.failure(now=float(i))
     assert backoff.failures == 5
@@ -76,7 +82,7 @@ def test_reset_after_a_healthy_period() -> None:
 
 
 def test_healthy_keeps_the_first_moment() -> None:
-    backoff = Backoff(BackoffPolicy(initial=1.0, reset_after=10.0))
+    backoff = RegistrationBackoff(BackoffPolicy(initial=1.0, reset_after=10.0))
     backoff.failure(now=0.0)
     backoff.healthy(now=1.0)
     backoff.healthy(now=9.0)  # a second call does not restart the healthy period
@@ -85,22 +91,76 @@ def test_healthy_keeps_the_first_moment() -> None:
 
 
 def test_explicit_reset() -> None:
-    backoff = Backoff(BackoffPolicy(initial=1.0))
+    backoff = RegistrationBackoff(BackoffPolicy(initial=1.0))
     backoff.failure(now=0.0)
     backoff.failure(now=0.0)
     backoff.reset()
     assert (backoff.failures, backoff.delay, backoff.ceiling) == (0, 0.0, 0.0)
 
 
-def test_item_backoff_is_per_key_and_forgotten_on_success() -> None:
-    items = ItemBackoff(BackoffPolicy(initial=0.01, maximum=1.0, jitter=0.0))
-    assert [items.failure("a") for _ in range(4)] == pytest.approx([0.01, 0.02, 0.04, 0.08])
-    assert items.failure("b") == pytest.approx(0.01)
-    assert items.failures("a") == 4 and len(items) == 2
-    items.forget("a")
-    assert items.failures("a") == 0
-    assert items.failure("a") == pytest.approx(0.01)
-    assert [items.failure("c") for _ in range(12)][-1] == 1.0  # capped
+def test_a_servers_retry_after_is_a_floor_with_the_jitter_on_top() -> None:
+    """Honoured, capped, and spread: the clients one server turned away together do
+    not all come back at the same moment."""
+    policy = BackoffPolicy(initial=0.1, maximum=0.4)
+    rng = random.Random(5)
+    waits = [policy.delay(1, rng, retry_after=2.0) for _ in range(100)]
+    assert all(2.0 <= w <= 2.1 for w in waits) and len(set(waits)) > 90
+    assert policy.delay(1, rng, retry_after=10**9) <= MAX_RETRY_AFTER + 0.1
+    for nothing in (None, 0, -1, float("nan")):
+        assert policy.delay(1, rng, retry_after=nothing) <= 0.1
+
+
+def test_the_policy_is_the_same_for_every_part() -> None:
+    """The listener's BackoffPolicy is changefeed's one policy, with its own errors."""
+    assert issubclass(BackoffPolicy, Backoff)
+    assert DEFAULT_ITEM_BACKOFF.ceiling(3) == pytest.approx(0.2)
+    with pytest.raises(BackoffError) as info:
+        Backoff(initial=0)
+    assert info.value.field == "initial" and not isinstance(info.value, ListenerError)
+
+
+class _Busy(Exception):
+    def __init__(self, retry_after: float | None) -> None:
+        super().__init__("busy")
+        self.retry_after = retry_after
+
+
+async def test_tenacity_retries_a_call_by_the_policy_honouring_retry_after() -> None:
+    """``retrying`` is tenacity's AsyncRetrying with the policy's wait: the jitter
+    from the rng given, the Retry-After the failure carries added."""
+    waits: list[float] = []
+    calls = 0
+
+    async def flaky() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 4:
+            raise _Busy(0.5 if calls == 2 else None)
+        return "ok"
+
+    def recorded(state: RetryCallState) -> None:
+        assert state.next_action is not None
+        waits.append(state.next_action.sleep)
+
+    policy = Backoff(initial=0.001, maximum=0.004, jitter=0.0)
+    retrying_ = retrying(
+        policy,
+        retry=retry_if_exception_type(_Busy),
+        stop=stop_after_attempt(5),
+        rng=random.Random(1),
+        before_sleep=recorded,
+    )
+    async for attempt in retrying_:
+        with attempt:
+            result = await flaky()
+    assert result == "ok" and calls == 4
+    assert waits == pytest.approx([0.001, 0.502, 0.004])
+    with pytest.raises(_Busy):  # gives up with the last error
+        async for attempt in retrying(
+            policy, retry=retry_if_exception_type(_Busy), stop=stop_after_attempt(2)
+        ):
+            with attempt:
+                raise _Busy(None)
 
 
 def test_default_item_backoff() -> None:

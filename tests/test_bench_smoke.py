@@ -18,7 +18,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "bench", ["bootstrap", "catchup", "checkpoint", "fanout", "latency", "listener", "publish"]
+    "bench",
+    ["bootstrap", "catchup", "checkpoint", "fanout", "keepalive", "latency", "listener", "publish"],
 )
 async def test_the_benchmark_runs(bench: str, dsn: str) -> None:
     proc = await asyncio.create_subprocess_exec(
@@ -32,3 +33,21 @@ async def test_the_benchmark_runs(bench: str, dsn: str) -> None:
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0, out.decode()[-3000:]
+
+
+@pytest.mark.slow
+async def test_the_fleet_benchmark_runs() -> None:
+    """bench/fleet.py makes its own primary and standby (a standby cannot be made of
+    the tests' server from outside), so it runs without ``--dsn``."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(BENCH / "fleet.py"), "--quick",
+        cwd=BENCH, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out.decode()[-3000:]
+    assert "idle listeners on one publisher process" in out.decode()

@@ -306,6 +306,7 @@ async def items_server(
     authorize: Callable[[Request], Awaitable[bool]] | None = None,
     wrap: Callable[[BootstrapRoute], list[Route]] | None = None,
     query: KeysetQuery | None = None,
+    authorize_timeout: float = 10.0,
 ) -> AsyncIterator[tuple[str, BootstrapRoute]]:
     """The ``items`` table as ``/items`` on a real server; yields (base URL, route)."""
     async with asyncpg.create_pool(dsn, min_size=1, max_size=4) as pool:
@@ -315,6 +316,7 @@ async def items_server(
             pool,
             admission=admission or Admission(max_walks=None),
             authorize=authorize,
+            authorize_timeout=authorize_timeout,
         )
         app = Starlette(routes=wrap(route) if wrap else route.routes())
         async with serve_app(app) as server:
@@ -680,6 +682,39 @@ async def test_authorization_is_enforced(dsn: str) -> None:
         items = [i async for i in Pager(client, "/items", limit=20, token="s3cret")]
         assert len(items) == ROWS
         assert await fetch_one(client, "/items", "3", token="s3cret") is not None
+
+
+@pytest.mark.parametrize("outage", ["raises", "hangs"])
+async def test_a_check_that_cannot_be_made_is_503_with_retry_after(dsn: str, outage: str) -> None:
+    """A route's own ``authorize`` that raises, or does not answer within
+    ``authorize_timeout``, is ``unavailable`` (retried by the pager), never 401 (for
+    good) nor a 500 with a traceback (what a raising one used to give)."""
+    await create_items(dsn)
+    down = True
+
+    async def authorize(request: Request) -> bool:
+        if not down:
+            return True
+        if outage == "raises":
+            raise ConnectionError("identity service down")
+        await asyncio.Event().wait()
+        return False
+
+    async with (
+        items_server(dsn, authorize=authorize, authorize_timeout=0.2) as (url, _),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        for path in ("/items", "/items/1", "/items?ids=1"):
+            response = await client.get(path)
+            assert response.status_code == 503, (path, response.text)
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "unavailable"
+            assert response.json()["error"]["retryAfter"] == 1
+        pager = Pager(client, "/items", limit=5)
+        walk = asyncio.create_task(anext(pager.pages()))
+        await wait_until(lambda: pager.retries >= 1, 10, message="the pager retries the 503")
+        down = False
+        assert len(await asyncio.wait_for(walk, 20)) == 5
 
 
 # --------------------------------------------------------------------------- admission (real)

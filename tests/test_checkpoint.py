@@ -15,8 +15,9 @@ SQLite file): what a restart does with a checkpoint.
   converges by resuming.
 * ``async for`` keeps the cursor of what the application was done with; a
   store that fails is logged and counted and loses nothing; a checkpoint that
-  cannot be read means a bootstrap; a file another process wrote to gets a
-  whole save next; a store of the application's own
+  cannot be read means a bootstrap; a second listener on the same file is
+  refused at start; a file changed under a listener gets a whole save next;
+  a store of the application's own
   (docs/examples/postgres_checkpoint_store.py) works the same.
 """
 
@@ -27,6 +28,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import random
+import sqlite3
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -55,6 +57,7 @@ from changefeed.listener import (
     ChangeItem,
     ChangeKind,
     Checkpoint,
+    CheckpointRefused,
     CheckpointStatus,
     Controller,
     Listener,
@@ -194,6 +197,8 @@ async def test_a_restart_resumes_from_the_checkpoint_and_calls_back_what_changed
                 metric_value(exported, "changefeed_listener_checkpoint_age_seconds", listener=name)
                 < 60
             )
+            failing = "changefeed_listener_checkpoint_failing_saves"
+            assert metric_value(exported, failing, listener=name) == 0
             status = second.listener.status()
             assert status.resumes == 1 and status.bootstraps == 0 and status.not_resumed == {}
             assert status.checkpoint is not None and status.checkpoint.loaded
@@ -453,10 +458,14 @@ async def test_failed_saves_lose_nothing_and_an_unreadable_checkpoint_bootstraps
                 await client.patch(f"/vms/{vm_ids[0]}", json={"alias": "while-failing"})
                 await client.delete(f"/vms/{vm_ids[1]}")
                 await wait_until(lambda: checkpoint_status(service).save_failures >= 2, 10)
+                # The status an embedding service reads says so while it lasts.
+                failing = checkpoint_status(service)
+                assert failing.failing and failing.consecutive_failures >= 2
                 await wait_until(lambda: service.converged(dsn), 10, message="converged")
                 flaky.failing = False
                 saves = checkpoint_status(service).saves
                 await wait_until(lambda: checkpoint_status(service).saves > saves, 10)
+                assert not checkpoint_status(service).failing
         failed = events.named("listener.checkpoint.save_failed")
         assert failed and "no space left" in str(checkpoint_status(service).last_error)
         # The saves after the failures carried what the failed ones did not.
@@ -577,10 +586,38 @@ async def test_a_store_of_the_applications_own_postgresql_resumes_too(
         assert saved is not None and dict(saved.mirrors[second.vms.name].items) == after
 
 
-async def test_a_store_another_process_wrote_to_gets_a_whole_save_next(
+async def test_a_second_listener_on_the_checkpoint_is_refused_at_start(
     dsn: str, tmp_path: Path
 ) -> None:
-    """Another writer under the same name: the incremental save is refused
+    """Two listeners on one file and name used to both run, each whole save overwriting
+    the other's: the second is refused when it loads (``CheckpointRefused``: its
+    controllers stop with it), and writes nothing."""
+    path = tmp_path / "checkpoint.sqlite"
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 5)
+        first = Service(api.ws_url, SqliteCheckpointStore(path))
+        async with first.running():
+            await first.vms.wait_synced(20)
+            assert await first.listener.save_checkpoint()
+            second = Service(api.ws_url, SqliteCheckpointStore(path))
+            with capture_events() as events, pytest.raises(CheckpointRefused) as refused:
+                async with asyncio.timeout(20), second.running():
+                    await asyncio.Event().wait()  # ended by the refusal
+            assert "in use by another listener" in str(refused.value)
+            assert events.named("listener.checkpoint.refused")
+            assert second.listener.status().registrations == 0  # it never registered
+            status = checkpoint_status(second)
+            assert status.saves == 0 and "CheckpointRefused" in str(status.last_error)
+            assert await first.listener.save_checkpoint()  # the first goes on
+        saved = await SqliteCheckpointStore(path).load()
+        assert saved is not None and saved.cursor == first.listener.cursor
+
+
+async def test_a_file_changed_under_a_listener_gets_a_whole_save_next(
+    dsn: str, tmp_path: Path
+) -> None:
+    """The file no longer holds the save the listener's next one goes on top of (a
+    writer that ignored the lock, an operator's edit): the incremental save is refused
     (``CheckpointError``, logged), and the next save is whole and succeeds."""
     path = tmp_path / "checkpoint.sqlite"
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
@@ -590,15 +627,21 @@ async def test_a_store_another_process_wrote_to_gets_a_whole_save_next(
             await service.vms.wait_synced(20)
             await service.servers.wait_synced(20)
             assert await service.listener.save_checkpoint()
-            intruder = SqliteCheckpointStore(path)
-            await intruder.save(Checkpoint("elsewhere", KINDS, {}, sequence=1000))
+            _rewrite_sequence(path, 1000)
             await client.patch(f"/vms/{vm_ids[0]}", json={"alias": "after"})
             await wait_until(lambda: service.converged(dsn), 10, message="converged")
             assert not await service.listener.save_checkpoint()
             assert "another listener" in str(checkpoint_status(service).last_error)
+            assert checkpoint_status(service).failing
             whole = checkpoint_status(service).whole_saves
             assert await service.listener.save_checkpoint()
             assert checkpoint_status(service).whole_saves == whole + 1
+            assert not checkpoint_status(service).failing
         saved = await SqliteCheckpointStore(path).load()
-        assert saved is not None and saved.cursor != "elsewhere"
+        assert saved is not None and saved.sequence != 1000
         assert dict(saved.mirrors[service.vms.name].items) == await api_state(dsn)
+
+
+def _rewrite_sequence(path: Path, sequence: int) -> None:
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE changefeed_checkpoint SET sequence = ?", (sequence,))

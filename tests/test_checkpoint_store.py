@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import random
 import signal
 import sqlite3
@@ -19,6 +21,7 @@ from changefeed.listener import (
     ChangeKind,
     Checkpoint,
     CheckpointError,
+    CheckpointRefused,
     MirrorCheckpoint,
     SqliteCheckpointStore,
 )
@@ -175,19 +178,154 @@ async def test_an_incremental_save_on_top_of_a_save_the_file_does_not_hold_is_re
     assert loaded is not None and loaded.cursor == "c5" and loaded.sequence == 5
 
 
-async def test_a_file_of_another_layout_or_not_a_database_is_refused(tmp_path: Path) -> None:
+async def test_a_checkpoint_of_an_older_layout_is_refused(tmp_path: Path) -> None:
     store = SqliteCheckpointStore(tmp_path / "cp.sqlite")
     await store.save(Checkpoint("c1", (VM,), {}, sequence=1))
     with sqlite3.connect(store.path) as conn:
-        conn.execute("UPDATE changefeed_checkpoint SET version = 99")
-    with pytest.raises(CheckpointError, match="layout version 99"):
+        conn.execute("UPDATE changefeed_checkpoint SET version = 0")
+    with pytest.raises(CheckpointError, match="layout version 0"):
         await store.load()
-    garbage = tmp_path / "garbage.sqlite"
-    garbage.write_bytes(b"not a database at all" * 100)
-    with pytest.raises(sqlite3.DatabaseError):
-        await SqliteCheckpointStore(garbage).load()
+    await store.close()
     with pytest.raises(ValueError, match="chunk_items"):
-        SqliteCheckpointStore(garbage, chunk_items=0)
+        SqliteCheckpointStore(store.path, chunk_items=0)
+
+
+def _contents(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def _aside(directory: Path, name: str) -> list[Path]:
+    return sorted(directory.glob(f"{name}.*-*"))
+
+
+def _damage(path: Path) -> None:
+    """Overwrite every page of the file after the second with garbage."""
+    data = bytearray(path.read_bytes())
+    page = 4096
+    assert len(data) > 4 * page
+    data[2 * page :] = b"\xff" * (len(data) - 2 * page)
+    path.write_bytes(bytes(data))
+    for suffix in ("-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+def _moved_aside(records: list[logging.LogRecord]) -> list[dict[str, Any]]:
+    return [
+        dict(r.cf_fields)  # type: ignore[attr-defined]
+        for r in records
+        if r.getMessage() == "listener.checkpoint.moved_aside"
+    ]
+
+
+async def test_a_file_that_is_not_a_database_or_is_damaged_is_moved_aside_and_started_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It used to fail every load and every save ("file is not a database"), for good."""
+    path = tmp_path / "cp.sqlite"
+    garbage = b"not a database at all" * 100
+    path.write_bytes(garbage)
+    store = SqliteCheckpointStore(path)
+    with caplog.at_level(logging.ERROR, "changefeed.listener"):
+        assert await store.load() is None
+    (moved,) = _moved_aside(caplog.records)
+    aside = Path(moved["moved_to"])
+    assert aside.name.startswith("cp.sqlite.corrupt-") and _contents(aside) == garbage
+    assert "file is not a database" in moved["why"] and store.moved_aside == [aside]
+    assert caplog.records[0].levelno == logging.ERROR and caplog.records[0].exc_info
+    part = MirrorCheckpoint("vm", vms(1, 400))
+    await store.save(Checkpoint("c1", (VM,), {"vms": part}, sequence=1))
+    loaded = await store.load()
+    assert loaded is not None and dict(loaded.mirrors["vms"].items) == vms(1, 400)
+    await store.close()
+
+    _damage(path)  # pages overwritten: found when the checkpoint is read
+    caplog.clear()
+    damaged = SqliteCheckpointStore(path)
+    with caplog.at_level(logging.ERROR, "changefeed.listener"):
+        assert await damaged.load() is None
+    (moved,) = _moved_aside(caplog.records)
+    assert "malformed" in moved["why"] or "not a database" in moved["why"], moved
+    await damaged.save(Checkpoint("c2", (VM,), {"vms": part}, sequence=2))
+    loaded = await damaged.load()
+    assert loaded is not None and loaded.cursor == "c2"
+    await damaged.close()
+
+
+async def test_a_file_of_a_newer_layout_is_moved_aside_unless_it_holds_other_tables(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older version used to write over a newer one's checkpoints."""
+    path = tmp_path / "cp.sqlite"
+    newer = SqliteCheckpointStore(path)
+    await newer.save(Checkpoint("c9", (VM,), {"vms": MirrorCheckpoint("vm", vms(1))}, sequence=9))
+    await newer.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE changefeed_checkpoint SET version = 2")
+    older = SqliteCheckpointStore(path, name="another")  # any name: the layout is the file's
+    with caplog.at_level(logging.ERROR, "changefeed.listener"):
+        assert await older.load() is None
+    (moved,) = _moved_aside(caplog.records)
+    aside = Path(moved["moved_to"])
+    assert aside.name.startswith("cp.sqlite.v2-") and "layout version 2" in moved["why"]
+    with contextlib.closing(sqlite3.connect(aside)) as conn:
+        assert conn.execute("SELECT version, cursor FROM changefeed_checkpoint").fetchall() == [
+            (2, "c9")
+        ]
+    await older.save(Checkpoint("c1", (VM,), {}, sequence=1))
+    await older.close()
+
+    # Beside the application's own tables, the file is the application's: refused, kept.
+    shared = tmp_path / "app.sqlite"
+    store = SqliteCheckpointStore(shared)
+    await store.save(Checkpoint("c9", (VM,), {}, sequence=9))
+    await store.close()
+    with contextlib.closing(sqlite3.connect(shared)) as conn, conn:
+        conn.execute("CREATE TABLE app_orders (id INTEGER PRIMARY KEY)")
+        conn.execute("UPDATE changefeed_checkpoint SET version = 2")
+    with pytest.raises(CheckpointRefused, match="app_orders"):
+        await SqliteCheckpointStore(shared).load()
+    assert _aside(tmp_path, "app.sqlite") == []
+
+
+async def test_a_second_store_on_the_same_file_and_name_is_refused(tmp_path: Path) -> None:
+    """Two writers on one checkpoint used to both run, the last whole save winning."""
+    path = tmp_path / "cp.sqlite"
+    first = SqliteCheckpointStore(path)
+    assert await first.load() is None
+    second = SqliteCheckpointStore(path)
+    with pytest.raises(
+        CheckpointRefused, match=f"in use by another listener \\(process {os.getpid()}"
+    ):
+        await second.load()
+    with pytest.raises(CheckpointRefused):
+        await second.save(Checkpoint("c1", (VM,), {}, sequence=1))
+    other_name = SqliteCheckpointStore(path, name="other")
+    await other_name.save(Checkpoint("c1", (VM,), {}, sequence=1))  # not held up
+    await first.close()
+    assert await second.load() is None  # free once the first let go
+    await second.close()
+    await other_name.close()
+
+
+def _descriptors_of(path: Path) -> int:
+    """File descriptors of this process open on ``path``."""
+    count = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd) == str(path)
+    return count
+
+
+async def test_a_store_keeps_one_connection_until_it_is_closed(tmp_path: Path) -> None:
+    """It used to open a connection (and set it up) for every load and save."""
+    path = tmp_path / "cp.sqlite"
+    store = SqliteCheckpointStore(path)
+    for n in range(1, 6):
+        await store.save(Checkpoint(f"c{n}", (VM,), {}, sequence=n))
+        assert await store.load() is not None
+        assert _descriptors_of(path) == 1
+    await store.close()
+    assert _descriptors_of(path) == 0
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -200,7 +338,6 @@ async def test_a_writer_killed_at_any_moment_leaves_one_whole_checkpoint(
 
     rng = random.Random(f"torn-{seed}")
     path, items = tmp_path / "cp.sqlite", 3000
-    store = SqliteCheckpointStore(path)
     last_loaded = 0
     for _ in range(6):
         process = await asyncio.create_subprocess_exec(
@@ -222,7 +359,9 @@ async def test_a_writer_killed_at_any_moment_leaves_one_whole_checkpoint(
             process.send_signal(signal.SIGKILL)
             await process.wait()
         assert process.returncode == -signal.SIGKILL
+        store = SqliteCheckpointStore(path)
         loaded = await store.load()
+        await store.close()  # the next writer's, now
         assert loaded is not None
         n = loaded.sequence
         assert n > last_loaded and loaded.cursor == f"c{n}"
@@ -258,6 +397,7 @@ async def test_restarts_that_save_only_incrementally_keep_the_file_proportional_
     mirror = {f"vm-{k}": vm(k, "a0") for k in range(size)}
     store = SqliteCheckpointStore(path, chunk_items=500)
     await store.save(Checkpoint("c1", (VM,), {"vms": MirrorCheckpoint("vm", mirror)}, sequence=1))
+    await store.close()
     first_size = store.size_on_disk()
     assert stored_rows(path) == (size, 0)
     created, folds, last_changes = size, 0, 0
@@ -280,6 +420,7 @@ async def test_restarts_that_save_only_incrementally_keep_the_file_proportional_
                 f"c{restart}", (VM,), {"vms": part}, whole=False, sequence=restart, base=restart - 1
             )
         )
+        await store.close()  # the process ends
         chunked, changes = stored_rows(path)
         assert chunked + changes <= 1.6 * size, (restart, chunked, changes)
         folds += changes < last_changes

@@ -3,12 +3,12 @@ with an error that names the file and the key."""
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from changefeed.publisher import ConfigError, PublisherConfig, ResourceConfig
@@ -39,11 +39,11 @@ port = 9000
 def _keys() -> list[tuple[str, str, type[Any]]]:
     keys = [
         ("publisher", f.name, PublisherConfig)
-        for f in dataclasses.fields(PublisherConfig)
+        for f in msgspec.structs.fields(PublisherConfig)
         if f.name != "resources"
     ]
-    keys += [("resources", f.name, ResourceConfig) for f in dataclasses.fields(ResourceConfig)]
-    keys += [("server", f.name, ServerConfig) for f in dataclasses.fields(ServerConfig)]
+    keys += [("resources", f.name, ResourceConfig) for f in msgspec.structs.fields(ResourceConfig)]
+    keys += [("server", f.name, ServerConfig) for f in msgspec.structs.fields(ServerConfig)]
     return keys
 
 
@@ -70,7 +70,7 @@ def test_a_valid_file_loads(tmp_path: Path) -> None:
 
 
 def _wrong_value(table: str, name: str, cls: type[Any]) -> Any:
-    hint = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    hint = {f.name: f.type for f in msgspec.structs.fields(cls)}[name]
     if "tuple" in str(hint):
         return 42  # a list of strings is expected
     return {"a": 1}  # a table is never a valid scalar

@@ -27,7 +27,13 @@ from changefeed.example.dns import (
     host_name,
     render_records,
 )
-from changefeed.listener import BackoffPolicy, Controller, Listener, ListenerConfig
+from changefeed.listener import (
+    BackoffPolicy,
+    Controller,
+    Listener,
+    ListenerConfig,
+    RegistrationRefused,
+)
 from changefeed.schemas import ChangeKind
 
 FAST = ListenerConfig(backoff=BackoffPolicy(initial=0.02, maximum=0.2), page_limit=100)
@@ -330,3 +336,14 @@ async def test_a_write_that_committed_but_reported_failure_is_not_left_behind(ds
     finally:
         dns._pool = None
         await pool.close()
+
+
+async def test_the_dns_controller_raises_the_error_that_stopped_it_on_exit(dsn: str) -> None:
+    """A DNS controller whose registration is refused for good (a wrong token) stops;
+    leaving its block says so instead of ending quietly."""
+    async with VmApiServer(dsn, auth_tokens=("right",)) as api:
+        dns = DnsController(api.ws_url, dsn, token="wrong", name="refused")
+        with pytest.raises(RegistrationRefused):
+            async with dns:
+                await asyncio.sleep(0)
+                await wait_until(lambda: dns._task is not None and dns._task.done(), timeout=30)

@@ -291,12 +291,16 @@ async def test_max_pending_stops_reading_the_source() -> None:
 
 
 async def test_wait_synced_raises_when_the_source_fails() -> None:
+    """... and so does the block's exit, though the block caught it: the controller
+    stopped for good (``exception()``)."""
     source, api = Source(), Api()
     controller = Controller(source, fetch=api.fetch)
-    async with controller:
-        source.send(RegistrationRefused("unknown_resource", "no feed for 'vmz'", 4001))
-        with pytest.raises(RegistrationRefused):
-            await controller.wait_synced(5)
+    with pytest.raises(RegistrationRefused) as exited:
+        async with controller:
+            source.send(RegistrationRefused("unknown_resource", "no feed for 'vmz'", 4001))
+            with pytest.raises(RegistrationRefused) as waited:
+                await controller.wait_synced(5)
+    assert exited.value is waited.value is controller.exception()
 
 
 async def test_run_returns_when_the_source_ends() -> None:
@@ -400,11 +404,11 @@ async def test_a_periodic_resync_coalesces_with_a_real_change_of_the_same_id() -
         api.data["x"] = vm("x", "b")
         source.send(change("x"))
         await asyncio.wait_for(api.in_flight.wait(), 5)  # x's fetch is in flight
-        controller._resync_pass()  # the period elapses now
+        controller._core.resync_pass()  # the period elapses now
         api.gate.set()
         await controller.wait_idle(5)
         # A pass with nothing pending for x: one callback, old == new.
-        controller._resync_pass()
+        controller._core.resync_pass()
         await controller.wait_idle(5)
     assert rec.calls == [
         ("x", None, vm("x")),
@@ -506,7 +510,7 @@ async def test_a_controller_whose_constructor_fails_does_not_keep_the_listener_w
 
 def restored(controller: Controller[Any], items: dict[str, Any], pending: Sequence[str]) -> None:
     """Load ``items`` into the controller as a checkpoint would (its sink's ``restore``)."""
-    controller._restore(MirrorCheckpoint("vm", items, (), pending))
+    controller._core.restore(MirrorCheckpoint("vm", items, (), pending))
 
 
 async def test_a_forced_id_waiting_out_a_failed_callback_stays_pending_in_a_checkpoint() -> None:
@@ -519,7 +523,7 @@ async def test_a_forced_id_waiting_out_a_failed_callback_stays_pending_in_a_chec
     rec.fail_next = 1
     async with controller:
         await wait_until(lambda: controller.stats().reconcile_errors == 1, 5, message="failed")
-        assert "x" in controller._checkpoint_part(None).pending
+        assert "x" in controller._core.checkpoint_part(None).pending
 
 
 async def test_wait_synced_returns_while_new_changes_keep_the_queue_busy() -> None:
@@ -589,7 +593,7 @@ async def test_wait_synced_when_the_first_sync_finds_an_id_settled_in_its_batch(
             source.send(resync([vm("k1", "b"), vm("k2", "b")]))
             await wait_until(lambda: controller.stats().resyncs == 1, 5, message="resynced")
         else:
-            controller._resumed()  # what the listener's sink does when the ack resumed
+            controller._core.resumed(60.0)  # what the listener's sink does when the ack resumed
         gate.set()
         await controller.wait_idle(5)
         await controller.wait_synced(5)

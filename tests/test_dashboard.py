@@ -79,6 +79,10 @@ TOKENS: dict[str, Any] = {
 }
 HOSTILE_INSTANCE = '<img src="x" onerror="document.body.dataset.pwned = 1">'
 HOSTILE_SERVICE = "<b>dns</b>"
+# A right-to-left override makes "invoice-\u202egnp.exe" read "invoice-exe.png"; an
+# isolate, a mark and a line break would hide or reorder the text around them.
+BIDI_INSTANCE = "invoice-\u202egnp.exe"
+BIDI_SERVICE = "dns\u2067\u200f\u2069\nq"
 
 
 @contextlib.asynccontextmanager
@@ -171,13 +175,16 @@ async def test_the_page_shows_listeners_deliveries_and_rates_live_and_says_when_
                     "network", ["subnet"], instance=HOSTILE_INSTANCE, service=HOSTILE_SERVICE
                 ),
             )
-            listeners += [tcns, hostile]
+            bidi, _ = await register(
+                pub.ws_url, registration(subs=[], instance=BIDI_INSTANCE, service=BIDI_SERVICE)
+            )
+            listeners += [tcns, hostile, bidi]
             await refused_registration(pub.ws_url, "nosuch")
 
             row = listener_row(page, "tcns")
             await expect(row).to_have_count(1, timeout=10_000)
             await expect(row.locator("td").nth(3)).to_have_text("vm (nic, alias)")
-            await expect(page.locator("#tile-listeners .value")).to_have_text("2")
+            await expect(page.locator("#tile-listeners .value")).to_have_text("3")
 
             await write(pub.dsn, [("vm", ["alias"], f"vm-{i}") for i in range(20)])
             await receive_items(tcns, 20)
@@ -198,6 +205,12 @@ async def test_the_page_shows_listeners_deliveries_and_rates_live_and_says_when_
             await expect(hostile_row.locator("td").nth(1)).to_have_text(HOSTILE_INSTANCE)
             await expect(hostile_row.locator("td").nth(2)).to_have_text(HOSTILE_SERVICE)
             assert await page.locator("#listeners img, #listeners b").count() == 0
+            # ... and characters that would reorder, hide or break them are shown escaped.
+            bidi_row = listener_row(page, "gnp.exe")
+            instance, service = bidi_row.locator("td").nth(1), bidi_row.locator("td").nth(2)
+            await expect(instance).to_have_text("invoice-\\u202Egnp.exe")
+            await expect(instance).to_have_attribute("title", "invoice-\\u202Egnp.exe")
+            await expect(service).to_have_text("dns\\u2067\\u200F\\u2069\\u000Aq")
             refusal = page.locator("#refusals tbody tr").first
             await expect(refusal).to_contain_text("unknown_resource")
             await expect(refusal).to_contain_text("no change feed for resource 'nosuch'")
@@ -205,6 +218,7 @@ async def test_the_page_shows_listeners_deliveries_and_rates_live_and_says_when_
 
             if SCREENSHOT:
                 await hostile.close()
+                await bidi.close()
                 await _screenshot(page, pub, listeners)
             for ws in listeners:
                 await ws.close()

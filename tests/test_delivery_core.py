@@ -570,7 +570,7 @@ def test_a_sender_blocked_mid_send_with_an_empty_queue_is_stalled() -> None:
     d = live()
     d.queue.extend([object()] * 10)  # type: ignore[list-item]
     d.take(128)
-    d.sending = True  # what the sender sets around its ASGI send
+    d.sending = 1  # what the sender sets around its ASGI send
     found: list[Delivery] = []
     for t in range(0, 200, 5):
         found += stalled([d], float(t + 1), stall_timeout=60.0)

@@ -1,5 +1,6 @@
 """The quickstart's main job: ``changefeed demo`` on its own embedded PostgreSQL
-(what ``./dev demo`` runs), end to end, in a process of its own."""
+(what ``./dev demo`` runs), end to end, in a process of its own; and with
+``--standby``, the publisher reading an embedded hot standby of it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 
-def test_the_demo_converges_and_stops_its_postgresql() -> None:
+
+@pytest.mark.parametrize("standby", [False, True], ids=["primary", "standby"])
+def test_the_demo_converges_and_stops_its_postgresql(standby: bool) -> None:
     # Under root the server runs as an unprivileged user, who must reach the
     # data directory: a fresh 755 directory, as changefeed.embedded.temporary makes.
     root = Path(tempfile.mkdtemp(prefix="changefeed-demo-"))
@@ -27,6 +31,7 @@ def test_the_demo_converges_and_stops_its_postgresql() -> None:
                 "8",
                 "--data-dir",
                 str(data_dir),
+                *(["--standby"] if standby else []),
             ],
             check=False,
             capture_output=True,
@@ -38,6 +43,10 @@ def test_the_demo_converges_and_stops_its_postgresql() -> None:
         assert "converged: the DNS service's mirrors equal the API" in done.stdout, output[-3000:]
         assert "on one connection" in done.stdout, output[-3000:]  # VMs and servers, one listener
         assert (data_dir / "PG_VERSION").exists()
+        reads_standby = "the publisher reads the feed from the standby" in done.stdout
+        assert reads_standby == standby, output[-3000:]
+        if standby:
+            assert "(via the standby)" in done.stdout and "stopping the embedded standby" in output
         # Stopped on the way out: no server left running on that directory.
         assert not (data_dir / "postmaster.pid").exists(), output[-3000:]
     finally:

@@ -6,7 +6,9 @@ setting must be accepted as written. ``feed-table.sql`` and ``roles.sql`` are
 applied as an operator would, and then a publisher runs with nothing but the
 ``changefeed_publisher`` role while an API role that is only a
 ``changefeed_writer`` publishes: it tails, trims (retention) and sees the
-writer's open transaction; neither role can do more than that.
+writer's open transaction; neither role can do more than that. A standby of
+that server made with ``deploy/postgresql/standby.conf`` accepts it as written,
+and the same role reads the feed from it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from typing import Any
 
 import asyncpg
 import pytest
-from helpers import fresh_database, wait_until
+from helpers import fresh_database, standby_caught_up, wait_until
 from test_deploy_support import DEPLOY
 
-from changefeed.embedded import EmbeddedPostgres, temporary
+from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, install_trigger
 from changefeed.standalone import check_database
 
@@ -192,3 +194,77 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
         await publisher.stop()
         await writer.close()
         await reader.close()
+
+
+def standby_settings() -> dict[str, str]:
+    """The settings of deploy/postgresql/standby.conf, quotes removed."""
+    settings = {}
+    for line in (DEPLOY / "postgresql" / "standby.conf").read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = SETTING.match(line)
+        assert match, f"unparsable line in standby.conf: {line!r}"
+        settings[match.group(1)] = match.group(2).strip("'")
+    return settings
+
+
+async def test_least_privilege_publisher_reads_a_standby_made_with_standby_conf(
+    deploy_pg: EmbeddedPostgres, owner_dsn: str
+) -> None:
+    """A real standby of the deploy server (``pg_basebackup -R``) with standby.conf: every
+    setting accepted as written, and a publisher with nothing but the
+    changefeed_publisher role tails it, hears the doorbell on the primary, and sees the
+    primary's oldest writer there (the roles replicate with everything else)."""
+    await run_sql_file(owner_dsn, DEPLOY / "postgresql" / "roles.sql")
+    wanted = standby_settings()
+    assert wanted["hot_standby_feedback"] == "on"
+    standby = standby_of(deploy_pg, settings=wanted)
+    try:
+        standby.start()
+        database = owner_dsn.rsplit("/", 1)[1]
+        await standby_caught_up(owner_dsn, standby.dsn)
+        conn = await asyncpg.connect(standby.dsn)
+        try:
+            rows = await conn.fetch(
+                "SELECT name, setting, source, pending_restart FROM pg_settings"
+                " WHERE name = ANY($1::text[])",
+                list(wanted),
+            )
+            assert await conn.fetchval("SELECT pg_is_in_recovery()")
+        finally:
+            await conn.close()
+        assert {r["name"] for r in rows} == set(wanted)
+        for row in rows:
+            assert row["source"] == "configuration file" and not row["pending_restart"], dict(row)
+
+        publisher = Publisher(
+            PublisherConfig(
+                dsn=as_role(owner_dsn, "changefeed_publisher"),
+                read_dsn=as_role(standby.dsn_for(database), "changefeed_publisher"),
+                resources=(ResourceConfig("vm", "/vms"),),
+                create_schema=False,
+                retention=False,
+                poll_interval=30.0,  # the doorbell, not the poll
+            )
+        )
+        writer = await asyncpg.connect(owner_dsn)
+        await publisher.start()
+        try:
+            await asyncio.wait_for(publisher.tailer.ready.wait(), 10)
+            await writer.execute("SELECT changefeed.publish('vm', ARRAY['nic'], 'vm-1')")
+            await wait_until(lambda: publisher.tailer.entries_total == 1, 10, message="tailed")
+            assert publisher.stats()["tailer"]["doorbell"]["status"] == "listening"
+            transaction = writer.transaction()
+            await transaction.start()
+            try:
+                await writer.execute("SELECT changefeed.publish('vm', '{}', 'vm-2')")
+                await wait_until(
+                    lambda: publisher.feed_health.oldest_writer_seconds > 0.5, 10, message="writer"
+                )
+            finally:
+                await transaction.rollback()
+        finally:
+            await publisher.stop()
+            await writer.close()
+    finally:
+        standby.close()

@@ -17,6 +17,7 @@ from pathlib import Path
 import asyncpg
 import psutil
 import pytest
+from helpers import standby_caught_up
 
 from changefeed import embedded_host
 from changefeed.embedded import (
@@ -24,6 +25,7 @@ from changefeed.embedded import (
     EmbeddedPostgresError,
     default_data_dir,
     find_postgres_bindir,
+    standby_of,
     temporary,
 )
 from changefeed.schemas.migrations import apply_schema, load_migrations
@@ -341,3 +343,52 @@ async def test_the_embedded_server_runs_from_the_pgserver_wheel(
         assert Path(server_tree(pg)[0].exe()).parent == bindir.resolve()
     finally:
         pg.close()
+
+
+async def test_a_standby_follows_its_primary_and_is_promoted(server: EmbeddedPostgres) -> None:
+    """clone_standby: a hot standby of a running server (its settings carried over),
+    streaming its writes; promote() makes it a primary; close() leaves nothing behind."""
+    server.start()
+    standby = standby_of(server)
+    try:
+        standby.start()
+        assert standby.port != server.port
+        primary = await asyncpg.connect(server.dsn)
+        replica = await asyncpg.connect(standby.dsn)
+        try:
+            assert await replica.fetchval("SELECT pg_is_in_recovery()")
+            assert await replica.fetchval("SHOW work_mem") == "7MB"  # the primary's setting
+            assert await replica.fetchval("SHOW hot_standby_feedback") == "on"
+            await primary.execute("CREATE TABLE IF NOT EXISTS copied (x int)")
+            await primary.execute("INSERT INTO copied VALUES (1)")
+            await standby_caught_up(server.dsn, standby.dsn)
+            assert await replica.fetchval("SELECT count(*) FROM copied") >= 1
+        finally:
+            await primary.close()
+            await replica.close()
+        standby.promote()
+        promoted = await asyncpg.connect(standby.dsn)
+        try:
+            assert not await promoted.fetchval("SELECT pg_is_in_recovery()")
+            await promoted.execute("INSERT INTO copied VALUES (2)")
+        finally:
+            await promoted.close()
+        tree = server_tree(standby)
+    finally:
+        standby.close()
+    assert_all_gone(tree)
+    assert not standby.data_dir.exists()
+
+
+def test_a_standby_needs_a_running_primary_and_an_empty_directory(
+    server: EmbeddedPostgres, tmp_path: Path
+) -> None:
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "something").write_text("x")
+    server.start()
+    with pytest.raises(EmbeddedPostgresError, match="not empty"):
+        server.clone_standby(taken)
+    stopped = EmbeddedPostgres(tmp_path / "never-started")
+    with pytest.raises(EmbeddedPostgresError, match="not running"):
+        stopped.clone_standby(tmp_path / "standby")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from helpers import free_port, wait_until
+from helpers import LogRecords, free_port, wait_until
 from servers import RunningServer, serve_app
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -30,7 +31,8 @@ from test_deploy_support import ChangefeedServer, stopping, toml_document
 from websockets.asyncio.client import connect
 
 from changefeed.example.vmapi import create_app
-from changefeed.http_timeouts import DEFAULT_HEAD_TIMEOUT, head_timeout_protocol
+from changefeed.http_timeouts import DEFAULT_HEAD_TIMEOUT, LOG_BURST, head_timeout_protocol
+from changefeed.log_budget import LogBudget
 from changefeed.publisher.config import ServerConfig
 
 PROTOCOLS = ("httptools", "h11")
@@ -174,6 +176,44 @@ async def test_a_registered_websocket_is_never_closed_by_the_deadline(dsn: str) 
         assert item["changedResourceId"] == created.json()["uuid"]
 
 
+@pytest.mark.parametrize("http", PROTOCOLS)
+async def test_many_idle_sockets_write_a_bounded_number_of_log_lines(http: str) -> None:
+    """300 sockets that send nothing (half of them half a head) time out together: the
+    first ``LOG_BURST`` are logged one by one, the rest are counted in one line at the
+    end of the window, so the peers do not choose the log's volume (one line each, and
+    a few more, before)."""
+    sockets = 300
+    timeouts = LogRecords()
+    logger = logging.getLogger("changefeed.http_timeouts")
+    logger.addHandler(timeouts)
+    old_level, logger.level = logger.level, logging.INFO
+    protocol = head_timeout_protocol(0.5, http, log_window=2.0)
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        async with serve_app(APP, http=protocol) as server:
+            for n in range(sockets):
+                _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                if n % 2:
+                    writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n")
+                writers.append(writer)
+
+            def counted() -> tuple[list[logging.LogRecord], int]:
+                lines = [r for r in timeouts.records if r.getMessage() == "http.head_timeout"]
+                held = [r for r in timeouts.records if r.getMessage() == "http.timeouts_held"]
+                total = sum(r.cf_fields["held"].get("http.head_timeout", 0) for r in held)  # type: ignore[attr-defined]
+                return lines, len(lines) + total
+
+            await wait_until(lambda: counted()[1] == sockets, timeout=30, message="all counted")
+        lines, _ = counted()
+        assert len(lines) == LOG_BURST
+        assert len(timeouts.records) <= LOG_BURST + 2, [r.getMessage() for r in timeouts.records]
+    finally:
+        logger.removeHandler(timeouts)
+        logger.level = old_level
+        for writer in writers:
+            writer.close()
+
+
 async def test_changefeed_serve_takes_the_deadline_from_its_config(
     feed_dsn: str, tmp_path: Path
 ) -> None:
@@ -272,3 +312,15 @@ def test_the_protocol_class_and_its_default() -> None:
             head_timeout_protocol(bad)
     with pytest.raises(ValueError, match="unknown"):
         head_timeout_protocol(1.0, "zttp")
+
+
+def test_the_log_budget_writes_a_burst_then_counts_until_the_window_ends() -> None:
+    budget = LogBudget(burst=2, window=10.0)
+    assert [budget.note(t, "a")[0] for t in (0.0, 1.0, 2.0, 3.0)] == [True, True, False, False]
+    assert budget.note(4.0, "b") == (False, None)
+    assert budget.close(9.9) is None  # not over yet
+    assert budget.note(10.0, "a") == (True, {"a": 2, "b": 1})  # the summary, then a new window
+    assert budget.close(20.0) is None  # nothing held in that one
+    assert budget.ends is None
+    with pytest.raises(ValueError, match="burst"):
+        LogBudget(burst=0, window=1.0)

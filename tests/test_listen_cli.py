@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -30,8 +31,17 @@ CHANGEFEED = str(Path(sys.executable).parent / "changefeed")
 
 
 @contextlib.asynccontextmanager
-async def listen(*args: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    """``changefeed listen ARGS`` in a child process; stopped with SIGTERM at the end."""
+async def listen(
+    *args: str, file_size_limit: int | None = None
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """``changefeed listen ARGS`` in a child process; stopped with SIGTERM at the end.
+    ``file_size_limit``: the most bytes the child may write to any one file (its
+    RLIMIT_FSIZE; Python ignores SIGXFSZ, so a write past it fails with EFBIG)."""
+
+    def limit_files() -> None:
+        if file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     process = await asyncio.create_subprocess_exec(
         CHANGEFEED,
         "--log-level",
@@ -40,6 +50,7 @@ async def listen(*args: str) -> AsyncIterator[asyncio.subprocess.Process]:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        preexec_fn=limit_files,
     )
     try:
         yield process
@@ -158,6 +169,36 @@ async def test_listen_status_shows_the_bootstrap_rising(dsn: str) -> None:
     assert len(rising) >= 3 and 0 < rising[1] < 3000, rising
 
 
+async def test_listen_rides_out_an_authorizer_outage_during_its_bootstrap(dsn: str) -> None:
+    """The API's identity service fails while ``listen`` walks its bootstrap route: the
+    route answers 503 (it used to answer 401, and ``listen`` exited for good with
+    "registration refused (http_401)"); the command retries, bootstraps, and follows."""
+    registered = asyncio.Event()
+    outage = {"left": 2}
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        if token != "t":
+            return None
+        if registered.is_set() and outage["left"]:
+            outage["left"] -= 1
+            raise ConnectionError("identity service down")
+        registered.set()  # the handshake: the calls after it are the bootstrap route's
+        return frozenset({"*"})
+
+    async with VmApiServer(dsn, authorize=authorize) as api:
+        await seed_vms(dsn, 3)
+        async with listen(api.url, "--resource", "vm", "--token", "t") as process:
+            (done,) = await read_lines_until(process, bool)
+            assert done["event"] == "bootstrapped" and done["items"] == 3
+            assert process.returncode is None
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+        assert process.stderr is not None
+        log = (await process.stderr.read()).decode()
+    assert outage["left"] == 0
+    assert "registration refused" not in log and "HTTP 503" in log, log
+
+
 async def test_listen_follows_two_resources_on_one_connection(dsn: str) -> None:
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         vms = await create_vms(client, 3)
@@ -220,6 +261,87 @@ async def test_listen_with_a_checkpoint_resumes_and_prints_only_what_changed(
     assert (
         metric_value(metrics, "changefeed_registrations_total", resource="vm", resumed="true") == 1
     )
+
+
+async def test_listen_refuses_a_checkpoint_file_another_listen_holds(
+    dsn: str, tmp_path: Path
+) -> None:
+    """Two ``listen --checkpoint F`` used to both run, each overwriting the other's saves:
+    the second exits at once with status 1 and says why; the first goes on."""
+    checkpoint = str(tmp_path / "listen.sqlite")
+    args = ["--resource", "vm", "--mirror", "--checkpoint", checkpoint]
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 2)
+        async with listen(api.url, *args) as first:
+            await read_lines_until(first, lambda lines: len(lines) == 2)
+            async with listen(api.url, *args) as second:
+                assert await asyncio.wait_for(second.wait(), 30) == 1
+                assert second.stderr is not None
+                said = (await second.stderr.read()).decode()
+            last = said.strip().splitlines()[-1]  # the log line before it has the traceback
+            assert last.startswith("changefeed listen: ") and "in use by another listener" in last
+            assert checkpoint in last, said
+            (vm,) = await create_vms(client, 1, "later")
+            (added,) = await read_lines_until(first, bool)
+            assert added["id"] == vm and first.returncode is None
+            first.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(first.wait(), 15) == 0
+
+
+async def test_listen_moves_an_unreadable_checkpoint_aside_and_its_next_run_resumes(
+    dsn: str, tmp_path: Path
+) -> None:
+    """A file that is not a database used to make every save fail ("file is not a
+    database") while the command exited 0, and every later run bootstrapped again: it
+    is moved aside (an ERROR line says where), and the next run resumes."""
+    checkpoint = tmp_path / "listen.sqlite"
+    checkpoint.write_bytes(b"garbage" * 1000)
+    args = ["--resource", "vm", "--mirror", "--checkpoint", str(checkpoint)]
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 3)
+        async with listen(api.url, *args) as process:
+            await read_lines_until(process, lambda lines: len(lines) == 3)
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 15) == 0
+            assert process.stderr is not None
+            log = (await process.stderr.read()).decode()
+        assert '"event":"listener.checkpoint.moved_aside"' in log and '"level":"error"' in log
+        assert "save_failed" not in log, log
+        assert _moved_aside(tmp_path) == [b"garbage" * 1000]
+        (vm,) = await create_vms(client, 1, "later")
+        async with listen(api.url, *args) as process:
+            (change,) = await read_lines_until(process, bool)  # only what changed
+            assert (change["op"], change["id"]) == ("add", vm)
+        metrics = (await client.get("/metrics")).text
+    assert (
+        metric_value(metrics, "changefeed_registrations_total", resource="vm", resumed="true") == 1
+    )
+
+
+async def test_listen_exits_1_when_its_checkpoint_saves_are_failing(
+    dsn: str, tmp_path: Path
+) -> None:
+    """The file may not grow past 128 KiB (RLIMIT_FSIZE), and the mirror of 2,000 VMs
+    needs more: every save fails. The command used to exit 0 all the same."""
+    checkpoint = str(tmp_path / "listen.sqlite")
+    args = ["--resource", "vm", "--mirror", "--checkpoint", checkpoint]
+    async with VmApiServer(dsn) as api:
+        await seed_vms(dsn, 2000)
+        async with listen(api.url, *args, file_size_limit=128 * 1024) as process:
+            await read_lines_until(process, lambda lines: len(lines) == 2000)
+            process.send_signal(signal.SIGTERM)
+            # communicate: the mirror it prints as it exits is more than a pipe holds.
+            _, err = await asyncio.wait_for(process.communicate(), 30)
+            assert process.returncode == 1
+            said = err.decode()
+    last = said.strip().splitlines()[-1]  # the log before it has each failure's traceback
+    assert last.startswith(f"changefeed listen: checkpoint {checkpoint}: its last save failed")
+    assert "does not hold where this run got to" in last, said
+
+
+def _moved_aside(directory: Path) -> list[bytes]:
+    """What the files moved aside as ``listen.sqlite.corrupt-*`` hold."""
+    return [p.read_bytes() for p in sorted(directory.glob("listen.sqlite.corrupt-*"))]
 
 
 def test_since_and_checkpoint_together_are_a_usage_error(

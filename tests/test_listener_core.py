@@ -18,16 +18,17 @@ from changefeed.listener import (
     ListenerConfigError,
     ListenerError,
 )
-from changefeed.listener._backoff import Backoff, BackoffPolicy
-from changefeed.listener._buffer import (
+from changefeed.listener._backoff import BackoffPolicy
+from changefeed.listener._backoff import RegistrationBackoff as Backoff
+from changefeed.listener._errors import BadPublisherFrame, LifecycleError
+from changefeed.listener._inbox import (
     BUFFER_KINDS,
     Buffer,
     MemoryBuffer,
+    decode_frame,
     make_buffer,
     register_buffer_kind,
 )
-from changefeed.listener._errors import BadPublisherFrame, LifecycleError
-from changefeed.listener._frames import decode_frame
 from changefeed.listener._lifecycle import (
     MAX_RETRY_AFTER,
     TRANSITIONS,
@@ -86,6 +87,7 @@ PUBLIC = {
     "RegistrationRefused",
     "RetriesExhausted",
     "CheckpointError",
+    "CheckpointRefused",
 }
 
 
@@ -213,7 +215,7 @@ def test_an_expired_cursor_is_dropped_and_the_listener_bootstraps() -> None:
 
 
 def test_unavailable_keeps_the_cursor_and_honours_retry_after_as_a_floor() -> None:
-    """4010: back off, at least ``retryAfter``, and resume from the same cursor."""
+    """4010: back off ``retryAfter`` plus the drawn delay, and resume from the same cursor."""
     assert disposition(4010, "unavailable") is Disposition.RETRY
     assert disposition(close_code=CloseCode.UNAVAILABLE) is Disposition.RETRY
     assert retry_floor(None) == 0.0
@@ -221,10 +223,10 @@ def test_unavailable_keeps_the_cursor_and_honours_retry_after_as_a_floor() -> No
     assert retry_floor(0) == retry_floor(-1) == retry_floor(float("nan")) == 0.0
     assert retry_floor(10**9) == MAX_RETRY_AFTER  # a hint, not a sentence
     backoff = Backoff(BackoffPolicy(initial=0.1, maximum=0.4), random.Random(1))
-    assert backoff.failure(0.0, retry_floor(5.0)) == 5.0  # longer than anything drawn
-    assert backoff.delay == 5.0  # what status() and the metrics show
-    drawn = backoff.failure(0.0, retry_floor(0.001))
-    assert 0.001 <= drawn <= 0.2  # the drawn delay wins when it is longer
+    waited = backoff.failure(0.0, 5.0)
+    assert 5.0 <= waited <= 5.1  # the hint, and the drawn delay on top
+    assert backoff.delay == waited  # what status() and the metrics show
+    assert 0.0 <= backoff.failure(0.0, None) <= 0.2
 
 
 def test_error_code_wins_over_close_code_and_http_status() -> None:

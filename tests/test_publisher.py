@@ -459,8 +459,11 @@ async def test_a_listener_that_stops_answering_pings_is_dropped_and_its_registra
     feed_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Liveness (docs/design.md): the server pings; a listener that stops
-    reading, and so answering, is dropped within ping interval + ping timeout, its
-    registration is gone, and the log says why. Another listener is untouched."""
+    reading, and so answering, is evicted within ping interval + four ping
+    timeouts (its TCP acknowledges the ping, progress once; then
+    PingWatch.PATIENCE + 1 deadlines without any), its
+    registration is gone, and the log and the stats' recent evictions say why.
+    Another listener is untouched."""
     caplog.set_level(logging.INFO, logger="changefeed")
     pings = {"ws_ping_interval": 0.3, "ws_ping_timeout": 0.3}
     async with running_publisher(feed_dsn, server=pings) as pub:
@@ -470,15 +473,48 @@ async def test_a_listener_that_stops_answering_pings_is_dropped_and_its_registra
         started = time.monotonic()
         mute.transport.pause_reading()  # pings go unanswered from now on
         await wait_until(lambda: len(pub.publisher.registry) == 1, timeout=5)
-        assert time.monotonic() - started < 0.3 + 0.3 + 2.0  # interval + timeout + slack
-        (gone,) = [r for r in caplog.records if r.getMessage() == "listener.disconnected"]
+        assert time.monotonic() - started < 0.3 + 4 * 0.3 + 2.0  # interval + timeouts + slack
+        (gone,) = [r for r in caplog.records if r.getMessage() == "listener.evicted"]
         fields = gone.cf_fields  # type: ignore[attr-defined]
-        assert fields["service"] == "mute" and "keepalive" in fields["reason"], fields
+        assert fields["service"] == "mute" and fields["code"] == "keepalive_timeout", fields
         stats = pub.publisher.stats()
         assert [r["service"] for r in stats["registrations"]] == ["tcns"]
+        (evicted,) = stats["recentEvictions"]
+        assert evicted["code"] == "keepalive_timeout" and evicted["service"] == "mute"
+        assert stats["counters"]["evictionsByCode"] == {"keepalive_timeout": 1}
         # The one that answers stays registered and keeps receiving.
         await write(feed_dsn, [("vm", [], "after-the-mute-one")])
         (item,) = await receive_items(alive, 1)
         assert item["changedResourceId"] == "after-the-mute-one"
         await alive.close()
         mute.transport.abort()
+
+
+async def test_listeners_first_hands_the_listener_websocket_past_the_apps_middleware() -> None:
+    """Publisher.listeners_first(app): the /changefeeds websocket goes straight to the
+    publisher's endpoint (none of the app's frames held for an idle listener);
+    everything else, HTTP on the same path included, to the app."""
+    seen: list[tuple[str, str, str]] = []
+
+    def recorder(name: str) -> Any:
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            seen.append((name, scope["type"], scope.get("path", "")))
+
+        return app
+
+    from changefeed.publisher.routes import ListenersFirst
+
+    first = ListenersFirst(recorder("app"), recorder("listeners"))
+    for scope in (
+        {"type": "websocket", "path": "/changefeeds"},
+        {"type": "http", "path": "/changefeeds"},
+        {"type": "websocket", "path": "/elsewhere"},
+        {"type": "lifespan"},
+    ):
+        await first(scope, None, None)
+    assert seen == [
+        ("listeners", "websocket", "/changefeeds"),
+        ("app", "http", "/changefeeds"),
+        ("app", "websocket", "/elsewhere"),
+        ("app", "lifespan", ""),
+    ]

@@ -15,6 +15,7 @@ from helpers import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
+from changefeed.publisher import install_trigger
 from changefeed.schemas import (
     ORIGIN,
     ChangeKind,
@@ -312,9 +313,41 @@ async def test_publish_rings_the_doorbell_only_at_commit(feed_dsn: str) -> None:
         async with writer.transaction():
             await writer.execute("SELECT changefeed.publish('vm', ARRAY['nic'], 'a')")
             await writer.execute("SELECT changefeed.publish('vm', ARRAY['alias'], 'b')")
+            txid = await writer.fetchval("SELECT pg_current_xact_id()::text")
         await wait_until(lambda: len(rings) >= 1, message="doorbell after commit")
         await listener.fetchval("SELECT 1")  # anything pending has arrived by now
-        assert rings == [""]  # one per committed transaction, none for the rollback
+        # One per committed transaction, none for the rollback; it names the
+        # transaction (what a tailer on a standby waits to see replayed).
+        assert rings == [txid]
+    finally:
+        await listener.close()
+        await writer.close()
+
+
+async def test_bulk_and_trigger_writes_ring_once_naming_their_transaction(feed_dsn: str) -> None:
+    """publish_many and the publish_row trigger ring as publish does: once per
+    committed transaction, naming it; a publish_many of nothing rings nothing."""
+    listener, writer = await asyncpg.connect(feed_dsn), await asyncpg.connect(feed_dsn)
+    rings: list[str] = []
+    try:
+        await listener.add_listener(
+            notify_channel("changefeed"), lambda _c, _pid, _chan, payload: rings.append(payload)
+        )
+        await writer.execute("CREATE TABLE vms (uuid text PRIMARY KEY, alias text)")
+        await install_trigger(writer, "vms", "vm", "uuid")
+        await writer.fetchval("SELECT changefeed.publish_many($1, $2, $3)", [], [], [])
+        expected = []
+        async with writer.transaction():
+            await writer.fetchval(
+                "SELECT changefeed.publish_many($1, $2, $3)", ["vm", "vm"], ["", ""], ["a", "b"]
+            )
+            expected.append(await writer.fetchval("SELECT pg_current_xact_id()::text"))
+        async with writer.transaction():
+            await writer.execute("INSERT INTO vms VALUES ('c', 'x'), ('d', 'y')")
+            expected.append(await writer.fetchval("SELECT pg_current_xact_id()::text"))
+        await wait_until(lambda: len(rings) >= 2, message="two doorbells")
+        await listener.fetchval("SELECT 1")
+        assert rings == expected
     finally:
         await listener.close()
         await writer.close()

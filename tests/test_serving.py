@@ -1,57 +1,121 @@
-"""The uvicorn fast path: checked once, logged, and never required.
+"""The fast path on uvicorn: used only where it was tested, checked once, and never required.
 
-``FanoutWebSocketProtocol`` borrows private parts of uvicorn's websocket
-protocol for direct frame writes. pyproject pins the uvicorn versions CI runs;
-the parts are checked once per process, and the path in use is logged. A
-uvicorn without them gets uvicorn's own behaviour and ASGI sends, and the
-publisher serves the same.
+Plain ASGI is the default (``server_config`` without ``fast_path``). The fast
+path (``FanoutWebSocketProtocol``) and the request deadlines
+(changefeed.http_timeouts) run only on a uvicorn in ``TESTED_UVICORN`` that
+still has every private name they use and passes a self-check that runs
+them once; anything else gets uvicorn's own protocols, and one log line
+saying why (changefeed.fast_path).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import pytest
-from publisher_fixtures import receive_items, register, registration, running_publisher, write
 from starlette.applications import Starlette
 
-from changefeed import serving
+from changefeed import fast_path, serving
+from changefeed.http_timeouts import head_timeout_protocol
+from changefeed.uvicorn_fastpath import FanoutWebSocketProtocol
 
 
-def test_the_pinned_uvicorn_has_everything_direct_writes_borrow() -> None:
-    assert serving.direct_writes_unsupported() is None
+@pytest.fixture
+def fresh_verdicts() -> Iterator[None]:
+    """Verdicts are made once per process: each test here makes its own, and leaves
+    the real ones to be made again."""
+    fast_path.fast_path.cache_clear()
+    fast_path.deadlines.cache_clear()
+    yield
+    fast_path.fast_path.cache_clear()
+    fast_path.deadlines.cache_clear()
 
 
-def test_server_config_logs_which_path_is_active(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def _verdict_lines(caplog: pytest.LogCaptureFixture, event: str) -> list[tuple[str, str, str]]:
+    return [
+        (r.levelname, r.cf_fields["path"], r.cf_fields["why"])  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.getMessage() == event
+    ]
+
+
+def test_the_newest_uvicorn_ci_runs_passes_every_check(
+    fresh_verdicts: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="changefeed")
-    serving.server_config(Starlette(), "127.0.0.1", 0)
-    monkeypatch.setattr(serving, "direct_writes_unsupported", lambda: "uvicorn 9.9 lacks writable")
-    serving.server_config(Starlette(), "127.0.0.1", 0)
-    paths = [
-        (r.cf_fields["path"], r.cf_fields["why"])  # type: ignore[attr-defined]
-        for r in caplog.records
-        if r.getMessage() == "serving.fanout_path"
-    ]
-    assert paths == [("direct writes", None), ("ASGI sends", "uvicorn 9.9 lacks writable")]
+    assert fast_path.fast_path().ok, fast_path.fast_path().why_not
+    assert fast_path.deadlines().ok, fast_path.deadlines().why_not
+    fast_path.fast_path()  # once per process: no second line
+    assert _verdict_lines(caplog, "serving.fast_path") == [("INFO", "direct writes", None)]
+    assert serving.FanoutWebSocketProtocol is FanoutWebSocketProtocol
 
 
-async def test_without_the_borrowed_parts_the_publisher_serves_through_asgi(
-    feed_dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_server_config_is_plain_asgi_unless_asked() -> None:
+    plain = serving.server_config(Starlette(), "127.0.0.1", 0)
+    assert plain.ws == serving.PLAIN_WS
+    assert plain.http == "auto"
+    fast = serving.server_config(Starlette(), "127.0.0.1", 0, fast_path=True, head_timeout=7.5)
+    assert fast.ws is FanoutWebSocketProtocol
+    assert fast.http is head_timeout_protocol(7.5)
+    with pytest.raises(ValueError, match="positive"):
+        serving.server_config(Starlette(), "127.0.0.1", 0, head_timeout=0)
+
+
+def test_a_uvicorn_outside_the_tested_range_gets_plain_asgi_and_one_warning(
+    fresh_verdicts: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="changefeed")
-    monkeypatch.setattr(serving, "direct_writes_unsupported", lambda: "uvicorn 9.9 lacks writable")
-    async with running_publisher(feed_dsn, ws="direct") as pub:
-        ws, _ = await register(pub.ws_url, registration(subs=[]))
-        await write(feed_dsn, [("vm", [], f"asgi-{i}") for i in range(20)])
-        items = await receive_items(ws, 20)
-        assert [i["changedResourceId"] for i in items] == [f"asgi-{i}" for i in range(20)]
-        assert pub.publisher.sessions.direct_writes is False
-        await ws.close()
-    paths = [
-        r.cf_fields["path"]  # type: ignore[attr-defined]
-        for r in caplog.records
-        if r.getMessage() == "fanout.path"
+    monkeypatch.setattr(fast_path, "uvicorn_version", lambda: "0.55.0")
+    config = serving.server_config(Starlette(), "127.0.0.1", 0, fast_path=True, head_timeout=5)
+    assert config.ws == serving.PLAIN_WS
+    assert config.http == "auto"
+    why = "uvicorn 0.55.0 is outside the tested versions (>=0.54,<0.55)"
+    assert _verdict_lines(caplog, "serving.fast_path") == [("WARNING", "plain ASGI", why)]
+    assert _verdict_lines(caplog, "serving.deadlines") == [
+        ("WARNING", "none (the proxy's job)", why)
     ]
-    assert paths == ["ASGI sends"]
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    assert serving.FanoutWebSocketProtocol is WebSocketsSansIOProtocol
+    assert serving.fast_path_unavailable() == why
+
+
+def test_a_uvicorn_without_a_name_the_fast_path_uses_gets_plain_asgi(
+    fresh_verdicts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    monkeypatch.delattr(WebSocketsSansIOProtocol, "send_keepalive_ping")
+    why = serving.fast_path_unavailable()
+    assert why is not None and "send_keepalive_ping is not a method" in why
+    assert (
+        serving.server_config(Starlette(), "127.0.0.1", 0, fast_path=True).ws == "websockets-sansio"
+    )
+
+
+def test_the_self_check_runs_the_fast_path_and_refuses_one_that_misbehaves(
+    fresh_verdicts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A uvicorn whose names all match but whose behaviour changed underneath: the
+    self-check sees the bare 1009 it would now send instead of 4006."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    monkeypatch.setattr(
+        FanoutWebSocketProtocol,
+        "handle_parser_exception",
+        WebSocketsSansIOProtocol.handle_parser_exception,
+    )
+    why = serving.fast_path_unavailable()
+    assert why == "its self-check failed: a bad frame was closed with 1009, not 4006"
+
+
+def test_the_deadlines_self_check_refuses_deadlines_that_never_fire(
+    fresh_verdicts: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from changefeed import http_timeouts
+
+    monkeypatch.setattr(http_timeouts._HeadDeadline, "_arm_head_deadline", lambda self: None)
+    why = fast_path.deadlines().why_not
+    assert why is not None and "half a head was not answered 408" in why
+    assert serving.server_config(Starlette(), "127.0.0.1", 0, head_timeout=5).http == "auto"

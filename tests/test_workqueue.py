@@ -183,3 +183,17 @@ def test_model_never_concurrent_never_lost(ops: list[tuple[str, str]]) -> None:
             queue.done(key)
     assert sorted(drained) == sorted(owed)
     assert queue.idle
+
+
+def test_a_long_queue_hands_out_in_order_while_it_drops_what_it_handed_out() -> None:
+    """The ready ids are a list read from a head index, compacted now and then."""
+    queue: WorkQueue[int] = WorkQueue(clock=lambda: 0.0)
+    queue.add_many(range(3000))
+    taken = queue.pop(1500)
+    queue.add_many(range(3000, 3500))
+    taken += queue.pop(1200)  # past half of the list: the part handed out is dropped
+    assert len(queue) == 800
+    queue.done_many(taken)
+    queue.add(0)  # done: queued again, at the end
+    taken += queue.pop(10_000)
+    assert taken == [*range(3500), 0] and len(queue) == 0

@@ -348,10 +348,15 @@ class DnsController:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Stop the background task; raise the error that stopped it, unless the
+        block raised one of its own."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if exc is None and not task.cancelled() and (failure := task.exception()) is not None:
+            raise failure
 
     # -- reconcile -------------------------------------------------------------
 

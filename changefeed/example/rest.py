@@ -53,7 +53,8 @@ MAX_BODY_BYTES = 65536
 
 Handler = Callable[[Request], Awaitable[Response]]
 Authorizer = Callable[[Request], Awaitable[Response | None]]
-"""Returns the refusal (401) of a request without a valid token, or None."""
+"""Returns the refusal of a request the token check turns away (401, 403 or 503, as
+``BootstrapRoute.refuse_unauthorized`` answers it), or None."""
 
 
 class InvalidBody(ValueError):

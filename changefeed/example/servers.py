@@ -35,6 +35,7 @@ from changefeed.bootstrap import Admission, BootstrapRoute, Filter, KeysetQuery
 from changefeed.bootstrap.route import PoolSource
 from changefeed.logs import log_event
 from changefeed.publisher import Publisher, ResourceConfig, publish
+from changefeed.schemas import AccessDenied, AccessGranted
 
 from .rest import (
     MAX_BODY_BYTES,
@@ -272,7 +273,7 @@ class ServerApi:
             to_item=_server_item,
         )
 
-    async def _authorize(self, request: Request) -> bool:
+    async def _authorize(self, request: Request) -> AccessGranted | AccessDenied:
         return await self.publisher.authorize_request(request, SERVER_RESOURCE.name)
 
     def routes(self) -> list[Route]:

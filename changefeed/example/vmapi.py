@@ -36,7 +36,6 @@ database outage with a traceback (503 ``unavailable`` instead).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ipaddress
 import logging
 import uuid
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+import msgspec
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -53,7 +53,8 @@ from starlette.routing import Route
 
 from changefeed.bootstrap import Admission, BootstrapRoute, Filter, KeysetQuery
 from changefeed.logs import log_event
-from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish
+from changefeed.publisher import Authorizer, Publisher, PublisherConfig, ResourceConfig, publish
+from changefeed.schemas import AccessDenied, AccessGranted
 
 from .rest import (
     MAX_BODY_BYTES,
@@ -299,7 +300,7 @@ class VmApi:
             to_item=_vm_item,
         )
 
-    async def _authorize(self, request: Request) -> bool:
+    async def _authorize(self, request: Request) -> AccessGranted | AccessDenied:
         # The publisher's bearer tokens, and the token must be allowed to read ``vm``.
         return await self.publisher.authorize_request(request, VM_RESOURCE.name)
 
@@ -405,6 +406,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     default_limit: int = 100,
     max_limit: int = 5000,
+    authorize: Authorizer | None = None,
     **publisher_overrides: Any,
 ) -> Starlette:
     """The VM API as a Starlette app, with the publisher mounted and running in its lifespan.
@@ -416,6 +418,8 @@ def create_app(
         admission: admission control of ``GET /vms`` and ``GET /servers`` walks
             (default ``Admission()``, one for both).
         pool_size, max_body_bytes, default_limit, max_limit: see ``VmApi``.
+        authorize: the publisher's authorizer of bearer tokens (``Authorizer``,
+            docs/security.md), for the routes of the feed and of the API alike.
         publisher_overrides: PublisherConfig fields to replace, e.g.
             ``poll_interval=0.05`` or ``auth_tokens=("secret",)``.
 
@@ -427,8 +431,8 @@ def create_app(
     if config.dsn is None:
         publisher_overrides.setdefault("dsn", dsn)
     if publisher_overrides:
-        config = dataclasses.replace(config, **publisher_overrides)
-    publisher = Publisher(config)
+        config = msgspec.structs.replace(config, **publisher_overrides)
+    publisher = Publisher(config, authorize=authorize)
     admission = admission if admission is not None else Admission()
     limits: dict[str, Any] = {
         "admission": admission,

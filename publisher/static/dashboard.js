@@ -2,7 +2,9 @@
  *
  * Every value goes into the page as text (textContent, text nodes, attribute
  * values), never as markup: instance and service names are whatever listeners
- * sent. Fields a publisher does not report are shown as "—", never guessed.
+ * sent. Those names are shown through `escaped`, which escapes the characters
+ * that would reorder, hide or break the text around them. Fields a publisher
+ * does not report are shown as "—", never guessed.
  * Thresholds for the colours are those of deploy/prometheus/changefeed-alerts.yml.
  */
 "use strict";
@@ -51,6 +53,17 @@
   }
 
   const has = (value) => value !== undefined && value !== null;
+
+  // Bidirectional controls (U+061C, U+200E/F, U+202A-U+202E, U+2066-U+2069) would
+  // reorder the text around them, so that "abc\u202Egnp.exe" reads "abcexe.png";
+  // C0/C1 controls, zero-width characters and line separators hide or break it.
+  // A listener chooses its names: each such character is shown as its escape.
+  const UNSAFE = /[\u0000-\u001f\u007f-\u009f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]/g;
+
+  /** A name a listener sent, as text, with the characters above escaped (\u202E). */
+  function escaped(value) {
+    return String(value).replace(UNSAFE, (c) => `\\u${c.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0")}`);
+  }
 
   function missing(what) {
     return el("span", { class: "missing", title: `${what}: not reported by this publisher`, text: "—" });
@@ -265,7 +278,7 @@
     const needle = filterText.trim().toLowerCase();
     const shown = needle
       ? rows.filter((r) =>
-          [r.instance, r.service, kindText(r.changeKind), r.peer, r.state]
+          [escaped(r.instance), escaped(r.service), kindText(r.changeKind), r.peer, r.state]
             .join(" ")
             .toLowerCase()
             .includes(needle),
@@ -277,8 +290,8 @@
         "tr",
         {},
         cell(stateBadge(r.state)),
-        cell(String(r.instance), "mono clip", String(r.instance)),
-        cell(String(r.service), "clip", String(r.service)),
+        cell(escaped(r.instance), "mono clip", escaped(r.instance)),
+        cell(escaped(r.service), "clip", escaped(r.service)),
         cell(kindText(r.changeKind)),
         cell(String(r.peer || ""), "mono"),
         cell(since(r.connectedSince), "num"),
@@ -360,8 +373,8 @@
           "tr",
           {},
           cell(ago(e.at)),
-          cell(String(e.instance), "mono clip", String(e.instance)),
-          cell(String(e.service), "clip", String(e.service)),
+          cell(escaped(e.instance), "mono clip", escaped(e.instance)),
+          cell(escaped(e.service), "clip", escaped(e.service)),
           cell((Array.isArray(e.changeKinds) ? e.changeKinds : []).map(kindText).join("; ")),
           cell(has(e.delivered) ? quantity(e.delivered, "") : null, "num"),
           cell(has(e.dropped) ? quantity(e.dropped, "") : null, "num bad"),
@@ -388,24 +401,26 @@
           cell(badge(String(r.code), "bad")),
           cell(String(r.endpoint)),
           cell(String(r.peer || ""), "mono"),
-          cell(String(r.reason || ""), "wrap"),
+          cell(escaped(r.reason || ""), "wrap"),
         ),
       "none",
     );
   }
 
+  // The counters of the "Since start" line: declared with every other view of them
+  // (publisher/figures.py), and written into the page as data.
+  const SINCE_START = (() => {
+    try {
+      const listed = JSON.parse(($("since-start") || {}).textContent || "[]");
+      return Array.isArray(listed) ? listed : [];
+    } catch {
+      return [];
+    }
+  })();
+
   function renderCounters(doc) {
     const c = doc.counters || {};
-    const parts = [
-      ["connections opened", c.connections],
-      ["listeners registered", c.listeners],
-      ["registrations", c.registrations],
-      ["disconnects", c.disconnects],
-      ["evictions", c.evictions],
-      ["items sent", c.sent],
-      ["frames", c.frames],
-      ["items dropped", c.dropped],
-    ].filter(([, v]) => has(v));
+    const parts = SINCE_START.map(([key, label]) => [label, c[key]]).filter(([, v]) => has(v));
     $("counters").replaceChildren(
       el("strong", { text: "Since start" }),
       ...parts.map(([label, v]) => el("span", { text: `${integer.format(v)} ${label}` })),

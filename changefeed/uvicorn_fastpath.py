@@ -1,0 +1,350 @@
+"""The fast path on uvicorn: direct frame writes and the publisher's websocket protections.
+
+Do not import this module to get the class: ``changefeed.serving`` hands
+``FanoutWebSocketProtocol`` out only where it was tested (changefeed.fast_path:
+a uvicorn version range, the private names it uses, and a self-check that runs
+it once), and uvicorn's own protocol (plain ASGI) everywhere else. It extends
+uvicorn's private websockets sans-I/O protocol; every private name it uses is
+listed in changefeed.uvicorn_private.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import PayloadTooBig
+from websockets.frames import Close, Frame, Opcode
+from websockets.http11 import Request
+from websockets.protocol import State
+
+from changefeed.logs import log_event
+from changefeed.publisher.wakeup import Wakeup
+from changefeed.publisher.wire import DIRECT_WRITES, DISCONNECT_CAUSE, Disconnect
+from changefeed.schemas import ERROR_CLOSE_CODES, ErrorFrame
+from changefeed.tcp_liveness import (
+    NOTSENT_LOWAT,
+    PingWatch,
+    bytes_acked,
+    notsent_lowat,
+    set_notsent_lowat,
+    unacked_bytes,
+)
+
+__all__ = ["FanoutWebSocketProtocol"]
+
+log = logging.getLogger("changefeed.serving")
+
+_WRITE_BUFFER_HIGH = 4 * 1024
+"""Bytes a listener's transport buffers above the kernel before the publisher's
+writes to it wait: with ``TCP_NOTSENT_LOWAT`` below it, what sits ahead of a
+ping or a pong stays small (changefeed.tcp_liveness). It is checked after a
+write: one turn of frames may go past it."""
+_ABORT_MARGIN = 1.0
+"""Seconds past uvicorn's close handshake timeout before a connection whose app
+is done is dropped (see FanoutWebSocketProtocol.run_asgi)."""
+
+
+def _is_utf8(parts: list[bytes]) -> bool:
+    try:
+        (parts[0] if len(parts) == 1 else b"".join(parts)).decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+class _DirectWriter:
+    """changefeed.publisher.wire.FrameWriter for one uvicorn websocket connection.
+
+    Called for every listener on every flush: it keeps what ``open`` reads at
+    hand, and ``write`` is the transport's own method."""
+
+    __slots__ = ("_conn", "_protocol", "_socket", "_transport", "write")
+
+    def __init__(self, protocol: FanoutWebSocketProtocol) -> None:
+        self._protocol = protocol
+        self._transport = protocol.transport
+        self._conn = protocol.conn
+        self._socket = protocol.transport.get_extra_info("socket")
+        self.write = protocol.transport.write
+
+    def buffered(self) -> int:
+        # The kernel's part too: for a listener that stopped reading on a quiet
+        # feed, what it has not taken may all sit there (the stall watch).
+        return self._transport.get_write_buffer_size() + unacked_bytes(self._socket)
+
+    @property
+    def lost(self) -> bool:
+        protocol = self._protocol
+        return protocol.lost or protocol.close_sent or self._transport.is_closing()
+
+    @property
+    def open(self) -> bool:
+        protocol = self._protocol
+        return (
+            not protocol.paused
+            and not protocol.lost
+            and not protocol.close_sent
+            and self._conn.state is State.OPEN
+            and not self._transport.is_closing()
+        )
+
+
+class _Inbox:
+    """What uvicorn's protocol queues for the app's ``receive``: ``asyncio.Queue``'s
+    ``put_nowait``, ``get`` and ``empty`` for its one reader, without the four empty
+    deques (about 3 KB) every idle listener would hold."""
+
+    __slots__ = ("_items", "_ready")
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._ready = Wakeup()
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.pop(0)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
+class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's ``websockets-sansio`` protocol, plus the ``DIRECT_WRITES`` scope
+    extension through which a publisher writes each fan-out frame, serialised once,
+    straight to the transport (changefeed.publisher.wire).
+
+    The extension is offered only when no websocket extension (per-message
+    deflate) was negotiated: compressed frames differ per connection.
+
+    What else a publisher gets from it: a frame over ``ws_max_size`` is refused
+    like one over the publisher's ``max_frame_bytes`` (error frame, then 4006),
+    and a text frame that is not UTF-8 like any other bad frame (error frame,
+    then 4000); a listener that stops answering pings while it makes no
+    progress is reported to the app as such, at once, and one that reads is
+    never cut off by them; a handshake refused with an HTTP response (401) is
+    not logged as an error; a handshake websockets cannot parse is answered
+    (431) and closed, not left open for good; what waits below the app is
+    small (a 4 KiB transport buffer, ``TCP_NOTSENT_LOWAT``); and a connection
+    whose app is done is dropped once its close handshake had its time, even
+    when the peer stopped reading (``run_asgi``).
+    """
+
+    paused = False
+    """The transport paused writing (asyncio flow control): a write would only queue."""
+    lost = False
+    """The connection is gone."""
+    _received = 0
+    """Bytes the peer has sent (progress, for the keepalive)."""
+    _ping_watch: PingWatch | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Ten thousand idle listeners: what each connection holds counts. The same
+        # methods as uvicorn's asyncio.Queue and asyncio.Event, without their deques.
+        self.queue: Any = _Inbox()
+        self.writable: Any = Wakeup()
+        self.writable.set()
+
+    # -- asyncio's own protocol hooks (public), for state this class keeps itself
+
+    def pause_writing(self) -> None:
+        self.paused = True
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        super().resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        super().connection_lost(exc)
+
+    # -- uvicorn's (private, changefeed.uvicorn_private)
+
+    def data_received(self, data: bytes) -> None:
+        """A handshake websockets cannot parse is answered and closed.
+
+        httptools hands over any head with ``Upgrade: websocket`` (which ends its
+        head deadline, changefeed.http_timeouts); websockets then refuses what it
+        cannot parse (a header line over 8 KiB, too many headers: 431; anything
+        else: no answer) without raising an event. uvicorn writes nothing and
+        closes nothing then, so the socket would be held for good by a peer that
+        never even sent a token. Its answer is written and the connection closed.
+        """
+        self._received += len(data)
+        super().data_received(data)
+        if (
+            self.conn.handshake_exc is not None
+            and not self.handshake_complete
+            and not self.transport.is_closing()
+        ):
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.transport.close()
+
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        self._bound_unsent()
+        # The ASGI task is created but has not run: the scope can still grow.
+        if not self.close_sent and not self.conn.extensions:
+            extensions: dict[str, Any] = self.scope["extensions"]
+            extensions[DIRECT_WRITES] = _DirectWriter(self)
+
+    def _bound_unsent(self) -> None:
+        """Keep what waits below the app for this connection small: at most
+        ``_WRITE_BUFFER_HIGH`` in the transport before the publisher's writes wait
+        (asyncio's flow control), and ``NOTSENT_LOWAT`` unsent in the kernel unless
+        the socket was given its own limit (a listening socket's is inherited)."""
+        self.transport.set_write_buffer_limits(high=_WRITE_BUFFER_HIGH)
+        sock = self.transport.get_extra_info("socket")
+        if notsent_lowat(sock) == 0:
+            set_notsent_lowat(sock, NOTSENT_LOWAT)
+
+    def handle_parser_exception(self) -> None:
+        """A frame over ``ws_max_size`` gets the publisher's refusal, an error frame
+        and 4006 (the app hears of it as a disconnect with that code and reason),
+        instead of a bare 1009. The frame itself is never read: websockets refuses
+        it from its header."""
+        exc = self.conn.parser_exc
+        if not isinstance(exc, PayloadTooBig) or not self.handshake_complete or self.close_sent:
+            super().handle_parser_exception()
+            return
+        self.conn.data_to_send()  # websockets' own close (1009): replaced below
+        message = f"frame exceeds the server's limit of {self.config.ws_max_size} bytes"
+        self._refuse_frame(Disconnect.FRAME_TOO_LARGE, message)
+
+    def send_receive_event_to_app(self) -> None:
+        """A text message that is not UTF-8 is a bad frame: the publisher's refusal
+        (error frame ``bad_frame``, then 4000), as for any other bad frame, instead
+        of uvicorn's error log with a traceback for each one and a bare 1007."""
+        if (
+            self.curr_msg_data_type == "text"
+            and self.handshake_complete
+            and not self.close_sent
+            and not _is_utf8(self.frames)
+        ):
+            self.frames = []
+            self._refuse_frame(Disconnect.BAD_FRAME, "a text frame must be UTF-8")
+            return
+        super().send_receive_event_to_app()
+
+    def _refuse_frame(self, cause: Disconnect, message: str) -> None:
+        """Send the publisher's error frame for ``cause`` and its close code, tell the
+        app why, and close."""
+        reason = cause.value
+        code = ERROR_CLOSE_CODES[reason]
+        error = ErrorFrame(reason, message).encode().encode()
+        close = Close(code, reason).serialize()
+        self.transport.write(
+            Frame(Opcode.TEXT, error).serialize(mask=False, extensions=())
+            + Frame(Opcode.CLOSE, close).serialize(mask=False, extensions=())
+        )
+        disconnect: Any = {
+            "type": "websocket.disconnect",
+            "code": code,
+            "reason": reason,
+            DISCONNECT_CAUSE: cause,
+        }
+        self.queue.put_nowait(disconnect)
+        self.close_sent = True
+        self.transport.close()
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if message["type"] == "websocket.accept" and self.handshake_complete:
+            # The handshake's request and response are not read again, nor are the
+            # scope's headers once the app accepted (it checked the token before):
+            # kept, they would stay for the connection's life.
+            self.request = self.response = None  # type: ignore[assignment]
+            self.scope["headers"] = []
+        if self.initial_response is not None and self.close_sent and not self.handshake_complete:
+            # The app answered the handshake with an HTTP response (a refused token):
+            # that is a complete handshake. uvicorn would log an error for each one
+            # ("ASGI callable returned without completing handshake").
+            self.handshake_complete = True
+
+    def send_keepalive_ping(self) -> None:
+        super().send_keepalive_ping()
+        if self.pending_ping_payload is not None:
+            if self._ping_watch is None:
+                self._ping_watch = PingWatch()
+            self._ping_watch.sent(self._acked(), self._received)
+
+    def _acked(self) -> int | None:
+        return bytes_acked(self.transport.get_extra_info("socket"))
+
+    def keepalive_timeout(self) -> None:
+        """A ping's deadline passed without its pong.
+
+        A listener that reads slowly answers a ping only once it has read the
+        frames before it. The deadline is extended until the connection has
+        shown no progress (its TCP acknowledged nothing more, it sent nothing)
+        for ``PingWatch.PATIENCE + 1`` deadlines in a row: a listener that reads
+        is never cut off here, and one that stops is for the publisher's stall
+        timeout (changefeed.tcp_liveness). Then uvicorn fails the connection, and
+        the app hears of it at once and why, not only once the socket has closed
+        (which, for a peer that stopped reading too, is when ``run_asgi`` aborts
+        it)."""
+        watch = self._ping_watch
+        timeout = self.ping_timeout
+        if (
+            watch is not None
+            and timeout is not None
+            and not watch.expired(self._acked(), self._received)
+        ):
+            self.pong_timer = self.loop.call_later(timeout, self.keepalive_timeout)
+            return
+        failing = not (self.close_sent or self.transport.is_closing())
+        super().keepalive_timeout()
+        if failing:
+            disconnect: Any = {
+                "type": "websocket.disconnect",
+                "code": 1011,
+                "reason": "keepalive ping timeout",
+                DISCONNECT_CAUSE: Disconnect.KEEPALIVE_TIMEOUT,
+            }
+            self.queue.put_nowait(disconnect)
+
+    async def run_asgi(self) -> None:
+        """Run the app; once it is done, make sure the connection ends.
+
+        uvicorn closes the transport gracefully, which waits until its write
+        buffer drains. A peer that stopped reading (an evicted listener, whose
+        unsent frames fill the buffer) never lets it drain, and would keep its
+        socket, the buffer and the kernel's send queue for good, outside
+        ``max_connections``. Nothing but the close handshake is sent once the app
+        is done: a connection still there after the handshake's timeout, or whose
+        app gave up before its close frame could be written, is aborted.
+        """
+        await super().run_asgi()
+        if self.lost:
+            return
+        if self.close_sent:
+            self.loop.call_later(self.close_timeout + _ABORT_MARGIN, self._abort_unless_lost)
+        elif self.transport.get_write_buffer_size():
+            self._abort()
+
+    def _abort_unless_lost(self) -> None:
+        if not self.lost:
+            self._abort()
+
+    def _abort(self) -> None:
+        client = self.client
+        log_event(
+            log,
+            "connection.aborted",
+            logging.INFO,
+            peer=f"{client[0]}:{client[1]}" if client else "",
+            unsent=self.transport.get_write_buffer_size(),
+        )
+        self.transport.abort()

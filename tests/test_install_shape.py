@@ -1,0 +1,92 @@
+"""What `pip install changefeed` is: the listener side, light. The extras bring the rest.
+
+Checked here in this checkout's environment, in a fresh interpreter each time
+(what a module import pulls in is decided once per process). The built wheel,
+installed into clean venvs, is checked in tests/test_wheel.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_SIDE = ("uvicorn", "starlette", "asyncpg", "pyspark", "prometheus_client")
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_the_listener_side_imports_no_server_side_module() -> None:
+    # jsonschema is the listener's too, but loaded on first use only.
+    unwanted = (*SERVER_SIDE, "jsonschema")
+    code = (
+        "import sys\n"
+        "import changefeed.listener, changefeed.bootstrap, changefeed.schemas, changefeed.snoop\n"
+        "from changefeed.bootstrap import Pager\n"
+        f"print(sorted(m for m in {unwanted!r} if m in sys.modules))\n"
+    )
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_core_dependencies_leave_the_server_side_to_the_extras() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = " ".join(project["dependencies"])
+    for name in ("uvicorn", "starlette", "asyncpg", "pyspark", "prometheus-client"):
+        assert name not in core
+    extras = project["optional-dependencies"]
+    assert {"publisher", "serve", "spark", "all"} <= set(extras)
+    assert "uvicorn[standard]>=0.35" in extras["serve"]
+    # No upper pin on a server: an embedder keeps its own.
+    assert not [d for d in extras["serve"] + extras["publisher"] if "<" in d]
+
+
+def test_the_tests_run_the_fast_path_on_the_uvicorn_it_claims() -> None:
+    """The development and CI environment (the test extra) holds the newest uvicorn
+    of the fast path's tested range, so that its tests run it there."""
+    from changefeed.fast_path import TESTED_UVICORN
+
+    (low, high) = TESTED_UVICORN
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = [d for d in extras["optional-dependencies"]["test"] if d.startswith("uvicorn")]
+    assert pinned == [f"uvicorn[standard]>={low[0]}.{low[1]},<{high[0]}.{high[1]}"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "blocked", "extra"),
+    [
+        (["serve", "--config", "missing.toml"], "uvicorn", "serve"),
+        (["example-api", "--dsn", "postgresql://x/y"], "starlette", "serve"),
+        (["db", "init", "--dsn", "postgresql://x/y"], "asyncpg", "publisher"),
+        (["compact", "--dsn", "postgresql://x/y"], "asyncpg", "spark"),
+    ],
+)
+def test_a_command_without_its_extra_says_which_to_install(
+    argv: list[str], blocked: str, extra: str
+) -> None:
+    # A module set to None in sys.modules cannot be imported: as if not installed.
+    code = (
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        "from changefeed.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    done = _python(code)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"pip install 'changefeed[{extra}]'" in done.stderr
+    assert f"no module {blocked!r}" in done.stderr
+
+
+def test_the_publisher_without_its_extra_says_which_to_install() -> None:
+    done = _python("import sys; sys.modules['asyncpg'] = None\nimport changefeed.publisher\n")
+    assert done.returncode == 1
+    assert "changefeed.publisher needs changefeed[publisher]" in done.stderr

@@ -1,0 +1,309 @@
+"""A listener that reads is never cut off by either end's keepalive, and stats count what it took.
+
+A websocket ping, or the pong to a listener's ping, waits behind every byte
+sent before it. The publisher keeps what the kernel holds unsent for a
+listener small (``TCP_NOTSENT_LOWAT``) and what its transport holds too, so
+that a pong waits behind that and the listener's own receive buffer, not
+behind megabytes; and its own pings give up only on a connection that makes
+no progress (changefeed.tcp_liveness). Stats count an item as delivered once
+the listener's TCP has acknowledged it, not once it was written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import orjson
+import pytest
+from helpers import wait_until
+from keepalive_listeners import burst_id
+from publisher_fixtures import connect_not_reading, receive_items, registration, running_publisher
+from starlette.applications import Starlette
+from websockets.asyncio.client import connect
+
+from changefeed.publisher import publish_many
+from changefeed.publisher.inflight import InFlight
+from changefeed.serving import DrainingServer, server_config
+from changefeed.tcp_liveness import PingWatch, notsent_lowat
+
+LISTENERS = Path(__file__).with_name("keepalive_listeners.py")
+
+PRODUCTION_PINGS = {"ws_ping_interval": 20.0, "ws_ping_timeout": 20.0}
+"""The publisher's own keepalive (changefeed.serving.server_config)."""
+
+
+async def publish_burst(dsn: str, count: int) -> None:
+    """``count`` entries in one transaction, ids ``burst_id(0...)`` in feed order."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            await publish_many(conn, [("vm", ["nic"], burst_id(i)) for i in range(count)])
+    finally:
+        await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def listeners(url: str, expected: int, *groups: str) -> AsyncIterator[Any]:
+    """keepalive_listeners.py's listeners, registered and paused, in another process;
+    yields a function that awaits their results."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(LISTENERS), url, str(expected), *groups, stdout=asyncio.subprocess.PIPE
+    )
+    count = sum(int(group.split(":")[0]) for group in groups)
+
+    async def results(timeout: float) -> list[dict[str, Any]]:
+        assert proc.stdout is not None
+        found = []
+        async with asyncio.timeout(timeout):
+            for _ in range(count):
+                found.append(orjson.loads(await proc.stdout.readline()))
+        return found
+
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        assert line == b"ready\n", line
+        yield results
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+def cut_off(found: list[dict[str, Any]], expected: int) -> list[dict[str, Any]]:
+    """The listeners that did not get every item once, in order."""
+    return [r for r in found if r["got"] != expected or not r["inOrder"] or r["closed"]]
+
+
+# -- the pure parts ------------------------------------------------------------
+
+
+def quiet_deadlines(watch: PingWatch, acked: int | None, received: int) -> int:
+    """Deadlines with no progress until the watch gives up (at most 10)."""
+    for n in range(1, 11):
+        if watch.expired(acked, received):
+            return n
+    return 0
+
+
+def test_a_ping_watch_keeps_a_connection_whose_peer_takes_more_or_speaks() -> None:
+    """However long the pong takes, a listener that keeps reading (its TCP
+    acknowledges more) or speaking stays."""
+    watch = PingWatch()
+    watch.sent(acked=1_000, received=50)
+    acked = 1_000
+    for _ in range(10 * PingWatch.PATIENCE):
+        assert not watch.expired(acked=acked, received=50)  # a quiet deadline
+        acked += 4_096
+        assert not watch.expired(acked=acked, received=50)  # it read on: progress
+    for _ in range(PingWatch.PATIENCE):
+        assert not watch.expired(acked=acked, received=50)
+    assert not watch.expired(acked=acked, received=56)  # it sent a ping of its own
+
+
+def test_a_ping_watch_gives_up_after_patience_deadlines_without_progress() -> None:
+    """A listener reading its way through its own receive buffer shows nothing on
+    the publisher's side; nor does a gone or hung one. The ping decides only after
+    PATIENCE + 1 deadlines in a row without progress, and progress starts the
+    count again."""
+    watch = PingWatch()
+    watch.sent(acked=1_000, received=50)
+    assert quiet_deadlines(watch, 1_000, 50) == PingWatch.PATIENCE + 1
+    watch.sent(acked=1_000, received=50)
+    for _ in range(PingWatch.PATIENCE):
+        assert not watch.expired(acked=1_000, received=50)
+    assert not watch.expired(acked=1_006, received=50)  # the ping itself acknowledged
+    assert quiet_deadlines(watch, 1_006, 50) == PingWatch.PATIENCE + 1
+
+
+def test_a_ping_watch_without_tcp_figures_goes_by_what_the_peer_sends() -> None:
+    watch = PingWatch()
+    watch.sent(acked=None, received=0)
+    assert not watch.expired(acked=None, received=10)
+    assert quiet_deadlines(watch, None, 10) == PingWatch.PATIENCE + 1
+
+
+def test_in_flight_counts_an_item_taken_once_its_last_byte_is_acknowledged() -> None:
+    ledger = InFlight()
+    ledger.wrote(100, 2, first_published=10.0)
+    ledger.wrote(300, 3, first_published=11.0)
+    assert ledger.settle(outstanding=400) == 5
+    assert ledger.oldest() == 10.0
+    assert ledger.settle(outstanding=350) == 5  # half of the first write taken: not its items
+    assert ledger.settle(outstanding=300) == 3
+    assert ledger.oldest() == 11.0
+    assert ledger.settle(outstanding=0) == 0
+    assert ledger.oldest() is None
+
+
+def test_in_flight_stays_small_and_errs_towards_untaken() -> None:
+    ledger = InFlight()
+    for i in range(10 * InFlight.CROWDED):
+        ledger.wrote(10, 1, first_published=float(i))
+    assert ledger.crowded
+    # Merged writes: what is outstanding is never reported as taken.
+    assert ledger.settle(outstanding=15) >= 2
+    assert ledger.settle(outstanding=0) == 0
+    assert not ledger.crowded
+
+
+# -- on real sockets -------------------------------------------------------------
+
+
+async def test_stats_count_what_a_listener_has_taken_not_what_waits_in_buffers(
+    feed_dsn: str,
+) -> None:
+    """A listener that reads nothing: what the publisher wrote to its socket waits
+    in buffers, and stats say it has not been delivered (delivered, queue depth,
+    lag). Once it reads everything, stats say so."""
+    total = 5_000
+    async with running_publisher(feed_dsn, queue_size=1_000) as pub:
+        ws = await connect_not_reading(pub.ws_url)
+        await ws.send(registration(subs=[]))
+        await asyncio.wait_for(ws.recv(), 10)  # the ack
+        await publish_burst(feed_dsn, total)
+        delivery = next(iter(pub.publisher.registry)).delivery
+        tailer = pub.publisher.tailer
+        await wait_until(
+            lambda: tailer.entries_total >= total and delivery.sent > 0 and not delivery.live,
+            timeout=30,
+        )
+        (row,) = pub.publisher.stats()["registrations"]
+        # Its socket holds what it has not read: a 16 KiB receive buffer, one
+        # frame in the client library, and what the publisher's kernel holds
+        # unsent (TCP_NOTSENT_LOWAT, 32 KiB): a few hundred ~250-byte items at most.
+        assert row["delivered"] < 1_000, row
+        assert row["delivered"] < delivery.sent, row
+        # And what waits below the publisher is bounded too (the kernel's unsent
+        # part, the transport's buffer): the rest waits in the publisher.
+        assert delivery.sent - row["delivered"] < 1_000, (delivery.sent, row)
+        assert row["state"] == "catching_up", row
+        assert row["lagEntries"] >= total - row["delivered"], row
+        assert row["queueDepth"] >= delivery.sent - row["delivered"], row
+        assert row["lagSeconds"] is not None and row["lagSeconds"] >= 0, row
+        # Now it reads all of it.
+        ws.transport.resume_reading()
+        items = await receive_items(ws, total, timeout=60)
+        assert [i["changedResourceId"] for i in items] == [burst_id(i) for i in range(total)]
+
+        def caught_up() -> bool:
+            (row,) = pub.publisher.stats()["registrations"]
+            return bool(row["delivered"] == total and row["lagEntries"] == 0)
+
+        await wait_until(caught_up, timeout=10)
+        (row,) = pub.publisher.stats()["registrations"]
+        assert row["queueDepth"] == 0 and row["state"] == "live", row
+        await ws.close()
+
+
+async def test_a_listener_reading_its_own_full_buffer_is_not_cut_off_by_the_publishers_pings(
+    feed_dsn: str,
+) -> None:
+    """Everything sent has reached the listener's receive buffer (a large one), and
+    a ping waits behind it while the listener does not read: nothing on the
+    publisher's side shows progress then, but the listener is no more gone than
+    one reading slowly. It gets a few deadlines to reach the ping; then reads
+    everything, answers, and stays."""
+    total = 2_000  # ~500 KB: all of it fits in the listener's receive buffer
+    pings = {"ws_ping_interval": 1.0, "ws_ping_timeout": 1.0}
+    async with running_publisher(feed_dsn, server=pings) as pub:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", pub.server.port))
+        ws = await connect(pub.ws_url, sock=sock, compression=None, ping_interval=None)
+        await ws.send(registration(subs=[]))
+        await asyncio.wait_for(ws.recv(), 10)  # the ack
+        ws.transport.pause_reading()
+        await publish_burst(feed_dsn, total)
+        delivery = next(iter(pub.publisher.registry)).delivery
+        await wait_until(lambda: delivery.sent == total and delivery.untaken() == 0, timeout=30)
+        # All of it acknowledged, none of it read: a ping's first deadline passes.
+        await asyncio.sleep(2.5)
+        ws.transport.resume_reading()
+        items = await receive_items(ws, total, timeout=30)
+        assert [i["changedResourceId"] for i in items] == [burst_id(i) for i in range(total)]
+        await asyncio.sleep(2.5)  # more pings, answered now
+        assert len(pub.publisher.registry) == 1
+        assert pub.publisher.stats()["counters"]["evictions"] == 0
+        await ws.close()
+
+
+async def test_a_draining_server_bounds_what_the_kernel_holds_unsent_for_each_connection() -> None:
+    """``changefeed serve``'s server sets TCP_NOTSENT_LOWAT on its listening
+    sockets, which every connection accepted from them inherits, whatever
+    protocol then serves it."""
+    server = DrainingServer(
+        server_config(Starlette(), "127.0.0.1", 0, loop="asyncio"), [], notsent_lowat=24_576
+    )
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started, timeout=15)
+        (listening,) = [sock for srv in server.servers for sock in srv.sockets]
+        assert notsent_lowat(listening) == 24_576
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+@pytest.mark.slow
+async def test_listeners_paused_through_a_burst_then_reading_are_never_cut_off(
+    feed_dsn: str,
+) -> None:
+    """200 listeners paused 20 s while a 10,000-entry burst is written, then
+    reading as fast as they can, answer only the server's pings (20 s, 20 s):
+    every one gets every entry once, in order, and the publisher evicts none."""
+    total = 10_000
+    async with (
+        running_publisher(feed_dsn, server=PRODUCTION_PINGS) as pub,
+        listeners(pub.ws_url, total, "200:20:0:none") as results,
+    ):
+        await publish_burst(feed_dsn, total)
+        found = await results(timeout=240)
+        assert cut_off(found, total) == [], cut_off(found, total)[:5]
+        stats = pub.publisher.stats()
+        assert stats["counters"]["evictions"] == 0, stats["recentEvictions"][:3]
+
+
+@pytest.mark.slow
+async def test_plain_clients_paused_through_a_burst_then_reading_never_close_themselves(
+    feed_dsn: str,
+) -> None:
+    """50 plain websockets clients paused 25 s while a 10,000-entry burst is
+    written, then reading at 500 items/s, ping the publisher themselves at the
+    library's defaults (every 20 s, closing themselves after 20 s without a
+    pong): their pongs wait behind little more than their own receive buffers,
+    and every one gets every entry once, in order."""
+    total = 10_000
+    async with (
+        running_publisher(feed_dsn, server=PRODUCTION_PINGS) as pub,
+        listeners(pub.ws_url, total, "50:25:500:default") as results,
+    ):
+        await publish_burst(feed_dsn, total)
+        found = await results(timeout=240)
+        assert cut_off(found, total) == [], cut_off(found, total)[:5]
+
+
+@pytest.mark.slow
+async def test_plain_clients_reading_through_a_50000_entry_burst_are_never_cut_off(
+    feed_dsn: str,
+) -> None:
+    """Ten plain websockets clients at their default keepalive, three of them
+    reading slower than the others, through a 50,000-entry burst: none closes
+    itself for a late pong, and each gets every entry once, in order."""
+    total = 50_000
+    async with (
+        running_publisher(feed_dsn, server=PRODUCTION_PINGS) as pub,
+        listeners(pub.ws_url, total, "7:0:0:default", "3:0:900:default") as results,
+    ):
+        await publish_burst(feed_dsn, total)
+        found = await results(timeout=240)
+        assert cut_off(found, total) == [], cut_off(found, total)[:5]

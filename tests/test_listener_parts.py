@@ -1,0 +1,261 @@
+"""The listener's parts in isolation, without sockets: the inbox (frames in, events out, the
+cursor), the attachments of a shared listener, the controller's per-id records, and the
+count of reaches into other objects' private attributes."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+import pytest
+
+import changefeed.listener as listener_pkg
+from changefeed.listener import BackoffPolicy, RegistrationRefused, Resynced
+from changefeed.listener._attachments import Attachments, Stopped
+from changefeed.listener._errors import BadPublisherFrame, BufferOverflow, PublisherClosed
+from changefeed.listener._inbox import Inbox, MemoryBuffer
+from changefeed.listener._reconcile import Intake, Reconciler
+from changefeed.schemas import ChangeItem, ChangeKind, ErrorFrame
+
+
+def item(n: int, resource: str = "vm") -> ChangeItem:
+    return ChangeItem(ChangeKind(resource, ()), f"id-{n}", f"c{n}", "2026-11-21T23:00:00Z")
+
+
+def frame(*items: ChangeItem) -> bytes:
+    return orjson.dumps([i.to_json() for i in items])
+
+
+def resynced(resource: str, cursor: str = "ack") -> Resynced:
+    return Resynced([], f"http://api/{resource}s", cursor, resource=resource)
+
+
+def inbox(capacity: int = 10, resources: tuple[str, ...] = ("vm",)) -> Inbox:
+    return Inbox(
+        MemoryBuffer(capacity),
+        None,
+        resources=resources,
+        multi=len(resources) > 1,
+        high_water=0.8,
+        fields=dict,
+    )
+
+
+# -- the inbox -------------------------------------------------------------------------
+
+
+async def test_frames_in_events_out_in_feed_order_resynced_first() -> None:
+    box = inbox()
+    await box.receive(frame(item(1), item(2)))  # buffered while the bootstrap walks
+    box.bootstrapped([resynced("vm")])
+    box.live()
+    events = [await box.__anext__() for _ in range(3)]
+    assert isinstance(events[0], Resynced)
+    assert [e.cursor for e in events] == ["ack", "c1", "c2"]
+    assert box.resume == "c2" and box.done == "c1"  # done: the one before
+    assert (box.frames, box.received, box.delivered, box.held()) == (1, 2, 2, 0)
+
+
+async def test_a_frame_that_does_not_fit_is_an_overflow_and_held_items_count() -> None:
+    box = inbox(capacity=3)
+    box.live()
+    await box.receive(frame(item(1), item(2)))
+    assert (await box.__anext__()).cursor == "c1"  # the other one is staged: still held
+    with pytest.raises(BufferOverflow):
+        await box.receive(frame(item(3), item(4), item(5)))  # 1 held + 3 > 3
+    assert box.overflows == 1 and box.held() == 1
+    assert await box.clear() == 1 and box.held() == 0
+
+
+async def test_error_and_bad_frames_end_the_session() -> None:
+    box = inbox(resources=("vm", "server"))
+    with pytest.raises(PublisherClosed) as closed:
+        await box.receive(ErrorFrame("unavailable", "down", retry_after=1.5).encode())
+    assert (closed.value.error_code, closed.value.retry_after) == ("unavailable", 1.5)
+    with pytest.raises(BadPublisherFrame, match="did not register"):
+        await box.receive(frame(item(1, "nic")))
+
+
+async def test_a_reconnect_between_resynced_events_moves_no_cursor() -> None:
+    """Only whole hand-outs move the cursor: a connection that ends after the first of a
+    bootstrap's Resynced events leaves both readings where they were (a checkpoint of
+    ``async for`` used to save the ack's cursor then, though the application never got
+    the other resource's bootstrap)."""
+    box = inbox(resources=("vm", "server"))
+    box.restore("before")
+    box.bootstrapped([resynced("vm", "ack"), resynced("server", "ack")])
+    box.live()
+    assert (await box.__anext__()).resource == "vm"
+    await box.clear()  # the connection ended
+    box.forget()  # ... in a way that needs a fresh bootstrap
+    box.bootstrapped([resynced("vm", "ack2"), resynced("server", "ack2")])
+    box.live()
+    assert (await box.__anext__()).resource == "vm"
+    assert (box.resume, box.done) == (None, "before")
+    assert (await box.__anext__()).resource == "server"
+    assert box.resume == "ack2"
+
+
+async def test_stop_ends_iteration_or_raises_what_stopped_it() -> None:
+    box = inbox()
+    box.stop(None)
+    with pytest.raises(StopAsyncIteration):
+        await box.__anext__()
+    failed = inbox()
+    refused = RegistrationRefused("forbidden", "no")
+    failed.stop(refused)
+    failed.stop(None)  # closing afterwards keeps the error
+    with pytest.raises(RegistrationRefused):
+        await failed.__anext__()
+
+
+class Consumer:
+    """A dispatch sink with a room it is told."""
+
+    def __init__(self, room: int) -> None:
+        self.space = room
+        self.got: list[list[str]] = []
+        self.more = asyncio.Event()
+
+    def room(self) -> int:
+        return self.space
+
+    async def wait_room(self) -> None:
+        await self.more.wait()
+
+    def resynced(self, event: Resynced) -> None:
+        self.got.append([f"resynced:{event.resource}"])
+
+    def changed(self, items: Sequence[ChangeItem]) -> None:
+        self.got.append([i.cursor for i in items])
+        self.space -= len(items)
+
+
+async def test_the_dispatch_hands_each_resource_its_run_as_far_as_there_is_room() -> None:
+    box = inbox(capacity=20, resources=("vm", "server"))
+    vms, servers = Consumer(room=2), Consumer(room=100)
+    sinks: Mapping[str, Sequence[Any]] = {"vm": [vms], "server": [servers]}
+    dispatch = asyncio.create_task(box.dispatch(sinks))
+    box.bootstrapped([resynced("vm"), resynced("server")])
+    box.live()
+    await box.receive(frame(item(1), item(2), item(3), item(4, "server")))
+    await asyncio.sleep(0.01)
+    assert vms.got == [["resynced:vm"], ["c1", "c2"]] and servers.got == [["resynced:server"]]
+    assert box.done == "c2" and box.held() == 2  # c3 and c4 wait for vms' room
+    vms.space = 10
+    vms.more.set()
+    await asyncio.sleep(0.01)
+    assert vms.got[-1] == ["c3"] and servers.got[-1] == ["c4"]
+    assert box.done == box.resume == "c4" and box.delivered == 4
+    box.stop(None)
+    await asyncio.wait_for(dispatch, 1)
+
+
+# -- attachments ------------------------------------------------------------------------
+
+
+class Handle:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sink = Consumer(room=1)
+
+
+def test_attachments_wait_for_every_controller_then_park_or_close() -> None:
+    vms, servers = Handle("vms"), Handle("servers")
+    attached = Attachments()
+    attached.attach("vm", vms)  # type: ignore[arg-type]
+    attached.attach("server", servers)  # type: ignore[arg-type]
+    assert attached.consumers == {"vm": [vms.sink], "server": [servers.sink]}
+    assert not attached.start(vms)  # type: ignore[arg-type]
+    assert attached.waited_for() == [servers]
+    assert attached.start(servers)  # type: ignore[arg-type]
+    # With checkpoints, the first to stop is parked; the last one closes the listener.
+    assert attached.stop(vms, started=True, checkpoints=True) is Stopped.PARKED  # type: ignore[arg-type]
+    assert attached.consumers["vm"] == [vms.sink]  # a parked one still takes events
+    assert attached.stop(servers, started=True, checkpoints=True) is Stopped.CLOSE  # type: ignore[arg-type]
+    assert attached.consumers["server"] == []
+
+
+def test_a_controller_closed_before_it_ran_lets_the_others_start() -> None:
+    vms, servers = Handle("vms"), Handle("servers")
+    attached = Attachments()
+    attached.attach("vm", vms)  # type: ignore[arg-type]
+    attached.attach("server", servers)  # type: ignore[arg-type]
+    attached.start(vms)  # type: ignore[arg-type]
+    assert attached.stop(servers, started=False, checkpoints=False) is Stopped.START_OTHERS  # type: ignore[arg-type]
+    assert attached.waited_for() == []
+
+
+# -- the controller's records ---------------------------------------------------------------
+
+
+def core(fetched: dict[str, Any]) -> Reconciler[Any]:
+    async def fetch(ids: Sequence[str]) -> Mapping[str, Any]:
+        return {i: fetched[i] for i in ids if i in fetched}
+
+    return Reconciler(
+        name="t",
+        resource="vm",
+        fetch=fetch,
+        key=lambda doc: str(doc["uuid"]),
+        decode=None,
+        encode=None,
+        reconcile=None,
+        on_add=None,
+        on_update=None,
+        on_delete=None,
+        concurrency=1,
+        fetch_batch=10,
+        max_pending=100,
+        retry=BackoffPolicy(initial=0.01, maximum=0.01),
+        rng=None,
+    )
+
+
+async def test_ids_named_by_change_items_keep_no_record_and_leave_none() -> None:
+    """The common case costs no per-id bookkeeping: an id queued without a record was
+    named by a change item; a fetch that finds it absent, as it was, changes nothing."""
+    rec = core({})
+    rec.intake = Intake.OPEN
+    rec.changed([item(1), item(2), item(1)])
+    assert rec.pending() == {"id-1", "id-2"} and rec.room() == 98
+    worker = asyncio.create_task(rec.work())
+    await asyncio.wait_for(rec.queue.wait_idle(), 1)
+    assert rec.fetches == 2 and rec.pending() == set() and len(rec.mirror) == 0
+    rec.stop()
+    await asyncio.wait_for(worker, 1)
+
+
+async def test_a_parked_controller_marks_items_pending_and_a_waiting_one_takes_nothing() -> None:
+    rec = core({})
+    assert rec.room() == 1 << 30  # not running yet: the dispatch does not wait for it
+    rec.changed([item(1)])
+    assert rec.items == 0 and rec.pending() == set()
+    rec.intake = Intake.OPEN
+    rec.stop()  # it ran and stopped: parked
+    assert rec.intake is Intake.PARKED
+    rec.changed([item(2)])
+    assert rec.pending() == {"id-2"} and rec.queue.pending == 0  # pending, not queued
+
+
+# -- ownership --------------------------------------------------------------------------------
+
+
+def test_the_listener_reaches_into_other_objects_private_attributes_at_most_5_times() -> None:
+    """Each part owns its state: ``x._name`` where ``x`` is not ``self`` or ``cls``."""
+    folder = pathlib.Path(listener_pkg.__file__).parent
+    reaches = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                reaches.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert len(reaches) <= 5, reaches

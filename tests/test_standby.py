@@ -1,0 +1,450 @@
+"""Publishers that read their feed from a real hot standby (``read_dsn``).
+
+The standby is a real streaming replica of the session's PostgreSQL, made with
+``pg_basebackup -R`` (``pg_standby`` in conftest); switchover and failover get
+a primary and a standby of their own, since they stop the primary. What is
+proven here: every change reaches a listener once and in order through a
+standby, with the doorbell ringing from the primary and no feed read there; a
+cursor issued by a fresher publisher is held while the standby catches up, or
+answered 4010 with ``retryAfter``, never ``resumed: false`` and never resumed
+with a gap (I8); the feed's identity, and every cursor, survive a switchover
+and a failover; a read replay cancels is read again, and a standby restart
+reaches no listener as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from helpers import free_port, standby_caught_up, wait_until
+from publisher_fixtures import (
+    PublisherUnderTest,
+    receive_items,
+    register,
+    registration,
+    running_publisher,
+)
+from test_deploy_support import ChangefeedServer, stopping
+from websockets.asyncio.client import ClientConnection
+
+from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
+from changefeed.publisher import publish
+from changefeed.publisher.feed import FeedEntry, FeedReader, ReplicaBehind
+from changefeed.publisher.tailer import Tailer
+from changefeed.schemas import ORIGIN, Position, apply_schema, notify_channel
+from changefeed.stats_view import render_stats
+
+
+async def publish_each(dsn: str, ids: Sequence[str]) -> None:
+    """One committed transaction per id, as API writes are."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        for rid in ids:
+            async with conn.transaction():
+                await publish(conn, "vm", ["nic"], rid)
+    finally:
+        await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def on_standby(
+    primary_dsn: str, standby_dsn: str, **overrides: Any
+) -> AsyncIterator[PublisherUnderTest]:
+    """A publisher whose feed reads go to ``standby_dsn`` (``read_dsn``)."""
+    async with running_publisher(primary_dsn, read_dsn=standby_dsn, **overrides) as pub:
+        yield pub
+
+
+def ids_of(items: Sequence[dict[str, Any]]) -> list[str]:
+    return [item["changedResourceId"] for item in items]
+
+
+async def application_names(dsn: str) -> list[str]:
+    """The application names of the connections to ``dsn``'s database."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT application_name FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    finally:
+        await conn.close()
+    return sorted(r["application_name"] for r in rows)
+
+
+async def test_a_publisher_reading_a_standby_delivers_every_change_once_in_order(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """Writers that commit out of the order they appended in, through a standby: the
+    listener gets every change once, in feed order, promptly (the doorbell rings from
+    the primary), and the tailer is connected to the standby, not to the primary."""
+    async with on_standby(feed_dsn, standby_dsn, poll_interval=30.0) as pub:
+        ws, ack = await register(pub.ws_url, registration())
+        assert ack["resumed"] is False
+        assert pub.publisher.stats()["tailer"]["reads"] == "read_dsn"
+        # An early transaction appends first and commits last: the standby's horizon
+        # holds everything after it back until it commits, as the primary's does.
+        early = await asyncpg.connect(feed_dsn)
+        try:
+            slow = early.transaction()
+            await slow.start()
+            await publish(early, "vm", ["nic"], "early")
+            await publish_each(feed_dsn, [f"later-{i}" for i in range(20)])
+            await standby_caught_up(feed_dsn, standby_dsn)
+            await asyncio.sleep(0.3)  # the standby has the later ones; none may go out yet
+            with pytest.raises(TimeoutError):
+                await receive_items(ws, 1, timeout=0.2)
+            await slow.commit()
+        finally:
+            await early.close()
+        items = await receive_items(ws, 21, timeout=10.0)  # the poll is 30 s away: the doorbell
+        assert ids_of(items) == ["early", *(f"later-{i}" for i in range(20))]
+        await publish_each(feed_dsn, ["last"])
+        (last,) = await receive_items(ws, 1, timeout=10.0)
+        assert last["changedResourceId"] == "last"
+        assert pub.publisher.tailer.doorbells_total >= 2
+        on_primary = await application_names(feed_dsn)
+        assert "changefeed-tailer" not in on_primary and "changefeed-doorbell" in on_primary
+        assert "changefeed-tailer" in await application_names(standby_dsn)
+        # What `changefeed stats` shows of it.
+        assert "reads read_dsn; doorbell listening" in render_stats(pub.publisher.stats())
+        await ws.close()
+
+
+@contextlib.asynccontextmanager
+async def replay_paused(standby_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """The standby stops replaying WAL (``pg_wal_replay_pause()``) until the block ends,
+    or until the yielded connection resumes it."""
+    conn = await asyncpg.connect(standby_dsn)
+    try:
+        await conn.execute("SELECT pg_wal_replay_pause()")
+
+        async def paused() -> bool:
+            state = await conn.fetchval("SELECT pg_get_wal_replay_pause_state()")
+            return bool(state == "paused")
+
+        await wait_until(paused, message="replay paused")
+        yield conn
+    finally:
+        await conn.execute("SELECT pg_wal_replay_resume()")
+        await conn.close()
+
+
+async def refusal(ws: ClientConnection, first: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """The error of a refused registration and the close code that followed it."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(10):
+            await ws.wait_closed()
+    return first["error"], ws.close_code
+
+
+async def test_a_fresher_cursor_is_held_until_the_standby_replays_it_never_reset(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """A cursor from a publisher on the primary, presented to one whose standby has
+    paused replay: answered 4010 with retryAfter once ``standby_wait`` has passed, and
+    held (then resumed, with no gap and nothing twice) when replay goes on meanwhile.
+    Never ``resumed: false``."""
+    async with (
+        running_publisher(feed_dsn) as fresh,
+        on_standby(feed_dsn, standby_dsn, standby_wait=1.5) as lagging,
+    ):
+        ws, _ = await register(fresh.ws_url, registration())
+        async with replay_paused(standby_dsn) as standby:
+            await publish_each(feed_dsn, ["x1", "x2", "x3"])
+            seen = await receive_items(ws, 3)
+            assert ids_of(seen) == ["x1", "x2", "x3"]
+            since = seen[-1]["cursor"]
+
+            started = asyncio.get_running_loop().time()
+            late, first = await register(lagging.ws_url, registration(since=since))
+            error, code = await refusal(late, first)
+            assert code == 4010 and error["code"] == "unavailable", (code, error)
+            assert error["retryAfter"] > 0
+            assert asyncio.get_running_loop().time() - started >= 1.4  # held, then refused
+
+            held = asyncio.create_task(register(lagging.ws_url, registration(since=since)))
+            await asyncio.sleep(0.5)
+            assert not held.done()  # held while the standby is behind the cursor
+            await standby.execute("SELECT pg_wal_replay_resume()")
+            resumed, ack = await held
+        assert ack["resumed"] is True, ack
+        await publish_each(feed_dsn, ["y1", "y2"])
+        after = await receive_items(resumed, 2)
+        assert ids_of(after) == ["y1", "y2"]  # nothing before the cursor again, nothing missed
+        with pytest.raises(TimeoutError):
+            await receive_items(resumed, 1, timeout=0.5)
+        refused = lagging.publisher.counters.refusals
+        assert sum(n for (code, _), n in refused.items() if code == "unavailable") == 1
+        assert lagging.publisher.counters.registrations["vm", False] == 0
+        await ws.close()
+        await resumed.close()
+
+
+@pytest.fixture
+def replicated(pg_standby: EmbeddedPostgres) -> Iterator[tuple[EmbeddedPostgres, EmbeddedPostgres]]:
+    """A primary and a streaming standby of their own, for a test that stops the
+    primary (``pg_standby`` only says that standbys can be made here)."""
+    primary = temporary()
+    try:
+        primary.start()
+        standby = standby_of(primary)
+        try:
+            standby.start()
+            yield primary, standby
+        finally:
+            standby.close()
+    finally:
+        primary.close()
+
+
+@pytest.mark.parametrize("how", ["switchover", "failover"])
+async def test_every_cursor_resumes_on_the_promoted_standby(
+    replicated: tuple[EmbeddedPostgres, EmbeddedPostgres], how: str
+) -> None:
+    """The primary goes away (stopped cleanly for a switchover; killed, once the standby
+    had everything, for a failover) and the standby is promoted. A cursor issued by a
+    publisher on the old primary resumes on a publisher of the promoted server, with
+    nothing lost or repeated; a publisher that was reading the standby keeps serving
+    its listener through the promotion (its doorbell finds the new primary through a
+    multi-host ``dsn``). The feed's identity lives in the database, so it is the same."""
+    primary, standby = replicated
+    conn = await asyncpg.connect(primary.dsn)
+    try:
+        await apply_schema(conn)
+    finally:
+        await conn.close()
+    await standby_caught_up(primary.dsn, standby.dsn)
+    both = f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/postgres"
+    async with on_standby(
+        f"{both}?target_session_attrs=read-write", standby.dsn, create_schema=False
+    ) as reading_standby:
+        through_standby, _ = await register(reading_standby.ws_url, registration())
+        async with running_publisher(primary.dsn) as old:
+            ws, _ = await register(old.ws_url, registration())
+            await publish_each(primary.dsn, ["a1", "a2", "a3"])
+            seen = await receive_items(ws, 3)
+            assert ids_of(seen) == ["a1", "a2", "a3"]
+        assert ids_of(await receive_items(through_standby, 3)) == ["a1", "a2", "a3"]
+        if how == "switchover":
+            primary.stop()  # a clean stop sends every last record to the standby first
+        else:
+            await standby_caught_up(primary.dsn, standby.dsn)
+            primary.crash()
+        standby.promote()
+        await publish_each(standby.dsn, ["b1", "b2"])
+        async with running_publisher(standby.dsn) as promoted:
+            again, ack = await register(promoted.ws_url, registration(since=seen[-1]["cursor"]))
+            assert ack["resumed"] is True, ack
+            assert ids_of(await receive_items(again, 2)) == ["b1", "b2"]
+            await again.close()
+        # The publisher that read the standby never lost its listener.
+        assert ids_of(await receive_items(through_standby, 2, timeout=30)) == ["b1", "b2"]
+        await wait_until(
+            lambda: (
+                reading_standby.publisher.doorbell is not None
+                and reading_standby.publisher.doorbell.status == "listening"
+            ),
+            timeout=30,
+            message="the doorbell listens on the promoted server",
+        )
+        await publish_each(standby.dsn, ["c1"])
+        assert ids_of(await receive_items(through_standby, 1, timeout=10)) == ["c1"]
+        await through_standby.close()
+
+
+async def test_a_page_a_standby_has_not_replayed_is_refused_not_taken_for_an_empty_one(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """A catch-up page reaches as far as the tailer has read. A standby behind that
+    (another standby behind the same address, or one that restarted) answers the
+    page query with no entries: that must be an error the catch-up retries, never a
+    page that says there is nothing there."""
+    reader = FeedReader()
+    primary, standby = await asyncpg.connect(feed_dsn), await asyncpg.connect(standby_dsn)
+    try:
+        async with replay_paused(standby_dsn) as pausing:
+            await publish_each(feed_dsn, ["p1", "p2", "p3"])
+            upto = await reader.head(primary)
+            assert upto > ORIGIN
+            page = await reader.read_page(primary, ORIGIN, upto, ["vm"], 100)
+            assert [e.changed_resource_id for e in page.entries] == ["p1", "p2", "p3"]
+            with pytest.raises(ReplicaBehind):
+                await reader.read_page(standby, ORIGIN, upto, ["vm"], 100)
+            await pausing.execute("SELECT pg_wal_replay_resume()")
+        await standby_caught_up(feed_dsn, standby_dsn)
+        page = await reader.read_page(standby, ORIGIN, upto, ["vm"], 100)
+        assert [e.changed_resource_id for e in page.entries] == ["p1", "p2", "p3"]
+    finally:
+        await primary.close()
+        await standby.close()
+
+
+class SlowRead(FeedReader):
+    """The feed's reads, one of which, once armed, takes long while holding the feed
+    table's lock on the standby (as a read of a large batch does): replay that needs
+    the table for itself then cancels it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = asyncio.Event()
+        self.reading = asyncio.Event()
+
+    async def read_after_horizon(
+        self, conn: Any, after: Position, limit: int
+    ) -> tuple[list[FeedEntry], int]:
+        if self.armed.is_set() and not self.reading.is_set():
+            self.reading.set()
+            await conn.fetchval("SELECT pg_sleep(10) FROM (SELECT count(*) FROM changefeed.feed) c")
+        return await super().read_after_horizon(conn, after, limit)
+
+
+async def test_a_read_replay_cancels_is_read_again_on_the_same_connection(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """A tailer on the standby is mid-read when the primary takes the feed table's
+    ACCESS EXCLUSIVE lock (a migration): after ``max_standby_streaming_delay`` (500 ms
+    here) the standby cancels the read with SQLSTATE 40001. The tailer reads again,
+    without reconnecting, and hands on every entry once, in order."""
+    reader = SlowRead()
+    tailed: list[FeedEntry] = []
+    tailer = Tailer(
+        lambda: asyncpg.connect(standby_dsn),
+        reader,
+        notify_channel("changefeed"),
+        tailed.extend,
+        poll_interval=0.05,
+        standby=True,
+    )
+    running = asyncio.create_task(tailer.run())
+    try:
+        await asyncio.wait_for(tailer.ready.wait(), 10)
+        await publish_each(feed_dsn, ["a1", "a2"])
+        await wait_until(lambda: len(tailed) == 2, message="a1 and a2 tailed")
+        reader.armed.set()
+        await asyncio.wait_for(reader.reading.wait(), 10)
+        migration = await asyncpg.connect(feed_dsn)
+        try:
+            async with migration.transaction():
+                await migration.execute("LOCK TABLE changefeed.feed IN ACCESS EXCLUSIVE MODE")
+                await publish(migration, "vm", ["nic"], "b1")
+        finally:
+            await migration.close()
+        await wait_until(lambda: tailer.replay_conflicts_total == 1, timeout=8, message="cancelled")
+        await publish_each(feed_dsn, ["b2"])
+        await wait_until(lambda: len(tailed) >= 4, message="b1 and b2 tailed")
+        assert [e.changed_resource_id for e in tailed] == ["a1", "a2", "b1", "b2"]
+        assert tailer.reconnects_total == 0 and tailer.status == "running"
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+
+
+async def test_a_standby_restart_reaches_no_listener_as_an_error(
+    feed_dsn: str, standby_dsn: str, pg_standby: EmbeddedPostgres
+) -> None:
+    """The standby a publisher reads is stopped and started again while changes are
+    written. A listener that stays connected gets every change once, in order, and
+    no error; one that registers with its cursor meanwhile is held (or answered by
+    the primary) and resumes."""
+    async with on_standby(feed_dsn, standby_dsn) as pub:
+        staying, _ = await register(pub.ws_url, registration())
+        leaving, _ = await register(pub.ws_url, registration())
+        await publish_each(feed_dsn, ["r1"])
+        assert ids_of(await receive_items(staying, 1)) == ["r1"]
+        (r1,) = await receive_items(leaving, 1)
+        await leaving.close()
+        await asyncio.to_thread(pg_standby.stop)
+        await publish_each(feed_dsn, ["r2"])
+        back = asyncio.create_task(register(pub.ws_url, registration(since=r1["cursor"])))
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(pg_standby.start)
+        assert pg_standby.dsn_for(standby_dsn.rsplit("/", 1)[1]) == standby_dsn
+        again, ack = await back
+        assert ack.get("resumed") is True, ack
+        await publish_each(feed_dsn, ["r3"])
+        assert ids_of(await receive_items(again, 2, timeout=30)) == ["r2", "r3"]
+        assert ids_of(await receive_items(staying, 2, timeout=30)) == ["r2", "r3"]
+        assert staying.close_code is None
+        assert pub.publisher.counters.refusals == {} or all(
+            code != "unavailable" for code, _ in pub.publisher.counters.refusals
+        )
+        await staying.close()
+        await again.close()
+
+
+async def test_the_doorbell_rests_while_the_feed_flows_and_nothing_waits_for_the_poll(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """Writes at a few hundred commits a second: after a second the doorbell stops
+    listening on the primary (each ring costs the primary a wake-up per publisher)
+    and the tailer reads the standby on its own; once the writes stop it listens
+    again. Every change arrives once, in order, all the while, and one written after
+    the rest is delivered by the doorbell, long before the 30 s poll."""
+    async with on_standby(feed_dsn, standby_dsn, poll_interval=30.0) as pub:
+        doorbell = pub.publisher.doorbell
+        assert doorbell is not None
+        ws, _ = await register(pub.ws_url, registration(batch=True))
+        conn = await asyncpg.connect(feed_dsn)
+        written: list[str] = []
+        try:
+            async with asyncio.timeout(30):
+                while doorbell.status != "resting":  # written until it rests (a second or so)
+                    rid = f"w{len(written)}"
+                    async with conn.transaction():
+                        await publish(conn, "vm", ["nic"], rid)
+                    written.append(rid)
+            for _ in range(100):  # and a while longer, while it rests
+                rid = f"w{len(written)}"
+                async with conn.transaction():
+                    await publish(conn, "vm", ["nic"], rid)
+                written.append(rid)
+        finally:
+            await conn.close()
+        assert ids_of(await receive_items(ws, len(written), timeout=30)) == written
+        await wait_until(lambda: doorbell.status == "listening", message="listening again")
+        assert doorbell.rests_total >= 1
+        await publish_each(feed_dsn, ["after"])
+        assert ids_of(await receive_items(ws, 1, timeout=10)) == ["after"]
+        await ws.close()
+
+
+async def test_example_api_read_dsn_from_the_command_line(
+    feed_dsn: str, standby_dsn: str, tmp_path: Path
+) -> None:
+    """``changefeed example-api --dsn PRIMARY --read-dsn STANDBY``: the API writes to the
+    primary, its publisher reads the standby, and a listener gets the API's change."""
+    port = free_port()
+    api = ChangefeedServer(
+        "api", ["example-api", "--dsn", feed_dsn, "--read-dsn", standby_dsn, "--port", str(port)],
+        port, tmp_path,
+    )  # fmt: skip
+    api.start()
+    async with stopping(api):
+        await api.wait_ready()
+        assert (await api.stats())["tailer"]["reads"] == "read_dsn"
+        ws, _ = await register(api.ws_url, registration())
+        async with httpx.AsyncClient(base_url=api.url, timeout=10) as http:
+            created = await http.post("/vms", json={"alias": "via-the-standby", "nics": []})
+            assert created.status_code == 201, created.text
+        (item,) = await receive_items(ws, 1, timeout=10)
+        assert item["changedResourceId"] == created.json()["uuid"]
+        await ws.close()
+    # A --read-dsn that cannot be reached is refused at start-up, naming the option.
+    refused = ChangefeedServer(
+        "refused",
+        ["example-api", "--dsn", feed_dsn, "--read-dsn", "postgresql://postgres@127.0.0.1:9/x"],
+        free_port(), tmp_path,
+    )  # fmt: skip
+    refused.start()
+    async with stopping(refused):
+        assert await refused.wait_exit(30) != 0
+    assert "--read-dsn" in refused.log()

@@ -1,0 +1,76 @@
+"""Every private uvicorn name changefeed uses is listed in one place, and each is checked.
+
+changefeed.uvicorn_private lists them; a uvicorn that renames, removes or
+re-signs one fails the test that names it here (CI runs this file on the
+newest uvicorn the fast path claims). The last tests keep the list complete:
+every ``self.<name>`` the fast path's and the deadlines' code reads of
+uvicorn's classes must be in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+
+from changefeed import uvicorn_private
+from changefeed.uvicorn_private import PRIVATE, Private
+
+CHANGEFEED = Path(__file__).resolve().parent.parent / "changefeed"
+
+
+@pytest.mark.parametrize("private", PRIVATE, ids=str)
+def test_uvicorn_still_has_it(private: Private) -> None:
+    assert private.check() is None
+
+
+def test_a_renamed_name_is_reported_as_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    monkeypatch.delattr(WebSocketsSansIOProtocol, "keepalive_timeout")
+    [why] = uvicorn_private.missing("fast")
+    assert why.endswith("WebSocketsSansIOProtocol.keepalive_timeout is not a method")
+    renamed = Private("fast", PRIVATE[0].owner, "handshake_finished", "attribute", "test")
+    assert renamed.check() is not None
+
+
+def _own_names(source: str) -> set[str]:
+    """Names the module defines itself: methods, class attributes (assigned or only
+    declared) and slots."""
+    slots = re.findall(r"__slots__ = \(([^)]*)\)", source)
+    return (
+        set(re.findall(r"^\s+(?:async )?def (\w+)", source, re.M))
+        | set(re.findall(r"^    (\w+)(?::[^=\n]+)?(?: =|$)", source, re.M))
+        | {name for names in slots for name in re.findall(r'"(\w+)"', names)}
+    )
+
+
+def _registered(path: str, owner_suffix: str) -> set[str]:
+    return {
+        p.name
+        for p in PRIVATE
+        if p.path == path and p.owner.endswith(owner_suffix) and p.kind != "class"
+    }
+
+
+def test_the_fast_path_reads_no_uvicorn_name_that_is_not_listed() -> None:
+    source = (CHANGEFEED / "uvicorn_fastpath.py").read_text()
+    used = set(re.findall(r"\b(?:self|protocol)\.(\w+)", source))
+    used -= _own_names(source) | set(dir(asyncio.Protocol))
+    assert used - _registered("fast", ":WebSocketsSansIOProtocol") == set()
+
+
+def test_the_deadlines_read_no_uvicorn_name_that_is_not_listed() -> None:
+    source = (CHANGEFEED / "http_timeouts.py").read_text()
+    used = set(re.findall(r"\bself\.(\w+)", source)) - _own_names(source)
+    used -= set(dir(asyncio.Protocol))
+    protocols = _registered("deadlines", ":HttpToolsProtocol") | _registered(
+        "deadlines", ":H11Protocol"
+    )
+    assert used - protocols == set()
+    cycle = set(re.findall(r"\bcycle\.(\w+)", source))
+    assert cycle - _registered("deadlines", ":RequestResponseCycle") == set()
+    flow = set(re.findall(r"\bflow\.(\w+)", source))
+    assert flow - _registered("deadlines", ":FlowControl") == set()
