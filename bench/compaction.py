@@ -1,27 +1,41 @@
 """Benchmark: the Spark compaction job against the same work done as plain SQL inside PostgreSQL.
 
-For each ``--rows N`` the feed is generated in SQL (``generate_series``, in
-transactions of 100,000 entries): ``N/5`` resource ids, sub-resource sets
-drawn from five shapes (one of them "whole resource"), ages spread evenly over
-48 hours, so about half is garbage (older than 24 h), a little under half is
-compacted (older than 10 min) and the newest few percent are left alone. The
-database is then copied (``CREATE DATABASE ... TEMPLATE``) so that both sides
-start from the identical feed:
+For each ``--rows N`` the feed is generated in SQL (``generate_series``, two
+connections taking million-entry chunks in turn, indexes built afterwards):
+``N/5`` resource ids plus one hot id holding 1 % of the entries, sub-resource
+sets drawn from five shapes
+(one of them "whole resource"), publication times spread evenly over 48 hours
+ending 4.8 hours ago. The database is then copied (``CREATE DATABASE ...
+TEMPLATE``) so that both sides start from the identical feed:
 
-* **job**: ``run_compaction`` with Spark on ``--master`` (default ``local[2]``),
-  one SparkSession for all sizes (its start-up is reported once);
+* **job, full**: ``run_compaction`` on ``--master`` (default ``local[2]``),
+  one SparkSession for all sizes (its start-up is reported once), with the
+  durations as they were 4.8 hours ago (max age 28.8 h, lag 4 h 58 min):
+  about half the feed is garbage and a little under half is merged;
 * **sql**: the same garbage collection and compaction as four plain SQL
   statements (one ``DELETE`` raising the low-water mark, a window plan into a
   temp table, one ``UPDATE``, one ``DELETE``): as fast as PostgreSQL does it,
   and holding its locks for the whole statement, which the job never does.
 
-Both results are checked to be the same feed. Prints time by phase, ratios
-(job / sql) and seconds per million entries (linear growth means a constant).
+Then 10 % more entries arrive (published over the last 4.8 hours, as in the
+4.8 hours since) on both copies, and time moves on: the durations are 24 h and
+10 min again.
 
-    python bench/compaction.py --rows 1000000 --rows 10000000
+* **job, incremental**: the second run reads only what changed since the first;
+* **sql**: the same work as plain SQL on the other copy (SQL has no
+  incremental form: the same four statements over the whole table).
+
+Both sides must end in the same feed after each step (checked). Prints time by
+phase, seconds per million entries of the feed, the ratios job / sql, and the
+incremental run's time over the full run's.
+
+    python bench/compaction.py --rows 1000000 --rows 10000000 --rows 30000000
+    python bench/compaction.py --rows 1000000 --standalone       # on a 2-worker cluster
     python bench/compaction.py --rows 1000000 --dsn postgresql://postgres@127.0.0.1:5432/postgres
 
 Without ``--dsn`` an embedded PostgreSQL is started on a throwaway directory.
+``--standalone`` starts a Spark standalone master and two workers (one core,
+1 GiB each) on 127.0.0.1 (``sparkcluster``) and runs the job there.
 """
 
 from __future__ import annotations
@@ -29,10 +43,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -45,7 +62,8 @@ from changefeed.schemas import apply_schema
 
 MAX_AGE = 24 * 3600.0
 LAG = 600.0
-CHUNK = 100_000
+SPAN = 48 * 3600.0
+LATER = SPAN / 10  # the second run comes this much later, after 10 % more entries
 SERVER_SETTINGS = {
     "shared_buffers": "1GB",
     "work_mem": "128MB",
@@ -53,39 +71,88 @@ SERVER_SETTINGS = {
     "max_wal_size": "8GB",
     "checkpoint_timeout": "30min",
 }
+_GENERATE = """
+    INSERT INTO changefeed.feed (resource, sub_resources, changed_resource_id, published)
+    SELECT CASE WHEN abs(hashint8(g)) % 10 = 0 THEN 'net' ELSE 'vm' END,
+           CASE abs(hashint8(g * 31)) % 5
+                WHEN 0 THEN '{}'::text[] WHEN 1 THEN ARRAY['nic']
+                WHEN 2 THEN ARRAY['alias'] WHEN 3 THEN ARRAY['alias', 'nic']
+                ELSE ARRAY['disk'] END,
+           CASE WHEN abs(hashint8(g * 13)) % 100 = 0 THEN 'hot'
+                ELSE 'id-' || (abs(hashint8(g * 7)) % $3) END,
+           $4::timestamptz + ((g - $5)::float8 / $6) * $7::interval
+    FROM generate_series($1::bigint, $2::bigint) AS g
+"""
 
 
 def with_database(dsn: str, database: str) -> str:
     return urlunsplit(urlsplit(dsn)._replace(path="/" + database))
 
 
-async def generate(dsn: str, rows: int) -> float:
-    """Create the feed of ``rows`` entries in ``dsn``; return seconds taken."""
+async def generate(dsn: str, rows: int, newest: datetime) -> float:
+    """Create the feed of ``rows`` entries in ``dsn``, the newest published at
+    ``newest``; return seconds taken. Bulk: the indexes are built afterwards."""
     t0 = time.monotonic()
     conn = await asyncpg.connect(dsn)
     try:
         await apply_schema(conn)
-        base: datetime = await conn.fetchval("SELECT now()")
-        for start in range(1, rows + 1, CHUNK):
+        await conn.execute("ALTER TABLE changefeed.feed DROP CONSTRAINT feed_pkey")
+        await conn.execute("DROP INDEX changefeed.feed_published_idx")
+        oldest = newest - timedelta(seconds=SPAN)
+        # Two connections take the chunks (a million entries each, oldest first)
+        # in turn, so that transaction ids follow publication times, as in life.
+        chunks = [(lo, min(lo + _CHUNK - 1, rows)) for lo in range(1, rows + 1, _CHUNK)]
+        await asyncio.gather(
+            *(_insert(dsn, chunks[k::2], rows=rows, oldest=oldest) for k in range(2))
+        )
+        await conn.execute("SET maintenance_work_mem = '512MB'")
+        await conn.execute("ALTER TABLE changefeed.feed ADD PRIMARY KEY (txid, id)")
+        await conn.execute("CREATE INDEX feed_published_idx ON changefeed.feed (published)")
+        await conn.execute("VACUUM ANALYZE changefeed.feed")
+    finally:
+        await conn.close()
+    return time.monotonic() - t0
+
+
+_CHUNK = 1_000_000
+
+
+async def _insert(dsn: str, chunks: list[tuple[int, int]], *, rows: int, oldest: datetime) -> None:
+    """Insert the entries of ``chunks`` (ranges of the series), one transaction each."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        for lo, hi in chunks:
             await conn.execute(
-                """
-                INSERT INTO changefeed.feed (resource, sub_resources, changed_resource_id,
-                                             published)
-                SELECT CASE WHEN abs(hashint8(g)) % 10 = 0 THEN 'net' ELSE 'vm' END,
-                       CASE abs(hashint8(g * 31)) % 5
-                            WHEN 0 THEN '{}'::text[] WHEN 1 THEN ARRAY['nic']
-                            WHEN 2 THEN ARRAY['alias'] WHEN 3 THEN ARRAY['alias', 'nic']
-                            ELSE ARRAY['disk'] END,
-                       'id-' || (abs(hashint8(g * 7)) % $3),
-                       $4::timestamptz - interval '48 hours'
-                           + (g::float8 / $5) * interval '48 hours'
-                FROM generate_series($1::bigint, $2::bigint) AS g
-                """,
-                start,
-                min(start + CHUNK - 1, rows),
+                _GENERATE,
+                lo,
+                hi,
                 max(1, rows // 5),
-                base,
+                oldest,
+                1,
                 rows,
+                timedelta(seconds=SPAN),
+            )
+    finally:
+        await conn.close()
+
+
+async def append(dsn: str, rows: int, newest: datetime, ids_of: int) -> float:
+    """``rows`` more entries (the same ids), published over the ``LATER`` seconds
+    before ``newest``, in transactions of 100,000 (indexes in place, as in life)."""
+    t0 = time.monotonic()
+    conn = await asyncpg.connect(dsn)
+    try:
+        oldest = newest - timedelta(seconds=LATER)
+        for start in range(1, rows + 1, 100_000):
+            await conn.execute(
+                _GENERATE,
+                10**12 + start,
+                10**12 + min(start + 99_999, rows),
+                max(1, ids_of // 5),
+                oldest,
+                10**12 + 1,
+                rows,
+                timedelta(seconds=LATER),
             )
         await conn.execute("VACUUM ANALYZE changefeed.feed")
     finally:
@@ -111,11 +178,11 @@ async def drop_database(admin_dsn: str, name: str) -> None:
         await conn.close()
 
 
-async def sql_baseline(dsn: str, as_of: datetime, head_txid: int, head_id: int) -> dict[str, float]:
+async def sql_baseline(dsn: str, as_of: datetime, max_age: float, lag: float) -> dict[str, float]:
     """The same GC and compaction as plain SQL statements; seconds by phase.
 
-    The cutoffs count from ``as_of`` and nothing after the head is touched: the
-    job's own snapshot, so that both sides do exactly the same work.
+    The cutoffs count from ``as_of``, the job's own snapshot clock, so that both
+    sides do exactly the same work (nobody writes meanwhile: every entry is in).
     """
     phases: dict[str, float] = {}
     conn = await asyncpg.connect(dsn)
@@ -128,15 +195,13 @@ async def sql_baseline(dsn: str, as_of: datetime, head_txid: int, head_id: int) 
             yield
             phases[name] = time.monotonic() - t0
 
-        gc = as_of - timedelta(seconds=MAX_AGE)
-        lag = as_of - timedelta(seconds=LAG)
+        gc = as_of - timedelta(seconds=max_age)
+        cut = as_of - timedelta(seconds=lag)
         async with phase("gc"):
             await conn.execute(
                 """
                 WITH deleted AS (
-                    DELETE FROM changefeed.feed
-                    WHERE published < $1 AND (txid, id) <= ($2::bigint::text::xid8, $3)
-                    RETURNING txid, id
+                    DELETE FROM changefeed.feed WHERE published < $1 RETURNING txid, id
                 ), newest AS (
                     SELECT txid, id FROM deleted ORDER BY txid DESC, id DESC LIMIT 1
                 )
@@ -145,8 +210,6 @@ async def sql_baseline(dsn: str, as_of: datetime, head_txid: int, head_id: int) 
                 FROM newest n WHERE (n.txid, n.id) > (s.low_water_txid, s.low_water_id)
                 """,
                 gc,
-                head_txid,
-                head_id,
             )
         async with phase("plan"):
             await conn.execute(
@@ -158,12 +221,9 @@ async def sql_baseline(dsn: str, as_of: datetime, head_txid: int, head_id: int) 
                        count(*) OVER (PARTITION BY resource, changed_resource_id) AS n
                 FROM changefeed.feed
                 WHERE published >= $1 AND published < $2
-                  AND (txid, id) <= ($3::bigint::text::xid8, $4)
                 """,
                 gc,
-                lag,
-                head_txid,
-                head_id,
+                cut,
             )
             await conn.execute("DELETE FROM plan WHERE n = 1")
             await conn.execute(
@@ -197,18 +257,18 @@ async def sql_baseline(dsn: str, as_of: datetime, head_txid: int, head_id: int) 
 
 
 async def fingerprint(dsn: str) -> tuple[Any, ...]:
+    """The feed's entries and low-water mark, by id (the copies' transaction ids differ
+    once both have been written to: they share the cluster's counter)."""
     conn = await asyncpg.connect(dsn)
     try:
         row = await conn.fetchrow(
-            "SELECT count(*) AS n, sum(hashtext(txid::text || ':' || id || ':'"
+            "SELECT count(*) AS n, sum(hashtext(id || ':'"
             " || array_to_string(sub_resources, ',') || ':' || changed_resource_id)::bigint) AS h"
             " FROM changefeed.feed"
         )
-        low = await conn.fetchrow(
-            "SELECT low_water_txid::text, low_water_id FROM changefeed.feed_state"
-        )
-        assert row is not None and low is not None
-        return (row["n"], row["h"], tuple(low))
+        low = await conn.fetchval("SELECT low_water_id FROM changefeed.feed_state")
+        assert row is not None
+        return (row["n"], row["h"], low)
     finally:
         await conn.close()
 
@@ -225,75 +285,162 @@ def server(dsn: str | None) -> Iterator[str]:
         pg.close()
 
 
+@contextlib.contextmanager
+def spark_master(args: argparse.Namespace) -> Iterator[str]:
+    if not args.standalone:
+        yield args.master
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sparkcluster import standalone_cluster
+
+    with standalone_cluster(workers=2, cores=1, memory="1g", port=args.cluster_port) as url:
+        yield url
+
+
+@dataclass
+class Step:
+    """One side-by-side step: the job and plain SQL on copies of one feed."""
+
+    name: str
+    rows: int
+    summary: CompactionSummary
+    job: float
+    sql: dict[str, float]
+
+    @property
+    def sql_total(self) -> float:
+        return sum(self.sql.values())
+
+
+def median_step(steps: Iterable[Step]) -> Step:
+    """One step whose times are the medians of ``steps`` (each phase on its own)."""
+    done = list(steps)
+    sql = {k: statistics.median(s.sql[k] for s in done) for k in done[0].sql}
+    job = statistics.median(s.job for s in done)
+    return Step(done[0].name, done[0].rows, done[0].summary, job, sql)
+
+
+def show(step: Step) -> None:
+    print(step.summary.to_text(), flush=True)
+    sql = "  ".join(f"{k} {v:.1f}s" for k, v in step.sql.items())
+    print(f"sql: {sql}  total {step.sql_total:.1f}s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, action="append", help="feed size (repeatable)")
     parser.add_argument("--dsn", help="admin DSN of a PostgreSQL to use (default: embedded)")
     parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--standalone", action="store_true", help="a 2-worker cluster")
+    parser.add_argument("--cluster-port", type=int, default=18270)
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--keep", action="store_true", help="keep the benchmark databases")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per size (medians are shown), default 1"
+    )
     args = parser.parse_args(argv)
     sizes = args.rows or [1_000_000]
-    results: list[tuple[int, CompactionSummary, float, dict[str, float]]] = []
-    with server(args.dsn) as admin:
+    results: list[tuple[Step, Step]] = []
+    with server(args.dsn) as admin, spark_master(args) as master:
         t0 = time.monotonic()
-        with spark_session(args.master) as spark:
+        with spark_session(master) as spark:
             spark_start = time.monotonic() - t0
-            print(f"spark session ({args.master}) started in {spark_start:.1f}s", flush=True)
+            print(f"spark session ({master}) started in {spark_start:.1f}s", flush=True)
             warm = asyncio.run(warm_up(admin, spark))
             print(f"JVM warm-up (one run on a 10,000-entry feed) took {warm:.1f}s", flush=True)
             for rows in sizes:
-                tag = uuid.uuid4().hex[:8]
-                job_db, sql_db = f"cfbench_job_{tag}", f"cfbench_sql_{tag}"
-                job_dsn, sql_dsn = with_database(admin, job_db), with_database(admin, sql_db)
-                try:
-                    asyncio.run(_create(admin, job_db))
-                    made = asyncio.run(generate(job_dsn, rows))
-                    copied = asyncio.run(copy_database(admin, job_db, sql_db))
-                    print(
-                        f"\n{rows:,} entries: generated in {made:.1f}s, copied in {copied:.1f}s",
-                        flush=True,
-                    )
-                    t1 = time.monotonic()
-                    summary = run_compaction(
-                        job_dsn,
-                        max_age=MAX_AGE,
-                        compaction_lag=LAG,
-                        spark=spark,
-                        batch_size=args.batch_size,
-                    )
-                    job_total = time.monotonic() - t1
-                    print(summary.to_text(), flush=True)
-                    assert summary.as_of is not None
-                    sql = asyncio.run(
-                        sql_baseline(sql_dsn, summary.as_of, summary.head.txid, summary.head.id)
-                    )
-                    print(
-                        "sql: "
-                        + "  ".join(f"{k} {v:.1f}s" for k, v in sql.items())
-                        + f"  total {sum(sql.values()):.1f}s",
-                        flush=True,
-                    )
-                    same = asyncio.run(fingerprint(job_dsn)) == asyncio.run(fingerprint(sql_dsn))
-                    print(f"same feed after both: {same}", flush=True)
-                    if not same:
-                        return 1
-                    results.append((rows, summary, job_total, sql))
-                finally:
-                    if not args.keep:
-                        asyncio.run(drop_database(admin, job_db))
-                        asyncio.run(drop_database(admin, sql_db))
-    print(
-        "\n      rows   job s   sql s  job/sql  job s/M rows  sql s/M rows"
-        f"  (Spark start-up {spark_start:.1f}s and JVM warm-up not included)"
-    )
-    for rows, _summary, job_total, sql in results:
-        sql_total = sum(sql.values())
-        print(
-            f"{rows:>10,} {job_total:7.1f} {sql_total:7.1f} {job_total / sql_total:8.2f}"
-            f" {job_total / rows * 1e6:13.2f} {sql_total / rows * 1e6:13.2f}"
-        )
+                runs = [one_size(admin, rows, spark, args) for _ in range(args.repeat)]
+                results.append((median_step(r[0] for r in runs), median_step(r[1] for r in runs)))
+    print(f"\n{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end;"
+          f" Spark start-up ({spark_start:.1f}s) and the JVM warm-up not included;"
+          f" medians of {args.repeat} run(s) per size")  # fmt: skip
+    print("      rows  run          job s   sql s  job/sql  job s/M  sql s/M  incr/full")
+    for full, incremental in results:
+        for step in (full, incremental):
+            ratio = f"{incremental.job / full.job:9.3f}" if step is incremental else ""
+            print(
+                f"{step.rows:>10,}  {step.name:<11} {step.job:6.1f} {step.sql_total:7.1f}"
+                f" {step.job / step.sql_total:8.2f} {step.job / step.rows * 1e6:8.2f}"
+                f" {step.sql_total / step.rows * 1e6:8.2f}{ratio}"
+            )
+    if len(results) > 1:
+        big = [full.job / full.rows * 1e6 for full, _ in results if full.rows >= 10_000_000]
+        if len(big) > 1:
+            spread = (max(big) - min(big)) / statistics.median(big)
+            print(f"full run s/M from 10M up: {', '.join(f'{b:.2f}' for b in big)}"
+                  f" (spread {spread:.0%} of the median)")  # fmt: skip
     return 0
+
+
+def one_size(admin: str, rows: int, spark: Any, args: argparse.Namespace) -> tuple[Step, Step]:
+    tag = uuid.uuid4().hex[:8]
+    job_db, sql_db = f"cfbench_job_{tag}", f"cfbench_sql_{tag}"
+    job_dsn, sql_dsn = with_database(admin, job_db), with_database(admin, sql_db)
+    try:
+        asyncio.run(_create(admin, job_db))
+        now = asyncio.run(_now(admin))
+        made = asyncio.run(generate(job_dsn, rows, now - timedelta(seconds=LATER)))
+        copied = asyncio.run(copy_database(admin, job_db, sql_db))
+        print(f"\n{rows:,} entries: generated in {made:.1f}s, copied in {copied:.1f}s", flush=True)
+        # First run: the durations as they were LATER seconds ago.
+        full = side_by_side(
+            "full",
+            rows,
+            job_dsn=job_dsn,
+            sql_dsn=sql_dsn,
+            spark=spark,
+            max_age=MAX_AGE + LATER,
+            lag=LAG + LATER,
+            args=args,
+        )
+        more = rows // 10
+        took = [asyncio.run(append(dsn, more, now, rows)) for dsn in (job_dsn, sql_dsn)]
+        print(f"\n{more:,} more entries, appended in {took[0]:.1f}s", flush=True)
+        incremental = side_by_side(
+            "incremental",
+            rows,
+            job_dsn=job_dsn,
+            sql_dsn=sql_dsn,
+            spark=spark,
+            max_age=MAX_AGE,
+            lag=LAG,
+            args=args,
+        )
+        if incremental.summary.full:
+            raise SystemExit(f"the second run was not incremental: {incremental.summary.scope}")
+        return full, incremental
+    finally:
+        if not args.keep:
+            asyncio.run(drop_database(admin, job_db))
+            asyncio.run(drop_database(admin, sql_db))
+
+
+def side_by_side(
+    name: str,
+    rows: int,
+    *,
+    job_dsn: str,
+    sql_dsn: str,
+    spark: Any,
+    max_age: float,
+    lag: float,
+    args: argparse.Namespace,
+) -> Step:
+    print(f"[{name} run: load average {os.getloadavg()[0]:.2f}]", flush=True)
+    t1 = time.monotonic()
+    summary = run_compaction(
+        job_dsn, max_age=max_age, compaction_lag=lag, spark=spark, batch_size=args.batch_size
+    )
+    job = time.monotonic() - t1
+    assert summary.as_of is not None
+    sql = asyncio.run(sql_baseline(sql_dsn, summary.as_of, max_age, lag))
+    step = Step(name, rows, summary, job, sql)
+    show(step)
+    same = asyncio.run(fingerprint(job_dsn)) == asyncio.run(fingerprint(sql_dsn))
+    print(f"same feed after both: {same}", flush=True)
+    if not same:
+        raise SystemExit(f"the job and plain SQL disagree after the {name} run")
+    return step
 
 
 async def warm_up(admin: str, spark: Any) -> float:
@@ -303,7 +450,7 @@ async def warm_up(admin: str, spark: Any) -> float:
     await _create(admin, name)
     try:
         dsn = with_database(admin, name)
-        await generate(dsn, 10_000)
+        await generate(dsn, 10_000, await _now(admin))
         t0 = time.monotonic()
         await asyncio.to_thread(
             run_compaction, dsn, max_age=MAX_AGE, compaction_lag=LAG, spark=spark
@@ -311,6 +458,15 @@ async def warm_up(admin: str, spark: Any) -> float:
         return time.monotonic() - t0
     finally:
         await drop_database(admin, name)
+
+
+async def _now(admin: str) -> datetime:
+    conn = await asyncpg.connect(admin)
+    try:
+        value: datetime = await conn.fetchval("SELECT now()")
+        return value
+    finally:
+        await conn.close()
 
 
 async def _create(admin: str, name: str) -> None:

@@ -267,6 +267,16 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument("--jdbc-jar", default=None, help="PostgreSQL JDBC driver jar")
     compact.add_argument("--dry-run", action="store_true", help="report, change nothing")
     compact.add_argument(
+        "--full",
+        action="store_true",
+        help="read the whole feed (default: only what changed since the last run, when it can)",
+    )
+    compact.add_argument(
+        "--replay-wait",
+        default="60s",
+        help="how long the drops wait for streaming standbys to replay the widened entries",
+    )
+    compact.add_argument(
         "--batch-size", type=_positive_int, default=5000, help="entries per apply transaction"
     )
     compact.add_argument(
@@ -390,6 +400,7 @@ def _compact(args: argparse.Namespace) -> int:
     try:
         max_age = parse_duration(args.max_age, "--max-age")
         lag = parse_duration(args.compaction_lag, "--compaction-lag")
+        replay_wait = parse_duration(args.replay_wait, "--replay-wait")
     except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
     dsn = _dsn(args)
@@ -406,6 +417,8 @@ def _compact(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size,
                 partitions=args.partitions,
                 progress=progress,
+                full=args.full,
+                replay_wait=replay_wait,
             )
         except CompactionError as exc:
             raise CommandError(str(exc)) from None

@@ -2,14 +2,17 @@
 
 ``run_compaction`` (module ``job``) is the entry point the ``changefeed compact``
 command calls. The rules are in ``plan`` (pure code, also the reference the
-tests hold the Spark job to), the same rules as Spark DataFrames in ``frames``,
-the Spark session in ``session``, the DSN-to-JDBC conversion in ``jdbc``, and
-the PostgreSQL side (snapshot, staging, batched apply) in ``apply``, the
-exceptions in ``errors``. The job reports through a ``Progress`` (``progress``),
-rendered as log lines (``progress_log``) or terminal bars (``progress_rich``,
-which needs rich and is not imported here); ``sparkwatch`` feeds it Spark's
-task counts. docs/compaction.md explains the algorithm and why
-invariant I5 holds.
+tests hold the Spark job to), what a run reads -- the whole feed, or what
+changed since the last run -- in ``scope`` (pure), the reads as Spark
+DataFrames in ``frames`` and the merge in ``merge``, the Spark session in
+``session``, the DSN-to-JDBC conversion in ``jdbc``, the PostgreSQL side
+(snapshot, staging, batched apply) in ``apply``, the job's own state (run
+log, index of kept entries) in ``runs``, what a run did in ``summary``, the
+exceptions in ``errors``. The
+job reports through a ``Progress`` (``progress``), rendered as log lines
+(``progress_log``) or terminal bars (``progress_rich``, which needs rich and
+is not imported here); ``sparkwatch`` feeds it Spark's task counts.
+docs/compaction.md explains the algorithm and why invariant I5 holds.
 
 The job depends on the feed's SQL (``changefeed.schemas``) and never on the
 publisher: an API that embeds the publisher ships none of this. Importing this
@@ -20,9 +23,9 @@ from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
 from .durations import parse_duration
 from .errors import CompactionError
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .job import CompactionSummary, run_compaction
+from .job import run_compaction
 from .plan import (
-    GcChunk,
+    GcRegion,
     Notification,
     Plan,
     PlanEntry,
@@ -35,22 +38,30 @@ from .plan import (
 )
 from .progress import NullProgress, Progress
 from .progress_log import LogProgress
+from .runs import RunLog
+from .scope import Cutoffs, PreviousRun, Scope, choose_scope
 from .session import spark_session
+from .summary import CompactionSummary
 
 __all__ = [
     "COMPACTION_LOCK_KEY",
     "CompactionError",
     "CompactionStore",
     "CompactionSummary",
+    "Cutoffs",
     "FeedSnapshot",
-    "GcChunk",
+    "GcRegion",
     "JdbcTarget",
     "LogProgress",
     "Notification",
     "NullProgress",
     "Plan",
     "PlanEntry",
+    "PreviousRun",
     "Progress",
+    "RunLog",
+    "Scope",
+    "choose_scope",
     "covers",
     "find_jdbc_jar",
     "jdbc_from_dsn",

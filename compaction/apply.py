@@ -6,27 +6,35 @@ away with the connection if the job dies).
 
 Each statement of the apply step is safe on its own, whatever plan it is given:
 
-* a **garbage** batch deletes, by primary-key range, only entries still older
-  than the run's cutoff, and raises the low-water mark to the newest position
-  it deleted in the same transaction (never lowers it);
+* a **garbage** step walks ``batch_size`` entries along the primary key and
+  deletes those still older than the run's cutoff, raising the low-water mark
+  to the newest position it deleted in the same transaction (never lowering it);
+* the **announcement** raises the feed's rewrite generation and horizon
+  before any entry is widened (publishers then serve nothing at or before the
+  horizon from memory to a listener reading past the table's changes);
 * a **keeper** batch only ever adds sub-resources to an entry (or makes it
   "whole resource"), in place, at its own position;
 * a **drop** batch deletes an entry only if a *later* entry of the same
   ``(resource, changed_resource_id)`` is in the feed right now and covers its
-  sub-resources.
+  sub-resources;
+* the **index of kept entries** (``compaction_keys``) only steers which
+  entries the next run reads; it is never trusted for a deletion.
 
 So I5 holds after every committed batch, a job killed anywhere leaves a valid
 feed, and a rerun (which plans again from the feed as it is) converges to what
 one clean run would have produced. Batches are short transactions that lock
-only the rows they delete or update (and, for garbage, the single
-``feed_state`` row): writers (``INSERT``) and tailers (``SELECT``) never wait
-on them.
+only the rows they delete or update (and, for garbage and the announcement,
+the single ``feed_state`` row): writers (``INSERT``) and tailers (``SELECT``)
+never wait on them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
+import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -36,15 +44,18 @@ import asyncpg
 from tenacity import retry_if_exception_type, stop_after_attempt
 
 from changefeed.backoff import Backoff, retrying
-from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema
+from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema, schema_version
 
 from .errors import CompactionError
-from .plan import GcChunk
+from .plan import GcRegion
 
 __all__ = [
     "COMPACTION_LOCK_KEY",
+    "KEEPER_HASH",
     "KIND_DROP",
     "KIND_KEEP",
+    "KIND_KEY",
+    "SCHEMA_VERSION",
     "STAGING_COLUMNS",
     "TID_RANGE_SCAN_VERSION",
     "BatchReport",
@@ -59,15 +70,39 @@ KIND_KEEP = 2
 """Staging row kind: a keeper whose sub-resources become the union."""
 KIND_DROP = 3
 """Staging row kind: an entry merged into its keeper and then deleted."""
+KIND_KEY = 4
+"""Staging row kind: a group's keeper after this run, for the index of kept entries."""
 
-STAGING_COLUMNS = ("kind", "txid", "id", "keep_txid", "keep_id", "sub_resources")
+KEEPER_HASH = (
+    "hashtextextended(length({table}.resource) || ':' || {table}.resource"
+    " || {table}.changed_resource_id, 0)"
+)
+"""SQL: the key of a group in the index of kept entries (``{table}``: a relation with
+``resource`` and ``changed_resource_id``). 64 bits; length-prefixed, so that no two
+pairs make the same text; a group whose hash another's took is only not looked up
+(the entry found is checked to be of the group)."""
+
+STAGING_COLUMNS = (
+    "kind",
+    "txid",
+    "id",
+    "keep_txid",
+    "keep_id",
+    "sub_resources",
+    "resource",
+    "changed_resource_id",
+)
 """Columns of a run's staging table, in the order the Spark job writes them."""
+
+SCHEMA_VERSION = 6
+"""The feed schema the job needs: migration 6 adds the rewrite horizon it announces."""
 
 TID_RANGE_SCAN_VERSION = 140000
 """``server_version_num`` from which ``ctid`` ranges are TID range scans."""
 
 _LAST_PAGE = (4294967295, 0)  # above every heap page: the open end of the last range
-_STAGING_NAME = re.compile(r"^compaction_plan_[0-9]+$")
+_STAGING_NAME = re.compile(r"^compaction_(plan|touched|hot)_[0-9]+$")
+_STANDBY_POLL = 0.2
 _RETRIES = 3
 _LOCK_WAIT = Backoff(initial=0.05, maximum=1.0, jitter=1.0)
 """Waits before a batch that waited for locks (or deadlocked) runs again
@@ -76,8 +111,9 @@ jobs that deadlocked do not retry in step."""
 _RETRYABLE = (asyncpg.exceptions.LockNotAvailableError, asyncpg.exceptions.DeadlockDetectedError)
 
 BatchReport = Callable[[int], None]
-"""Called after each committed batch with the planned entries it covered: a
-garbage chunk's entries, or the staging rows of a batch. They add up to the
+"""Called after each committed batch with the planned entries it covered: the
+garbage a step deleted (the last step of a region makes up the rest of the
+region's planned garbage), or the staging rows of a batch. They add up to the
 planned total (whether or not a guard left some entry alone), so they measure
 progress; the applied counts are what the apply methods return."""
 
@@ -94,6 +130,7 @@ class FeedSnapshot:
         low_water: the low-water mark then.
         blocks: the feed table's size in pages then (partitions split it).
         server_version: ``server_version_num`` (TID range scans need 140000).
+        feed_id: the feed's identity (a restored or recreated feed has another).
     """
 
     horizon: int
@@ -102,6 +139,7 @@ class FeedSnapshot:
     low_water: Position
     blocks: int
     server_version: int = 150000
+    feed_id: uuid.UUID | None = None
 
 
 class CompactionStore:
@@ -128,6 +166,7 @@ class CompactionStore:
         self.q = quote_schema(schema)
         self.lock_timeout = lock_timeout
         self.server_version = TID_RANGE_SCAN_VERSION  # until prepare() asks the server
+        self._surveyed: tuple[int, dict[int, tuple[int, int, int]]] | None = None
 
     # -- run bookkeeping -----------------------------------------------------
 
@@ -152,7 +191,12 @@ class CompactionStore:
         await self.conn.execute("SELECT pg_advisory_unlock($1)", COMPACTION_LOCK_KEY)
 
     async def prepare(self) -> None:
-        """Set the control session up; raises CompactionError when the feed table is missing."""
+        """Set the control session up.
+
+        Raises:
+            CompactionError: the feed table is missing, or its schema older than
+                the job needs.
+        """
         # Batches are small index walks: JIT compilation (triggered by the cost
         # penalty enable_seqscan=off puts on scanning the one-row feed_state)
         # would cost far more than the statements themselves.
@@ -162,6 +206,13 @@ class CompactionStore:
         found = await self.conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{self.q}.feed")
         if not found:
             raise CompactionError(f"no feed table {self.schema}.feed in this database")
+        version = await schema_version(self.conn, self.schema)
+        if version < SCHEMA_VERSION:
+            raise CompactionError(
+                f"the feed schema {self.schema!r} is at version {version}; the job needs"
+                f" {SCHEMA_VERSION}: upgrade it with 'changefeed db init --dsn DSN' (as its"
+                " owner), and the publishers with it"
+            )
 
     async def snapshot(self) -> FeedSnapshot:
         """Capture the horizon, the clock, the head, the low-water mark and the table size."""
@@ -187,6 +238,7 @@ class CompactionStore:
             low_water=await self.low_water(),
             blocks=int(row["blocks"]),
             server_version=int(row["version"]),
+            feed_id=await self.conn.fetchval(f"SELECT feed_id FROM {self.q}.feed_state"),
         )
 
     async def low_water(self) -> Position:
@@ -197,31 +249,16 @@ class CompactionStore:
         )
         return Position(int(row["txid"]), int(row["id"])) if row else ORIGIN
 
-    async def begin_run(self, snapshot: FeedSnapshot) -> int:
-        """Record a new run, drop staging tables left by runs that died; return the run id."""
-        await self.conn.execute(
-            f"CREATE TABLE IF NOT EXISTS {self.q}.compaction_runs ("
-            " run_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
-            " started timestamptz NOT NULL DEFAULT now(),"
-            " finished timestamptz,"
-            " head_txid xid8 NOT NULL, head_id bigint NOT NULL,"
-            " summary jsonb)"
-        )
+    async def drop_stale_staging(self) -> None:
+        """Drop the staging tables runs that died left behind."""
         for name in await self.conn.fetch(
             "SELECT tablename FROM pg_tables WHERE schemaname = $1"
-            " AND tablename LIKE 'compaction\\_plan\\_%'",
+            " AND tablename LIKE 'compaction\\_%'",
             self.schema,
         ):
             table = name["tablename"]
             if _STAGING_NAME.match(table):
                 await self.conn.execute(f'DROP TABLE IF EXISTS {self.q}."{table}"')
-        run_id = await self.conn.fetchval(
-            f"INSERT INTO {self.q}.compaction_runs (head_txid, head_id)"
-            " VALUES ($1::bigint::text::xid8, $2) RETURNING run_id",
-            snapshot.head.txid,
-            snapshot.head.id,
-        )
-        return int(run_id)
 
     def staging_table(self, run_id: int) -> str:
         """The qualified name of run ``run_id``'s staging table (for JDBC and SQL)."""
@@ -232,9 +269,73 @@ class CompactionStore:
         table = self.staging_table(run_id)
         await self.conn.execute(
             f"CREATE UNLOGGED TABLE {table} (kind smallint NOT NULL, txid bigint NOT NULL,"
-            " id bigint NOT NULL, keep_txid bigint, keep_id bigint, sub_resources text[])"
+            " id bigint NOT NULL, keep_txid bigint, keep_id bigint, sub_resources text[],"
+            " resource text, changed_resource_id text)"
         )
         return table
+
+    def hot_table(self, run_id: int) -> str:
+        """The qualified name of the table of a full run's hot groups."""
+        return f'{self.q}."compaction_hot_{int(run_id)}"'
+
+    async def hot_groups(
+        self, snapshot: FeedSnapshot, gc: datetime, lag: datetime, *, hot_min: int, most: int
+    ) -> list[tuple[str, str]]:
+        """The groups of at least about ``hot_min`` merge candidates (the largest
+        ``most``), estimated from a sample of about 2,000 pages of the feed: bounded
+        metadata, read before the merge so that it can keep their members apart.
+        An estimate only decides where a group is merged, never how."""
+        share = min(1.0, 2000 / max(snapshot.blocks, 1))
+        rows = await self.conn.fetch(
+            f"SELECT resource, changed_resource_id FROM {self.q}.feed"
+            " TABLESAMPLE SYSTEM ($1)"
+            " WHERE published >= $2 AND published < $3"
+            " AND (txid, id) <= ($4::bigint::text::xid8, $5::bigint)"
+            " GROUP BY resource, changed_resource_id HAVING count(*) >= $6"
+            " ORDER BY count(*) DESC LIMIT $7",
+            100 * share,
+            gc,
+            lag,
+            *snapshot.head,
+            max(1, int(hot_min * share / 2)),
+            most,
+        )
+        return [(str(r["resource"]), str(r["changed_resource_id"])) for r in rows]
+
+    async def create_hot(self, run_id: int, groups: Sequence[tuple[str, str]]) -> str:
+        """Write a full run's hot groups to their table (the reads filter on it)."""
+        table = self.hot_table(run_id)
+        await self.conn.execute(
+            f"CREATE UNLOGGED TABLE {table} (resource text NOT NULL,"
+            " changed_resource_id text NOT NULL, PRIMARY KEY (resource, changed_resource_id))"
+        )
+        await self.conn.executemany(
+            f"INSERT INTO {table} (resource, changed_resource_id) VALUES ($1, $2)", groups
+        )
+        return table
+
+    def touched_table(self, run_id: int) -> str:
+        """The qualified name of an incremental run's table of touched resource ids."""
+        return f'{self.q}."compaction_touched_{int(run_id)}"'
+
+    async def create_touched(self, run_id: int) -> str:
+        """Create the table an incremental run writes the ids its changes touch to
+        (unlogged, no index: it is read by page ranges and hashed)."""
+        table = self.touched_table(run_id)
+        await self.conn.execute(
+            f"CREATE UNLOGGED TABLE {table} (resource text NOT NULL,"
+            " changed_resource_id text NOT NULL)"
+        )
+        return table
+
+    async def table_pages(self, table: str) -> int:
+        """A table's size in pages (to split its reads)."""
+        return int(
+            await self.conn.fetchval(
+                "SELECT pg_relation_size($1::regclass) / current_setting('block_size')::bigint",
+                table,
+            )
+        )
 
     @property
     def page_walk(self) -> bool:
@@ -255,37 +356,10 @@ class CompactionStore:
         await self.conn.execute(f"CREATE INDEX ON {table} (kind, id)")
         await self.conn.execute(f"ANALYZE {table}")
 
-    async def staging_counts(self, run_id: int) -> tuple[int, int, int]:
-        """(groups, keeper updates, drops) planned in a loaded staging table.
-
-        Every group of two or more has at least one drop, so the groups are
-        the drops' distinct keepers. (A retried Spark task may have staged a
-        row twice; these planned counts then include it twice. The summary's
-        applied counts come from the apply step itself.)
-        """
-        table = self.staging_table(run_id)
-        row = await self.conn.fetchrow(
-            f"SELECT (SELECT count(*) FROM (SELECT DISTINCT keep_txid, keep_id FROM {table}"
-            f"         WHERE kind = $2) AS keepers) AS groups,"
-            f" (SELECT count(*) FROM {table} WHERE kind = $1) AS updates,"
-            f" (SELECT count(*) FROM {table} WHERE kind = $2) AS drops",
-            KIND_KEEP,
-            KIND_DROP,
-        )
-        assert row is not None
-        return (int(row["groups"]), int(row["updates"]), int(row["drops"]))
-
     async def drop_staging(self, run_id: int) -> None:
-        await self.conn.execute(f"DROP TABLE IF EXISTS {self.staging_table(run_id)}")
-
-    async def finish_run(self, run_id: int, summary: str) -> None:
-        """Mark the run finished with its summary (JSON text)."""
-        await self.conn.execute(
-            f"UPDATE {self.q}.compaction_runs SET finished = now(), summary = $2::jsonb"
-            " WHERE run_id = $1",
-            run_id,
-            summary,
-        )
+        """Drop the run's staging tables."""
+        for table in (self.staging_table, self.touched_table, self.hot_table):
+            await self.conn.execute(f"DROP TABLE IF EXISTS {table(run_id)}")
 
     # -- the apply step ------------------------------------------------------
 
@@ -317,22 +391,27 @@ class CompactionStore:
 
     async def apply_gc(
         self,
-        chunks: Sequence[GcChunk],
+        regions: Sequence[GcRegion],
         cutoff: datetime,
+        batch_size: int,
         report: BatchReport | None = None,
-    ) -> int:
-        """Delete the garbage chunks, one short transaction each; return rows deleted.
+    ) -> tuple[int, int]:
+        """Delete the garbage of ``regions``; return (entries deleted, transactions).
 
-        Each transaction deletes the chunk's entries still older than ``cutoff``
-        and raises the low-water mark to the newest one it deleted.
+        Each region is walked along the primary key, ``batch_size`` entries at a
+        time (garbage or not), one short transaction each: the step deletes the
+        entries it looked at that are still older than ``cutoff`` and raises the
+        low-water mark to the newest one it deleted.
         """
         sql = f"""
-            WITH deleted AS (
-                DELETE FROM {self.q}.feed f
-                WHERE (f.txid, f.id) >= ($1::bigint::text::xid8, $2::bigint)
+            WITH step AS MATERIALIZED (
+                SELECT f.ctid AS tid, f.txid, f.id, f.published FROM {self.q}.feed f
+                WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2::bigint)
                   AND (f.txid, f.id) <= ($3::bigint::text::xid8, $4::bigint)
-                  AND f.id >= $5 AND f.id < $6
-                  AND f.published < $7
+                ORDER BY f.txid, f.id LIMIT $5
+            ), deleted AS (
+                DELETE FROM {self.q}.feed f
+                WHERE f.ctid = ANY(ARRAY(SELECT tid FROM step WHERE published < $6))
                 RETURNING f.txid, f.id
             ), newest AS (
                 SELECT txid, id FROM deleted ORDER BY txid DESC, id DESC LIMIT 1
@@ -342,25 +421,123 @@ class CompactionStore:
                 FROM newest n
                 WHERE (n.txid, n.id) > (s.low_water_txid, s.low_water_id)
                 RETURNING 1
+            ), last AS (
+                SELECT txid::text::bigint AS txid, id FROM step ORDER BY txid DESC, id DESC LIMIT 1
             )
-            SELECT (SELECT count(*) FROM deleted) AS done, (SELECT count(*) FROM raised) AS raised
+            SELECT (SELECT count(*) FROM step) AS looked, (SELECT count(*) FROM deleted) AS done,
+                   (SELECT txid FROM last) AS last_txid, (SELECT id FROM last) AS last_id
         """
-        total = 0
-        for chunk in chunks:
-            row = await self._batch(
-                sql,
-                chunk.first.txid,
-                chunk.first.id,
-                chunk.last.txid,
-                chunk.last.id,
-                chunk.id_from,
-                chunk.id_to,
-                cutoff,
+        total = steps = 0
+        for region in regions:
+            after = Position(region.first.txid, region.first.id - 1)  # just before first
+            deleted = 0
+            while True:
+                row = await self._batch(sql, *after, *region.last, batch_size, cutoff)
+                steps += 1
+                deleted += int(row["done"])
+                total += int(row["done"])
+                looked = int(row["looked"])
+                if looked:
+                    after = Position(int(row["last_txid"]), int(row["last_id"]))
+                end = looked < batch_size or after >= region.last
+                if report is not None:
+                    report(int(row["done"]) + (max(0, region.rows - deleted) if end else 0))
+                if end:
+                    break
+        return total, steps
+
+    async def announce(self, through: Position) -> tuple[int, Position]:
+        """Tell the publishers a run is about to widen entries up to ``through``,
+        before it does: raise the rewrite generation, and the horizon to at least
+        ``through``, in one committed statement. Returns both as they are now."""
+        row = await self._batch(
+            f"""
+            UPDATE {self.q}.feed_state s SET
+                rewrite_generation = s.rewrite_generation + 1,
+                (rewritten_through_txid, rewritten_through_id) = (
+                    SELECT t.txid, t.id FROM (VALUES
+                        (s.rewritten_through_txid, s.rewritten_through_id),
+                        ($1::bigint::text::xid8, $2::bigint)) AS t(txid, id)
+                    ORDER BY t.txid DESC, t.id DESC LIMIT 1),
+                updated = now()
+            RETURNING rewrite_generation,
+                rewritten_through_txid::text::bigint AS txid, rewritten_through_id AS id
+            """,
+            *through,
+        )
+        return int(row["rewrite_generation"]), Position(int(row["txid"]), int(row["id"]))
+
+    async def wait_for_standbys(self, wait: float) -> list[str]:
+        """Wait until every streaming standby has replayed what this connection's
+        session wrote so far (the widened keepers), before any drop; return the
+        standbys waited for.
+
+        A listener that read a stretch of the table after the drops on one
+        server must find the keepers widened on any other it resumes from: on
+        a standby that has not replayed them, a publisher would serve them as
+        they were. Physical replication slots of standbys that are away count
+        too: they come back where they stopped.
+
+        Raises:
+            CompactionError: a standby is still behind after ``wait`` seconds
+                (nothing is lost: the drops wait for the next run), or the job's
+                role may not see the standbys' positions.
+        """
+        target = await self.conn.fetchval("SELECT pg_current_wal_lsn()")
+        deadline = time.monotonic() + wait
+        while True:
+            behind = await self.conn.fetch(
+                """
+                SELECT coalesce(application_name, client_addr::text, pid::text) AS name,
+                       state, replay_lsn >= $1 AS caught_up
+                FROM pg_stat_replication
+                UNION ALL
+                SELECT 'slot ' || slot_name, 'slot', restart_lsn >= $1
+                FROM pg_replication_slots WHERE slot_type = 'physical' AND NOT active
+                """,
+                target,
             )
-            total += int(row["done"])
-            if report is not None:
-                report(chunk.rows)
-        return total
+            if any(r["state"] is None for r in behind):
+                raise CompactionError(
+                    "cannot see how far the standbys have replayed: grant pg_read_all_stats"
+                    " to the job's role (the drops wait for the next run; nothing is lost)"
+                )
+            late = [r["name"] for r in behind if not r["caught_up"]]
+            names = [r["name"] for r in behind]
+            if not late:
+                return names
+            if time.monotonic() >= deadline:
+                raise CompactionError(
+                    f"standby {', '.join(late)} has not replayed the widened entries within"
+                    f" {wait:g}s: the drops wait for the next run (nothing is lost). A"
+                    " standby that is gone for good: drop its replication slot"
+                )
+            await asyncio.sleep(_STANDBY_POLL)
+
+    def share_survey(self, other: CompactionStore) -> None:
+        """Use ``other``'s survey of the staging table (a second connection's store)."""
+        self._surveyed = other._surveyed
+
+    async def survey_staging(self, run_id: int) -> None:
+        """Find each kind's pages in the loaded staging table, in one scan, for the
+        walks that follow (without it, each walk looks for its own kind's). Only the
+        page walk (PostgreSQL >= 14) needs it."""
+        if self.page_walk:
+            self._surveyed = (run_id, await self._spans(run_id, None))
+
+    async def _spans(self, run_id: int, kind: int | None) -> dict[int, tuple[int, int, int]]:
+        """First page, last page and rows of ``kind`` (None: every kind) in the staging table."""
+        if kind is not None and self._surveyed is not None and self._surveyed[0] == run_id:
+            return self._surveyed[1]
+        rows = await self.conn.fetch(
+            "SELECT kind, count(*) AS n,"
+            " min((ctid::text::point)[0])::bigint AS first,"
+            " max((ctid::text::point)[0])::bigint AS last"
+            f" FROM {self.staging_table(run_id)} WHERE $1::smallint IS NULL OR kind = $1"
+            " GROUP BY kind",
+            kind,
+        )
+        return {int(r["kind"]): (int(r["first"]), int(r["last"]), int(r["n"])) for r in rows}
 
     def _walk_sql(self, run_id: int, columns: str, action: str, after: str = "") -> str:
         """One batch: pick staging rows of kind ``$1`` (by page range or keyset), apply
@@ -399,17 +576,16 @@ class CompactionStore:
                 report(int(row["batch"]))
 
         if self.page_walk:
-            table = self.staging_table(run_id)
-            shape = await self.conn.fetchrow(
-                f"SELECT pg_relation_size($1::regclass) / current_setting('block_size')::bigint"
-                f" AS pages, (SELECT count(*) FROM {table}) AS rows",
-                table,
-            )
-            assert shape is not None
-            pages, rows = int(shape["pages"]), int(shape["rows"])
-            step = max(1, batch_size * pages // max(rows, 1))
-            for lo in range(0, pages, step):
-                hi = (lo + step, 0) if lo + step < pages else _LAST_PAGE
+            span = (await self._spans(run_id, kind)).get(kind)
+            if span is None:
+                return total
+            first, last, rows = span
+            # Page ranges that hold about batch_size rows of this kind each, over
+            # the pages that hold any (Spark's tasks write the kinds apart, or
+            # interleaved: either way the density is even enough).
+            step = max(1, batch_size * (last - first + 1) // rows)
+            for lo in range(first, last + 1, step):
+                hi = (lo + step, 0) if lo + step <= last else _LAST_PAGE
                 row = await self._batch(sql, kind, (lo, 0), hi)
                 if row["batch"]:
                     done(row)
@@ -485,4 +661,35 @@ class CompactionStore:
         sql = self._walk_sql(run_id, "txid, id, keep_txid, keep_id", action, raise_mark)
         return await self._walk(
             KIND_DROP, run_id=run_id, sql=sql, batch_size=batch_size, report=report
+        )
+
+    async def apply_keys(
+        self, run_id: int, *, full: bool, batch_size: int, report: BatchReport | None = None
+    ) -> int:
+        """Record the run's groups' keepers (its ``KIND_KEY`` rows) in the index of
+        kept entries, a batch at a time (a full run empties it first), then mark the
+        index as this run's. Returns the rows recorded.
+
+        The unique index is in place while they go in. (Building it afterwards
+        would hold a transaction id as long as the build -- and every tailer's
+        horizon with it -- or, concurrently, wait for every writer that keeps a
+        transaction open.) The index only tells the next run which earlier entry
+        to merge with the ids its changes touch; an entry it names that is gone is
+        simply not read.
+        """
+        keys = f"{self.q}.compaction_keys"
+        if full:
+            await self.conn.execute(f"TRUNCATE {keys}")
+        # A retried Spark task may have staged a group twice: one row per key.
+        action = f"""
+            INSERT INTO {keys} (h, txid, id)
+            SELECT DISTINCT ON (h) h, txid, id FROM (
+                SELECT {KEEPER_HASH.format(table="b")} AS h, txid, id FROM b) AS hashed
+            ORDER BY h, txid DESC, id DESC
+            ON CONFLICT (h) DO UPDATE SET txid = EXCLUDED.txid, id = EXCLUDED.id
+            RETURNING 1
+        """
+        sql = self._walk_sql(run_id, "txid, id, resource, changed_resource_id", action)
+        return await self._walk(
+            KIND_KEY, run_id=run_id, sql=sql, batch_size=batch_size, report=report
         )

@@ -1,34 +1,53 @@
-"""The compaction plan as Spark DataFrames: partitioned reads, garbage chunks, merge, staging.
+"""What the compaction job reads, as Spark DataFrames: partitioned reads of the feed.
 
-Each partition reads a range of heap pages (``ctid``) bounded to the
-snapshot's head; garbage comes back as chunk bounds only, and the merge
-verdicts go straight from the executors to the staging table (or, on a dry
-run, come back as three counts). The rules are the ones in ``plan``; the
-PostgreSQL side is in ``apply``.
+What a run reads (``scope``):
+
+* a **full** run reads the whole feed up to its head as ranges of heap pages
+  (``ctid``, a TID range scan each): PostgreSQL first returns, per range, the
+  garbage's bounds and the sub-resource names among the merge candidates
+  (``survey_feed``, a row each); then the candidates themselves, split into
+  the ordinary ids and the hot ones (``read_feed`` with ``hot_filter``);
+* an **incremental** run reads what changed (``delta_predicates``): the
+  entries after the previous head by primary-key ranges, and those that aged
+  into garbage or into the merge by ranges of the ``published`` index
+  (``garbage_regions`` bounds the new garbage); then the previous keeper of
+  every ``(resource, id)`` they touch (``write_touched``, ``old_keepers``),
+  looked up in the index of kept entries.
+
+Nothing comes back to the driver but those few rows. What is done with the
+members is in ``merge``; the PostgreSQL side is in ``apply``.
 """
 
 from __future__ import annotations
 
+import itertools
 from datetime import datetime
 from typing import Any
 
 from changefeed.schemas import Position
 
-from .apply import KIND_DROP, KIND_KEEP, FeedSnapshot
+from .apply import KEEPER_HASH, FeedSnapshot
 from .jdbc import JdbcTarget
-from .plan import GcChunk
+from .plan import GcRegion
+from .scope import Cutoffs, Scope
 
 __all__ = [
     "block_ranges",
+    "delta_predicates",
+    "garbage_regions",
     "head_bound",
-    "merge_frame",
-    "plan_garbage",
+    "hot_filter",
+    "old_keepers",
+    "read_feed",
     "read_predicates",
-    "staging_rows",
+    "slices",
+    "survey_feed",
+    "write_touched",
 ]
 
 _FETCH_SIZE = 10_000
 _WRITE_BATCH = 10_000
+_APP = "changefeed-compaction"
 
 
 def block_ranges(blocks: int, partitions: int) -> list[tuple[int, int | None]]:
@@ -38,14 +57,26 @@ def block_ranges(blocks: int, partitions: int) -> list[tuple[int, int | None]]:
     return [(lo, bounds[i + 1] if i + 1 < parts else None) for i, lo in enumerate(bounds)]
 
 
+def slices(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi]`` split into at most ``parts`` consecutive non-empty ranges ``[a, b)``
+    (the last one ends at ``hi + 1``)."""
+    parts = max(1, min(parts, hi - lo + 1))
+    bounds = [lo + (hi + 1 - lo) * i // parts for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
 def _ts(value: datetime) -> str:
     # A datetime from the server's own clock, formatted: never text from input.
     return f"'{value.isoformat()}'::timestamptz"
 
 
+def _pos(p: Position) -> str:
+    return f"('{int(p.txid)}'::xid8, {int(p.id)})"
+
+
 def head_bound(snapshot: FeedSnapshot) -> str:
     """SQL: the entry is at or before the snapshot's head."""
-    return f"(txid, id) <= ('{int(snapshot.head.txid)}'::xid8, {int(snapshot.head.id)})"
+    return f"(txid, id) <= {_pos(snapshot.head)}"
 
 
 def read_predicates(
@@ -64,169 +95,205 @@ def read_predicates(
     return out
 
 
-def _read(spark: Any, target: JdbcTarget, table: str, predicates: list[str]) -> Any:
+def hot_filter(hot_table: str, *, hot: bool) -> str:
+    """SQL: the entry's ``(resource, changed_resource_id)`` is (``hot``) or is not one
+    of the hot groups the run wrote to ``hot_table``: the two reads of a full run
+    are split where PostgreSQL reads, without either reading the other's rows."""
+    test = (
+        f"SELECT 1 FROM {hot_table} h WHERE h.resource = feed.resource"
+        " AND h.changed_resource_id = feed.changed_resource_id"
+    )
+    return f"{'' if hot else 'NOT '}EXISTS ({test})"
+
+
+def _time_slices(band: tuple[datetime, datetime], parts: int) -> list[tuple[datetime, datetime]]:
+    start, end = band
+    step = (end - start) / parts
+    cuts = [start + step * i for i in range(parts)] + [end]
+    return list(itertools.pairwise(cuts))
+
+
+def delta_predicates(scope: Scope, now: Cutoffs, parts: int) -> list[str]:
+    """One ``WHERE`` clause per partition of an incremental run's read (see ``scope``).
+
+    After the previous head: ``parts`` ranges of transaction ids, each a range of
+    the primary key, every entry older than the lag. At or before it: ``parts``
+    slices of each band of publication times, each a range of the ``published``
+    index.
+    """
+    assert not scope.full and scope.since is not None
+    since, head = scope.since, now.head
+    out = []
+    if head > since:
+        for lo, hi in slices(since.txid, head.txid, parts):
+            out.append(
+                f"(txid, id) > {_pos(since)} AND (txid, id) <= {_pos(head)}"
+                f" AND txid >= '{int(lo)}'::xid8 AND txid < '{int(hi)}'::xid8"
+                f" AND published < {_ts(now.lag)}"
+            )
+    for band in (scope.gc_band, scope.lag_band):
+        if band is None:
+            continue
+        for start, end in _time_slices(band, parts):
+            out.append(
+                f"published >= {_ts(start)} AND published < {_ts(end)}"
+                f" AND (txid, id) <= {_pos(since)}"
+            )
+    return out
+
+
+def read_feed(spark: Any, target: JdbcTarget, table: str, predicates: list[str]) -> Any:
+    """Entries of ``table`` (``txid`` as a number), one partition per predicate (each
+    a ``WHERE`` clause on the table itself)."""
+    from pyspark.sql import functions as F
+
     return spark.read.jdbc(
         url=target.url,
         table=table,
         predicates=predicates,
-        properties=target.with_properties(
-            fetchsize=str(_FETCH_SIZE), ApplicationName="changefeed-compaction"
-        ),
-    )
-
-
-def plan_garbage(
-    spark: Any,
-    target: JdbcTarget,
-    table: str,
-    predicates: list[str],
-    *,
-    width: int,
-    count_condition: str,
-) -> tuple[list[GcChunk], int]:
-    """Garbage chunk bounds, and the number of compaction candidates, in one Spark job.
-
-    Garbage is grouped by ``id div width`` (so a chunk holds at most ``width``
-    entries); only the chunk bounds come back to the driver. The candidates are
-    counted by PostgreSQL (``count_condition``), beside the garbage scan.
-    """
-    from pyspark.sql import functions as F
-
-    garbage = _read(spark, target, table, predicates).select(
-        F.col("txid").cast("long").alias("txid"), F.col("id")
-    )
-    chunks = garbage.groupBy(F.expr(f"id div {int(width)}").alias("chunk")).agg(
-        F.min(F.struct("txid", "id")).alias("first"),
-        F.max(F.struct("txid", "id")).alias("last"),
-        F.count(F.lit(1)).alias("rows"),
-    )
-    counted = spark.read.jdbc(
-        url=target.url,
-        table=f"(SELECT count(*) AS n FROM {table} WHERE {count_condition}) AS changefeed_count",
-        properties=target.with_properties(ApplicationName="changefeed-compaction"),
+        properties=target.with_properties(fetchsize=str(_FETCH_SIZE), ApplicationName=_APP),
     ).select(
-        F.lit(-1).cast("long").alias("chunk"),
-        F.lit(None).cast("struct<txid:bigint,id:bigint>").alias("first"),
-        F.lit(None).cast("struct<txid:bigint,id:bigint>").alias("last"),
-        F.col("n").cast("long").alias("rows"),
-    )
-    rows = chunks.unionByName(counted).collect()
-    candidates = sum(int(r["rows"]) for r in rows if r["chunk"] == -1)
-    found = sorted((r for r in rows if r["chunk"] != -1), key=lambda r: int(r["chunk"]))
-    return [
-        GcChunk(
-            Position(int(r["first"]["txid"]), int(r["first"]["id"])),
-            Position(int(r["last"]["txid"]), int(r["last"]["id"])),
-            int(r["chunk"]) * width,
-            (int(r["chunk"]) + 1) * width,
-            int(r["rows"]),
-        )
-        for r in found
-    ], candidates
-
-
-def merge_frame(candidates: Any) -> Any:
-    """Every candidate entry with its group's verdict.
-
-    One window over ``(resource, changed_resource_id)`` (one shuffle) gives each
-    entry its group's size ``n``, keeper (latest position), whole-resource flag
-    and distinct sub-resource sets. Returns ``txid, id, subs, n, k_txid, k_id,
-    is_keep, union`` for every candidate (groups of one included).
-    """
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    w = Window.partitionBy("resource", "changed_resource_id")
-    subs = F.array_sort(F.array_distinct(F.col("sub_resources")))
-    grouped = candidates.select(
         F.col("txid").cast("long").alias("txid"),
-        F.col("id"),
-        F.col("resource"),
-        F.col("changed_resource_id"),
-        subs.alias("subs"),
-    ).select(
-        "*",
-        F.count(F.lit(1)).over(w).alias("n"),
-        F.max(F.struct("txid", "id")).over(w).alias("keep"),
-        F.max((F.size("subs") == 0).cast("int")).over(w).alias("whole"),
-        F.collect_set("subs").over(w).alias("sets"),
-    )
-    union = F.when(F.col("whole") == 1, F.array().cast("array<string>")).otherwise(
-        F.array_sort(F.array_distinct(F.flatten(F.col("sets"))))
-    )
-    is_keep = (F.col("txid") == F.col("keep.txid")) & (F.col("id") == F.col("keep.id"))
-    return grouped.select(
-        "txid",
         "id",
-        "subs",
-        "n",
-        F.col("keep.txid").alias("k_txid"),
-        F.col("keep.id").alias("k_id"),
-        is_keep.alias("is_keep"),
-        union.alias("union"),
+        "resource",
+        "changed_resource_id",
+        "sub_resources",
+        "published",
     )
 
 
-def staging_rows(merged: Any) -> Any:
-    """Keeper rows whose sub-resources change, and drop rows, in ``STAGING_COLUMNS`` order."""
-    from pyspark.sql import functions as F
-
-    keep = F.col("is_keep")
-    null_long = F.lit(None).cast("long")
-    return merged.where((F.col("n") > 1) & (~keep | (F.col("subs") != F.col("union")))).select(
-        F.when(keep, F.lit(KIND_KEEP)).otherwise(F.lit(KIND_DROP)).cast("short").alias("kind"),
-        F.col("txid"),
-        F.col("id"),
-        F.when(keep, null_long).otherwise(F.col("k_txid")).alias("keep_txid"),
-        F.when(keep, null_long).otherwise(F.col("k_id")).alias("keep_id"),
-        F.when(keep, F.col("union"))
-        .otherwise(F.lit(None).cast("array<string>"))
-        .alias("sub_resources"),
-    )
-
-
-def _plan_and_stage(
+def survey_feed(
     spark: Any,
     target: JdbcTarget,
     table: str,
-    predicates: list[str],
-    staging: str | None,
-) -> tuple[int, int, int] | None:
-    """Plan compaction; write the staging rows to ``staging``, or with None (dry run) count.
+    garbage: list[str],
+    candidates: list[str],
+) -> tuple[list[GcRegion], list[str]]:
+    """A full run's first look at the feed, partition by partition, done by
+    PostgreSQL: the stretch that holds the garbage (``garbage[i]`` selects
+    partition i's), and the sub-resource names among the merge candidates
+    (``candidates[i]``). Each partition returns a row, and a row per name.
 
-    Returns:
-        on a dry run (groups, keeper updates, drops); otherwise None (the
-        counts are in the staging table).
+    The stretch is ``[(lowest txid, 0), (highest txid, highest id)]``: it holds
+    every garbage entry, and the walk over it takes the few others at its
+    ends in its stride.
     """
+    from functools import reduce
+
+    reads = [
+        spark.read.jdbc(
+            url=target.url,
+            table=(
+                "(SELECT min(txid::text::bigint) AS lo, max(txid::text::bigint) AS hi,"
+                f" max(id) AS top, count(*) AS n, NULL::text AS name FROM {table}"
+                f" WHERE {old} UNION ALL SELECT DISTINCT NULL::bigint, NULL::bigint,"
+                f" NULL::bigint, NULL::bigint, s FROM {table}, unnest(sub_resources) AS u(s)"
+                f" WHERE {young}) AS survey_{i}"
+            ),
+            properties=target.with_properties(ApplicationName=_APP),
+        )
+        for i, (old, young) in enumerate(zip(garbage, candidates, strict=True))
+    ]
+    rows = reduce(lambda a, b: a.unionByName(b), reads).collect()
+    names = sorted({str(r["name"]) for r in rows if r["name"] is not None})
+    counted = [r for r in rows if r["name"] is None and r["n"]]
+    if not counted:
+        return [], names
+    region = GcRegion(
+        Position(min(int(r["lo"]) for r in counted), 0),
+        Position(max(int(r["hi"]) for r in counted), max(int(r["top"]) for r in counted)),
+        sum(int(r["n"]) for r in counted),
+    )
+    return [region], names
+
+
+def garbage_regions(garbage: Any, since: Position | None = None) -> list[GcRegion]:
+    """The stretches of the feed that hold ``garbage`` (rows with ``txid``, ``id``):
+    one, or with ``since`` two -- at or before it, and after it (they may be far
+    apart, and the walk between them would look at every entry in the gap).
+    One row per stretch comes back to the driver."""
     from pyspark.sql import functions as F
 
-    merged = merge_frame(_read(spark, target, table, predicates))
-    if staging is None:
-        in_group = F.col("n") > 1
-        keep = F.col("is_keep")
-        row = merged.agg(
-            F.count(F.when(in_group & keep, 1)).alias("groups"),
-            F.count(F.when(in_group & keep & (F.col("subs") != F.col("union")), 1)).alias(
-                "updates"
-            ),
-            F.count(F.when(in_group & ~keep, 1)).alias("drops"),
-        ).collect()[0]
-        return (int(row["groups"]), int(row["updates"]), int(row["drops"]))
-    staging_rows(merged).write.jdbc(
+    pos = F.struct("txid", "id")
+    txid, id_ = F.col("txid"), F.col("id")
+    side = (
+        F.lit(False)
+        if since is None
+        else (txid > since.txid) | ((txid == since.txid) & (id_ > since.id))
+    )
+    rows = (
+        garbage.groupBy(side.alias("after"))
+        .agg(F.min(pos).alias("first"), F.max(pos).alias("last"), F.count(F.lit(1)).alias("rows"))
+        .collect()
+    )
+    return sorted(
+        (
+            GcRegion(
+                Position(int(r["first"]["txid"]), int(r["first"]["id"])),
+                Position(int(r["last"]["txid"]), int(r["last"]["id"])),
+                int(r["rows"]),
+            )
+            for r in rows
+        ),
+        key=lambda r: r.first,
+    )
+
+
+def old_keepers(
+    spark: Any,
+    target: JdbcTarget,
+    *,
+    feed: str,
+    keys: str,
+    touched: str,
+    pages: int,
+    parts: int,
+    scope: Scope,
+    now: Cutoffs,
+) -> Any:
+    """The previous keeper of every touched ``(resource, id)`` that is still a merge
+    candidate outside the bands read already (``scope.kept_until``): one read per
+    range of the touched table's pages, each looking the keys up by their index
+    and the entries by the primary key."""
+    assert scope.since is not None and scope.kept_until is not None
+    reads: list[Any] = []
+    for lo, hi in block_ranges(pages, parts):
+        pages_of = f"t.ctid >= '({int(lo)},0)'::tid" + (
+            f" AND t.ctid < '({int(hi)},0)'::tid" if hi is not None else ""
+        )
+        query = (
+            f"(SELECT f.txid::text::bigint AS txid, f.id, f.resource, f.changed_resource_id,"
+            f" f.sub_resources, f.published FROM {touched} t"
+            f" JOIN {keys} k ON k.h = {KEEPER_HASH.format(table='t')}"
+            f" JOIN {feed} f ON f.txid = k.txid::text::xid8 AND f.id = k.id"
+            " AND f.resource = t.resource AND f.changed_resource_id = t.changed_resource_id"
+            f" WHERE {pages_of} AND (f.txid, f.id) <= {_pos(scope.since)}"
+            f" AND f.published >= {_ts(now.gc)} AND f.published < {_ts(scope.kept_until)}"
+            f") AS kept_{len(reads)}"
+        )
+        reads.append(
+            spark.read.jdbc(
+                url=target.url,
+                table=query,
+                properties=target.with_properties(fetchsize=str(_FETCH_SIZE), ApplicationName=_APP),
+            )
+        )
+    frame = reads[0]
+    for read in reads[1:]:
+        frame = frame.unionByName(read)
+    return frame
+
+
+def write_touched(delta: Any, target: JdbcTarget, table: str) -> None:
+    """Write the ``(resource, changed_resource_id)`` pairs of ``delta`` to ``table``, once each."""
+    delta.select("resource", "changed_resource_id").distinct().write.jdbc(
         url=target.url,
-        table=staging,
+        table=table,
         mode="append",
         properties=target.with_properties(
             batchsize=str(_WRITE_BATCH),
             reWriteBatchedInserts="true",
-            # No transaction per partition: each batch of inserts commits by
-            # itself. A write transaction holds an xid, and while it is open
-            # pg_snapshot_xmin -- the publishers' tailing horizon (I1) -- cannot
-            # pass it: one long staging transaction would stall every tailer.
-            # A retried task may then stage a row twice; the apply step is
-            # idempotent, and the summary counts what it applied.
-            isolationLevel="NONE",
-            ApplicationName="changefeed-compaction",
+            isolationLevel="NONE",  # as for staging (merge.write_merge): no xid held open
+            ApplicationName=_APP,
         ),
     )
-    return None

@@ -7,20 +7,22 @@ One run:
    head (newest entry below the horizon) and the table size. The run reads and
    changes nothing after the head; the age cutoffs are ``clock - max_age`` and
    ``clock - compaction_lag``.
-2. **scan** (Spark, JDBC): the feed is read in parallel partitions, each a
-   range of heap pages (``ctid`` ranges: a TID range scan each, no overlap),
-   bounded to entries at or before the head and older than the compaction lag.
-3. **plan** (Spark): garbage is grouped into id chunks of at most
-   ``batch_size`` entries (only the chunk bounds travel back); compaction
-   candidates are grouped by ``(resource, changed_resource_id)`` with one
-   window (one shuffle): the latest entry keeps, carrying the union.
-4. **stage** (Spark, JDBC): keeper updates and drops go to a per-run unlogged
-   staging table (no index: the apply step walks it by page ranges).
-5. **apply** (control connection): garbage chunks, then keeper updates, then
-   drops, each batch its own short transaction (see ``apply``).
+2. **scope** (``scope``): a full run, or an incremental one that reads only
+   what changed since the previous run (``runs`` keeps the run log and the
+   index of kept entries).
+3. **scan** (Spark, JDBC): the feed is read in parallel partitions -- heap
+   page ranges for a full run; primary-key and ``published`` ranges, then the
+   touched ids' previous keepers, for an incremental one. Garbage comes back as
+   the bounds of the stretches that hold it; the merge candidates are grouped
+   by ``(resource, changed_resource_id)`` and joined with their keepers
+   (``frames``), and the verdicts go to a per-run unlogged staging table.
+4. **apply** (control connection): the garbage walk, the announcement of the
+   entries about to be widened, the keepers, (once the standbys have replayed
+   them) the drops, and the index of kept entries, each batch its own short
+   transaction (see ``apply``).
 
-This module runs the steps in order; the Spark DataFrames of steps 2-4 are
-built in ``frames``, the PostgreSQL statements of steps 1 and 5 in ``apply``.
+This module runs the steps in order; the Spark DataFrames of step 3 are built
+in ``frames``, the PostgreSQL statements of steps 1 and 4 in ``apply``.
 
 The job prints nothing; it reports through a ``Progress`` (module ``progress``):
 each step above is a phase, with its total where the job knows it -- Spark
@@ -37,9 +39,9 @@ import contextlib
 import importlib
 import json
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -47,14 +49,29 @@ import asyncpg
 from changefeed.schemas import ORIGIN, Position, quote_schema
 from changefeed.schemas.errors import ProtocolError
 
-from .apply import CompactionStore
-from .durations import format_duration
+from .apply import CompactionStore, FeedSnapshot
 from .errors import CompactionError
-from .frames import _plan_and_stage, _ts, block_ranges, head_bound, plan_garbage, read_predicates
+from .frames import (
+    _ts,
+    block_ranges,
+    delta_predicates,
+    garbage_regions,
+    hot_filter,
+    old_keepers,
+    read_feed,
+    read_predicates,
+    survey_feed,
+    write_touched,
+)
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
+from .merge import HOT_KEYS, HOT_MIN, KEY, hot_groups, merge_rows, vocabulary, write_merge
+from .plan import GcRegion
 from .progress import NullProgress, Progress
+from .runs import RunLog
+from .scope import Cutoffs, Scope, choose_scope
 from .session import spark_session
 from .sparkwatch import watch_spark
+from .summary import CompactionSummary
 
 __all__ = ["CompactionSummary", "run_compaction"]
 
@@ -62,96 +79,6 @@ _BLOCKS_PER_PARTITION = 8192  # 64 MiB of heap per read partition
 _MAX_PARTITIONS = 4096
 _TID_RANGE_SCAN = 140000  # server_version_num with TID range scans
 _CONNECT_TIMEOUT = 30.0
-
-
-@dataclass
-class CompactionSummary:
-    """What one run did (or, with ``dry_run``, would do).
-
-    Attributes:
-        scanned: entries read (garbage and compaction candidates).
-        collected: entries deleted as older than the max age.
-        merged: entries merged into a later entry of the same resource id and deleted.
-        rewritten: keepers whose sub-resources became the union.
-        groups: resource ids with entries merged.
-        as_of: the database clock at the snapshot; the age cutoffs count from it.
-        phases: seconds by phase, in order.
-    """
-
-    schema: str
-    dry_run: bool
-    max_age: float
-    compaction_lag: float
-    head: Position = ORIGIN
-    low_water_before: Position = ORIGIN
-    low_water_after: Position = ORIGIN
-    scanned: int = 0
-    collected: int = 0
-    merged: int = 0
-    rewritten: int = 0
-    groups: int = 0
-    partitions: int = 0
-    gc_batches: int = 0
-    run_id: int | None = None
-    as_of: datetime | None = None
-    phases: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def rows_per_second(self) -> float:
-        """Entries scanned per second of the whole run."""
-        return self.scanned / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (positions as ``[txid, id]``)."""
-        return {
-            "schema": self.schema,
-            "dry_run": self.dry_run,
-            "max_age": self.max_age,
-            "compaction_lag": self.compaction_lag,
-            "head": list(self.head),
-            "low_water_before": list(self.low_water_before),
-            "low_water_after": list(self.low_water_after),
-            "scanned": self.scanned,
-            "collected": self.collected,
-            "merged": self.merged,
-            "rewritten": self.rewritten,
-            "groups": self.groups,
-            "partitions": self.partitions,
-            "gc_batches": self.gc_batches,
-            "run_id": self.run_id,
-            "as_of": self.as_of.isoformat() if self.as_of else None,
-            "phases": {k: round(v, 3) for k, v in self.phases.items()},
-            "seconds": round(self.seconds, 3),
-            "rows_per_second": round(self.rows_per_second, 1),
-        }
-
-    def to_text(self) -> str:
-        """A few lines for a terminal (what ``changefeed compact`` prints)."""
-        verb = "would delete" if self.dry_run else "deleted"
-        title = f"compaction of {self.schema}.feed" + (
-            " (dry run: nothing changed)" if self.dry_run else ""
-        )
-        phases = "  ".join(f"{k} {v:.1f}s" for k, v in self.phases.items())
-        return "\n".join(
-            [
-                title,
-                f"  head          {_pos(self.head)}",
-                f"  low water     {_pos(self.low_water_before)} -> {_pos(self.low_water_after)}",
-                f"  scanned       {self.scanned:,} entries in {self.partitions} partitions"
-                f" ({self.rows_per_second:,.0f} entries/s)",
-                f"  collected     {verb} {self.collected:,} older than"
-                f" {format_duration(self.max_age)} in {self.gc_batches:,} batches",
-                f"  merged        {verb} {self.merged:,} into later entries of {self.groups:,}"
-                f" resource ids ({self.rewritten:,} rewritten with the union),"
-                f" older than {format_duration(self.compaction_lag)}",
-                f"  time          {phases}  total {self.seconds:.1f}s",
-            ]
-        )
-
-
-def _pos(p: Position) -> str:
-    return f"({p.txid}, {p.id})"
 
 
 # --------------------------------------------------------------------------- the run
@@ -240,6 +167,8 @@ def run_compaction(
     partitions: int | None = None,
     lock_wait: float = 30.0,
     spark_conf: Mapping[str, str] | None = None,
+    full: bool = False,
+    replay_wait: float = 60.0,
 ) -> CompactionSummary:
     """Garbage-collect and compact one feed table with Spark; return what was done.
 
@@ -248,8 +177,9 @@ def run_compaction(
         schema: the feed's schema.
         max_age: seconds; older entries are deleted (the low-water mark rises).
         compaction_lag: seconds; older entries of one resource id are merged.
-            Must not exceed ``max_age``. Keep it well above the longest tailer
-            lag and resume replay (see docs/compaction.md).
+            Must not exceed ``max_age``. Any value is safe for listeners (the
+            publishers follow the job's rewrite horizon, docs/compaction.md);
+            a short one only moves more of the publishers' catch-up to the table.
         master: Spark master when the job starts its own session.
         dry_run: plan and count only; nothing is written.
         jdbc_jar: the PostgreSQL JDBC driver jar (default: found automatically).
@@ -257,11 +187,16 @@ def run_compaction(
             run's facts (see ``progress.Progress``); the job prints nothing.
         spark: an existing SparkSession to use (it is not stopped; its class
             path must hold the JDBC driver); default: start one on ``master``.
-        batch_size: entries per apply transaction (and per garbage chunk).
+        batch_size: entries per apply transaction (and per step of the garbage walk).
         partitions: read partitions (default: one per 64 MiB of heap, at
-            least the default parallelism).
+            least the default parallelism; an incremental run splits each of
+            its reads in as many, at most).
         lock_wait: seconds to wait for another job's lock before giving up.
         spark_conf: extra Spark settings for a session the job starts.
+        full: read the whole feed even when the previous run allows an
+            incremental one (a dry run always plans a full run).
+        replay_wait: seconds the drops wait for streaming standbys to replay
+            the widened keepers; past that the run stops before the drops.
 
     Must be called from a thread without a running event loop (in async code:
     ``await asyncio.to_thread(run_compaction, ...)``).
@@ -271,6 +206,8 @@ def run_compaction(
             the way (the feed is consistent; run again to finish).
     """
     _check_durations(max_age, compaction_lag, batch_size)
+    if not replay_wait >= 0:
+        raise CompactionError(f"replay_wait must not be negative, got {replay_wait!r}")
     try:
         quote_schema(schema)
     except ProtocolError as exc:
@@ -289,6 +226,7 @@ def run_compaction(
     summary = CompactionSummary(
         schema=schema, dry_run=dry_run, max_age=max_age, compaction_lag=compaction_lag
     )
+    settings = _Settings(batch_size, partitions, lock_wait, full or dry_run, replay_wait)
     clock = _Clock(summary, progress or NullProgress())
     clock.note("start", url=target.url, schema=schema, dry_run=dry_run, master=master)
     with asyncio.Runner() as runner:
@@ -300,15 +238,14 @@ def run_compaction(
             _run(
                 runner=runner,
                 conn=conn,
+                connect=lambda: asyncpg.connect(dsn, timeout=_CONNECT_TIMEOUT),
                 clock=clock,
                 target=target,
                 jar=jar,
                 spark=spark,
                 master=master,
                 spark_conf=spark_conf,
-                batch_size=batch_size,
-                partitions=partitions,
-                lock_wait=lock_wait,
+                settings=settings,
             )
         except _DB_ERRORS as exc:
             raise CompactionError(f"feed database error: {exc}") from exc
@@ -322,41 +259,78 @@ def run_compaction(
     return summary
 
 
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    batch_size: int
+    partitions: int | None
+    lock_wait: float
+    full: bool
+    replay_wait: float
+
+
+_MEMBERS = ("txid", "id", "resource", "changed_resource_id", "sub_resources")
+_MEMBER_SCHEMA = (
+    "txid long, id long, resource string, changed_resource_id string, sub_resources array<string>"
+)
+
+
 def _run(
     *,
     runner: asyncio.Runner,
     conn: asyncpg.Connection,
+    connect: Callable[[], Coroutine[Any, Any, asyncpg.Connection]],
     clock: _Clock,
     target: JdbcTarget,
     jar: str | None,
     spark: Any | None,
     master: str,
     spark_conf: Mapping[str, str] | None,
-    batch_size: int,
-    partitions: int | None,
-    lock_wait: float,
+    settings: _Settings,
 ) -> None:
     summary = clock.summary
     store = CompactionStore(conn, summary.schema)
+    runs = RunLog(conn, summary.schema)
     runner.run(store.prepare())
     if not summary.dry_run:
         with clock.phase("lock"):
-            runner.run(store.lock(lock_wait))
+            runner.run(store.lock(settings.lock_wait))
+            runner.run(runs.ensure())
     with clock.phase("snapshot"):
         snap = runner.run(store.snapshot())
+        previous = None if summary.dry_run else runner.run(runs.previous())
     summary.head = snap.head
     summary.as_of = snap.taken
     summary.low_water_before = summary.low_water_after = snap.low_water
-    gc_cutoff = snap.taken - timedelta(seconds=summary.max_age)
-    lag_cutoff = snap.taken - timedelta(seconds=summary.compaction_lag)
+    now = Cutoffs(
+        snap.head,
+        snap.taken - timedelta(seconds=summary.max_age),
+        snap.taken - timedelta(seconds=summary.compaction_lag),
+    )
+    assert snap.feed_id is not None
+    scope = (
+        Scope(True, "a dry run plans a full run")
+        if summary.dry_run
+        else choose_scope(
+            now,
+            previous,
+            horizon=snap.horizon,
+            feed_id=snap.feed_id,
+            max_age=summary.max_age,
+            taken=snap.taken,
+            full_requested=settings.full,
+        )
+    )
+    summary.full, summary.scope = scope.full, scope.reason
     clock.note(
         "snapshot",
         head=list(snap.head),
         horizon=snap.horizon,
         blocks=snap.blocks,
         low_water=list(snap.low_water),
-        gc_cutoff=gc_cutoff.isoformat(),
-        lag_cutoff=lag_cutoff.isoformat(),
+        gc_cutoff=now.gc.isoformat(),
+        lag_cutoff=now.lag.isoformat(),
+        full=scope.full,
+        scope=scope.reason,
     )
     if snap.head == ORIGIN:
         return
@@ -364,71 +338,288 @@ def _run(
         if spark is None:
             with clock.phase("spark"):
                 spark = stack.enter_context(spark_session(master, jdbc_jar=jar, conf=spark_conf))
-        parallelism = int(spark.sparkContext.defaultParallelism)
-        wanted = partitions or max(parallelism, -(-snap.blocks // _BLOCKS_PER_PARTITION))
+        run = _Run(
+            clock=clock,
+            runner=runner,
+            connect=connect,
+            spark=spark,
+            target=target,
+            store=store,
+            settings=settings,
+            snap=snap,
+            now=now,
+            scope=scope,
+        )
+        if not summary.dry_run:
+            runner.run(store.drop_stale_staging())
+            run.run_id = runner.run(
+                runs.begin(now, scope, horizon=snap.horizon, feed_id=snap.feed_id)
+            )
+            summary.run_id = run.run_id
+            stack.callback(run.drop_staging)
+            run.staging = runner.run(store.create_staging(run.run_id))
+        regions, cold, hot = run.scan_full() if scope.full else run.scan_delta()
+        counts, through = run.merge(cold, hot)
+        garbage = sum(r.rows for r in regions)
+        summary.scanned = garbage + counts["members"]
+        summary.groups = counts["groups"]
+        clock.note(
+            "planned",
+            run_id=run.run_id,
+            scanned=summary.scanned,
+            garbage=garbage,
+            gc_regions=len(regions),
+            groups=counts["groups"],
+            keys=counts["keys"],
+            updates=counts["updates"],
+            drops=counts["drops"],
+            rewrites_through=list(through) if through else None,
+        )
+        if run.run_id is None:
+            summary.collected, summary.merged = garbage, counts["drops"]
+            summary.rewritten = counts["updates"]
+            return
+        run.apply(regions, counts, through)
+        summary.seconds = time.monotonic() - clock.started
+        runner.run(runs.finish(run.run_id, json.dumps(summary.to_dict()), kept=counts["keys"]))
+        runner.run(store.unlock())
+
+
+class _Run:
+    """One run's scans, merge and apply step, once it knows its snapshot and scope."""
+
+    def __init__(
+        self,
+        *,
+        clock: _Clock,
+        runner: asyncio.Runner,
+        connect: Callable[[], Coroutine[Any, Any, asyncpg.Connection]],
+        spark: Any,
+        target: JdbcTarget,
+        store: CompactionStore,
+        settings: _Settings,
+        snap: FeedSnapshot,
+        now: Cutoffs,
+        scope: Scope,
+    ) -> None:
+        self.clock = clock
+        self.summary = clock.summary
+        self.runner = runner
+        self.connect = connect
+        """Opens another connection to the feed's database."""
+        self.spark = spark
+        self.target = target
+        self.store = store
+        self.settings = settings
+        self.snap = snap
+        self.now = now
+        self.scope = scope
+        self.parallelism = int(spark.sparkContext.defaultParallelism)
+        self.run_id: int | None = None
+        self.staging: str | None = None
+        self.names: list[str] = []
+        """Every sub-resource name among the members (found while scanning)."""
+
+    def drop_staging(self) -> None:
+        if self.run_id is not None:
+            with contextlib.suppress(*_DB_ERRORS):
+                self.runner.run(self.store.drop_staging(self.run_id))
+
+    def scan_full(self) -> tuple[list[GcRegion], Any, Any | None]:
+        """The whole feed: the garbage's bounds, and the merge candidates (the
+        ordinary ids' and the hot ones', or None when none is hot)."""
+        snap, now = self.snap, self.now
+        wanted = self.settings.partitions or max(
+            self.parallelism, -(-snap.blocks // _BLOCKS_PER_PARTITION)
+        )
         if snap.server_version < _TID_RANGE_SCAN:
             wanted = 1  # ctid ranges would each be a full scan before PostgreSQL 14
         ranges = block_ranges(snap.blocks, min(wanted, _MAX_PARTITIONS))
-        summary.partitions = len(ranges)
-        table = f"{store.q}.feed"
-        candidate = f"published >= {_ts(gc_cutoff)} AND published < {_ts(lag_cutoff)}"
-        with clock.spark_phase("scan-gc", spark):
-            chunks, candidates = plan_garbage(
-                spark,
-                target,
+        self.summary.partitions = len(ranges)
+        table = f"{self.store.q}.feed"
+        candidate = f"published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
+        predicates = read_predicates(snap, ranges, candidate)
+        with self.clock.spark_phase("scan-gc", self.spark):
+            regions, self.names = survey_feed(
+                self.spark,
+                self.target,
                 table,
-                read_predicates(snap, ranges, f"published < {_ts(gc_cutoff)}"),
-                width=batch_size,
-                count_condition=f"{head_bound(snap)} AND {candidate}",
+                read_predicates(snap, ranges, f"published < {_ts(now.gc)}"),
+                predicates,
             )
-        garbage = sum(c.rows for c in chunks)
-        cand_preds = read_predicates(snap, ranges, candidate)
-        run_id: int | None = None
-        staging: str | None = None
-        if not summary.dry_run:
-            run_id = runner.run(store.begin_run(snap))
-            summary.run_id = run_id
-            staging = runner.run(store.create_staging(run_id))
+        if self.run_id is None:  # a dry run writes nothing, not even the hot groups
+            return regions, read_feed(self.spark, self.target, table, predicates), None
+        hot = self.runner.run(
+            self.store.hot_groups(snap, now.gc, now.lag, hot_min=HOT_MIN, most=HOT_KEYS)
+        )
+        self.summary.hot = len(hot)
+        if not hot:
+            return regions, read_feed(self.spark, self.target, table, predicates), None
+        marks = self.runner.run(self.store.create_hot(self.run_id, hot))
+
+        def split(is_hot: bool) -> Any:
+            only = hot_filter(marks, hot=is_hot)
+            return read_feed(
+                self.spark, self.target, table, [f"{p} AND {only}" for p in predicates]
+            )
+
+        return regions, split(False), split(True)
+
+    def scan_delta(self) -> tuple[list[GcRegion], Any, Any | None]:
+        """What changed since the previous run: the new garbage's bounds, and the merge
+        members (the changes that are candidates, and the previous keepers of the
+        ids they touch), the ordinary ids' and the hot ones'."""
+        from pyspark import StorageLevel
+        from pyspark.sql import functions as F
+
+        spark, store, scope, now = self.spark, self.store, self.scope, self.now
+        assert self.run_id is not None
+        parts = self.settings.partitions or self.parallelism
+        predicates = delta_predicates(scope, now, parts)
+        self.summary.partitions = len(predicates)
+        touched = self.runner.run(store.create_touched(self.run_id))
+        with self.clock.spark_phase("scan-delta", spark):
+            if not predicates:
+                return [], spark.createDataFrame([], _MEMBER_SCHEMA), None
+            delta = read_feed(spark, self.target, f"{store.q}.feed", predicates).persist(
+                StorageLevel.MEMORY_AND_DISK
+            )
+            try:
+                aged = F.col("published") < F.lit(now.gc)
+                regions = garbage_regions(delta.where(aged).select("txid", "id"), scope.since)
+                changed = delta.where(~aged).select(*_MEMBERS)
+                write_touched(changed, self.target, touched)
+                kept = old_keepers(
+                    spark,
+                    self.target,
+                    feed=f"{store.q}.feed",
+                    keys=f"{store.q}.compaction_keys",
+                    touched=touched,
+                    pages=self.runner.run(store.table_pages(touched)),
+                    parts=parts,
+                    scope=scope,
+                    now=now,
+                )
+                # Materialized now, while the delta is cached: the merge reads it twice.
+                members = changed.unionByName(kept.select(*_MEMBERS)).localCheckpoint()
+                self.names = vocabulary(members)
+                hot = hot_groups(members)
+            finally:
+                delta.unpersist()
+        self.summary.hot = len(hot)
+        if not hot:
+            return regions, members, None
+        marks = F.broadcast(
+            spark.createDataFrame(hot, "resource string, changed_resource_id string")
+        )
+        key = list(KEY)
+        return regions, members.join(marks, key, "left_anti"), members.join(marks, key, "left_semi")
+
+    def merge(self, cold: Any, hot: Any | None) -> tuple[dict[str, int], Position | None]:
+        """Plan the merge into the staging table (a dry run: count it)."""
+        name = "scan-merge" if self.summary.dry_run else "scan-merge+stage"
+        with self.clock.spark_phase(name, self.spark):
+            counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
+        if self.run_id is not None:
+            with self.clock.phase("survey" if self.store.page_walk else "index"):
+                self.runner.run(self.store.index_staging(self.run_id))
+                self.runner.run(self.store.survey_staging(self.run_id))
+        return counted
+
+    def apply(
+        self, regions: list[GcRegion], counts: Mapping[str, int], through: Position | None
+    ) -> None:
+        """The apply step, batch by batch (see ``apply``), on two connections: the
+        keepers and the drops on the control connection, meanwhile the garbage and
+        then the index of kept entries on a second one. Neither touches the other's
+        rows, and each statement is safe in any order (docs/compaction.md); the
+        database's second core does the other half."""
+        summary, runner, store = self.summary, self.runner, self.store
+        run_id = self.run_id
+        assert run_id is not None
+        report = self.clock.progress.advance
+        batch = self.settings.batch_size
+        side = runner.run(self.connect())
         try:
-            with clock.spark_phase("scan-merge" if summary.dry_run else "scan-merge+stage", spark):
-                counted = _plan_and_stage(spark, target, table, cand_preds, staging)
-            if counted is None:
-                assert run_id is not None
-                with clock.phase("count" if store.page_walk else "index+count"):
-                    runner.run(store.index_staging(run_id))
-                    counted = runner.run(store.staging_counts(run_id))
-            groups, updates, drops = counted
-            summary.scanned = garbage + candidates
-            summary.groups = groups
-            clock.note(
-                "planned",
-                run_id=run_id,
-                scanned=summary.scanned,
-                garbage=garbage,
-                gc_batches=len(chunks),
-                groups=groups,
-                updates=updates,
-                drops=drops,
-            )
-            if summary.dry_run or run_id is None:
-                summary.collected, summary.merged, summary.rewritten = garbage, drops, updates
-                summary.gc_batches = len(chunks)
-                return
-            report = clock.progress.advance
-            with clock.phase("apply-gc", garbage, "entries"):
-                summary.collected = runner.run(store.apply_gc(chunks, gc_cutoff, report))
-                summary.gc_batches = len(chunks)
-            with clock.phase("apply-keep", updates, "entries"):
-                summary.rewritten = runner.run(store.apply_keepers(run_id, batch_size, report))
-            with clock.phase("apply-merge", drops, "entries"):
-                summary.merged = runner.run(store.apply_drops(run_id, batch_size, report))
-            summary.low_water_after = runner.run(store.low_water())
-            runner.run(store.drop_staging(run_id))
-            staging = None
-            summary.seconds = time.monotonic() - clock.started
-            runner.run(store.finish_run(run_id, json.dumps(summary.to_dict())))
-            runner.run(store.unlock())
+            aside = CompactionStore(side, summary.schema)
+            runner.run(aside.prepare())
+            aside.share_survey(store)
+            garbage, keys = _Deferred(), _Deferred()
+            collected = asyncio.Event()
+
+            async def on_the_side() -> None:
+                done = await aside.apply_gc(regions, self.now.gc, batch, garbage.advance)
+                summary.collected, summary.gc_batches = done
+                collected.set()
+                full = self.scope.full
+                await aside.apply_keys(run_id, full=full, batch_size=batch, report=keys.advance)
+
+            meanwhile = runner.get_loop().create_task(on_the_side())
+            try:
+                with self.clock.phase("apply-keep", counts["updates"], "entries"):
+                    if through is not None:
+                        # Before any entry is widened: publishers must know which
+                        # copies they hold may be older than the table.
+                        generation, horizon = runner.run(store.announce(through))
+                        summary.rewrite_generation = generation
+                        summary.rewritten_through = horizon
+                        self.clock.note(
+                            "announced", generation=generation, rewritten_through=list(horizon)
+                        )
+                    summary.rewritten = runner.run(store.apply_keepers(run_id, batch, report))
+                with self.clock.phase("apply-merge", counts["drops"], "entries"):
+                    if counts["drops"]:
+                        wait = self.settings.replay_wait
+                        summary.standbys = runner.run(store.wait_for_standbys(wait))
+                    summary.merged = runner.run(store.apply_drops(run_id, batch, report))
+                with self.clock.phase("apply-gc", sum(r.rows for r in regions), "entries"):
+                    garbage.attach(report)
+                    runner.run(_first(collected, meanwhile))
+                with self.clock.phase("apply-keys", counts["keys"], "entries"):
+                    keys.attach(report)
+                    runner.run(_wait(meanwhile))
+            finally:
+                if not meanwhile.done():
+                    meanwhile.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, *_DB_ERRORS):
+                        runner.run(_wait(meanwhile))
         finally:
-            if staging is not None and run_id is not None:
-                with contextlib.suppress(*_DB_ERRORS):
-                    runner.run(store.drop_staging(run_id))
+            with contextlib.suppress(*_DB_ERRORS):
+                runner.run(side.close(timeout=5))
+        summary.low_water_after = runner.run(store.low_water())
+        runner.run(store.drop_staging(run_id))
+
+
+class _Deferred:
+    """Progress made on the side before its phase began, told once it begins."""
+
+    def __init__(self) -> None:
+        self._pending: list[int] = []
+        self._report: Callable[[int], None] | None = None
+
+    def advance(self, n: int) -> None:
+        if self._report is None:
+            self._pending.append(n)
+        else:
+            self._report(n)
+
+    def attach(self, report: Callable[[int], None]) -> None:
+        self._report = report
+        for n in self._pending:
+            report(n)
+        self._pending.clear()
+
+
+async def _wait(task: asyncio.Task[None]) -> None:
+    await task
+
+
+async def _first(event: asyncio.Event, task: asyncio.Task[None]) -> None:
+    """Until ``event`` is set, or ``task`` has ended (raising what it raised)."""
+    waiting = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiting, task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if task.done() and not event.is_set():
+        task.result()  # it failed before the event: its error

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 from changefeed.schemas import Position
 
 __all__ = [
-    "GcChunk",
+    "GcRegion",
     "Notification",
     "Plan",
     "PlanEntry",
-    "chunk_garbage",
     "covers",
     "merge_subs",
     "normalize_subs",
@@ -138,31 +137,19 @@ def plan_feed(entries: Iterable[PlanEntry], head: Position) -> Plan:
 
 
 @dataclass(frozen=True, slots=True)
-class GcChunk:
-    """Garbage whose ids fall in ``[id_from, id_to)``: at most ``id_to - id_from`` entries.
+class GcRegion:
+    """A stretch of the feed, in feed order, holding ``rows`` garbage entries.
 
-    ``first`` and ``last`` bound the chunk's garbage in feed order, so one
-    ranged ``DELETE`` on the primary key removes it (re-checking the age).
+    The apply step walks ``[first, last]`` along the primary key, ``batch_size``
+    entries (garbage or not) per transaction, deleting the garbage among them:
+    however sparse the ids and however long a writer kept its transaction open,
+    no transaction reaches further than that many index entries, and their
+    number is what the stretch holds divided by the batch size.
     """
 
     first: Position
     last: Position
-    id_from: int
-    id_to: int
     rows: int
-
-
-def chunk_garbage(positions: Iterable[Position], width: int) -> list[GcChunk]:
-    """Group garbage positions by ``id // width``, in id order."""
-    if width < 1:
-        raise ValueError(f"chunk width must be positive, got {width}")
-    found: dict[int, list[Position]] = {}
-    for position in positions:
-        found.setdefault(position.id // width, []).append(position)
-    return [
-        GcChunk(min(ps), max(ps), key * width, (key + 1) * width, len(ps))
-        for key, ps in sorted(found.items())
-    ]
 
 
 def simulate(

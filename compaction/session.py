@@ -22,6 +22,7 @@ from .jdbc import find_jdbc_jar
 __all__ = ["session_conf", "spark_session"]
 
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
+_LOOPBACK_MASTER = re.compile(r"^spark://(127\.0\.0\.1|localhost)(:\d+)?$")
 
 _LOG4J2 = """\
 status = error
@@ -64,6 +65,10 @@ def session_conf(
         "spark.ui.showConsoleProgress": "false",
         "spark.local.dir": str(scratch),
         "spark.sql.session.timeZone": "UTC",
+        # A window over a resource id's entries holds them in memory up to this
+        # many before spilling (Spark's default, 4,096, spills ordinary ids'
+        # groups; hot ids, the large ones, are merged apart: compaction.merge).
+        "spark.sql.windowExec.buffer.in.memory.threshold": "65536",
         "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
     }
     if jdbc_jar:
@@ -76,8 +81,17 @@ def session_conf(
                 "spark.driver.bindAddress": "127.0.0.1",
                 "spark.driver.memory": "2g",
                 "spark.sql.shuffle.partitions": str(max(4, 4 * threads)),
+                # One machine: shuffle files and cached blocks never cross a
+                # network, and compressing them costs the CPU the job lacks.
+                "spark.shuffle.compress": "false",
+                "spark.shuffle.spill.compress": "false",
+                "spark.sql.inMemoryColumnarStorage.compressed": "false",
             }
         )
+    elif _LOOPBACK_MASTER.match(master):
+        # A cluster on this machine (a standalone master on 127.0.0.1): its
+        # executors reach the driver on loopback, and nothing else can.
+        conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})
     conf.update(extra or {})
     return conf
 
@@ -95,8 +109,8 @@ def spark_session(
     When this process already runs a SparkContext, its session is used as it
     is and left running (``master``, ``jdbc_jar`` and ``conf`` do not apply).
 
-    On a ``local`` master the driver binds to 127.0.0.1 only (``SPARK_LOCAL_IP``
-    is set for this process if unset). ``jdbc_jar`` defaults to
+    On a ``local`` master, or a standalone one on 127.0.0.1, the driver binds to
+    127.0.0.1 only (``SPARK_LOCAL_IP`` is set for this process if unset). ``jdbc_jar`` defaults to
     :func:`~changefeed.compaction.jdbc.find_jdbc_jar`.
 
     Raises:
@@ -118,7 +132,7 @@ def spark_session(
     scratch = Path(tempfile.mkdtemp(prefix="changefeed-spark-"))
     try:
         (scratch / "log4j2.properties").write_text(_LOG4J2)
-        if _local_threads(master) is not None:
+        if _local_threads(master) is not None or _LOOPBACK_MASTER.match(master):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = SparkSession.builder.appName(app_name).master(master)
         for key, value in session_conf(master, jar, scratch, conf).items():

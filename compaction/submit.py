@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=5000)
     parser.add_argument("--partitions", type=int, default=None)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--full", action="store_true", help="read the whole feed")
+    parser.add_argument("--replay-wait", type=_duration, default=60.0, help="default 60s")
     parser.add_argument(
         "--progress", action="store_true", help="progress as JSON log lines on stderr"
     )
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             partitions=args.partitions,
             progress=LogProgress() if args.progress else None,
+            full=args.full,
+            replay_wait=args.replay_wait,
         )
     except CompactionError as exc:
         print(f"changefeed-compaction: {exc}", file=sys.stderr)

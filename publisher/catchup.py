@@ -12,6 +12,14 @@ batch the tailer dispatches is exactly the first one it has not been sent.
 
 What a listener is sent never depends on which of the three ways (live, the
 window, the feed) it came: the same entries, the same items, in feed order.
+
+The window and live delivery hand out copies made when the tailer read them;
+the compaction job may have widened an entry since. Below the job's rewrite
+floor (``FeedPages.floor``, learnt from every page and every resume) a
+listener that is behind reads the table, never the window, and rejoins live
+delivery only past the floor: having read a stretch of the table after a
+merge, it must not then take the merge's keeper from a copy made before it
+(docs/compaction.md, "Publishers' copies").
 """
 
 from __future__ import annotations
@@ -19,9 +27,12 @@ from __future__ import annotations
 from bisect import bisect_right
 from enum import Enum
 
+from changefeed.schemas import Position
+
 from .delivery import Delivery
 from .entries import Chunk
 from .fanout import Fanout
+from .feed import Rewrites
 from .pages import FeedPages
 from .window import Window
 
@@ -63,18 +74,29 @@ class Catchup:
         self.rejoined = 0
         """Times a listener that was behind rejoined live delivery."""
 
+    @property
+    def floor(self) -> Position:
+        """Positions a listener that is behind reads from the table, never from
+        memory (``FeedPages.floor``)."""
+        return self._pages.floor
+
+    def observe(self, rewrites: Rewrites) -> None:
+        """Take the compaction job's rewrites a resume's facts brought (``FeedPages.observe``)."""
+        self._pages.observe(rewrites)
+
     def fill(self, delivery: Delivery, most: int) -> Filled:
         """Queue up to ``most`` items ``delivery`` wants next, from the window,
         looking through at most ``_CHUNKS_PER_FILL`` chunks (the caller yields
         between two fills)."""
         window = self._window
+        floor = self._pages.floor
         queued = 0
         for _ in range(_CHUNKS_PER_FILL):
             if queued >= most:
                 break
-            found = window.find(delivery.cursor)
+            found = window.find(delivery.cursor) if delivery.cursor >= floor else None
             if found is None:
-                if delivery.cursor >= window.head:
+                if delivery.cursor >= window.head and delivery.cursor >= floor:
                     self._fanout.join(delivery)
                     delivery.rejoin()
                     self.rejoined += 1
@@ -87,8 +109,10 @@ class Catchup:
 
     async def load(self, delivery: Delivery, most: int) -> None:
         """Queue up to ``most`` items from the page of the feed table after ``delivery``'s
-        position. Pages reach no further than where the window begins: from there
-        on the window has the entries, in memory.
+        position. Pages reach as far as where the window begins, or the rewrite
+        floor when that is further (every entry up to it is final: the job
+        announced it from its own snapshot): from there on the window has the
+        entries, in memory.
 
         Raises:
             pages.CursorExpired: the feed was trimmed past the listener's position.
@@ -96,9 +120,9 @@ class Catchup:
         """
         delivery.waiting_on_feed = True
         try:
-            page = await self._pages.page(
-                sorted(delivery.interest.resources), delivery.cursor, self._window.base
-            )
+            upto = max(self._window.base, self._pages.floor)
+            resources = sorted(delivery.interest.resources)
+            page = await self._pages.page(resources, delivery.cursor, upto)
         finally:
             delivery.waiting_on_feed = False
         if not delivery.live and delivery.closing is None and page.covers(delivery.cursor):

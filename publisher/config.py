@@ -210,9 +210,9 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         float,
         _doc(
             "Entries older than this (by their published time) leave the window of recent "
-            "entries; listeners further behind read the feed table. With the Spark job, keep "
-            "it below its `compaction_lag` (10 minutes by default): no copy in memory may be "
-            "older than what the job changes in the table (docs/compaction.md).",
+            "entries; listeners further behind read the feed table. A memory bound, not a "
+            "rule the Spark job depends on: below the job's rewrite horizon catch-up reads "
+            "the table, whatever its `compaction_lag` (docs/compaction.md).",
             "seconds",
             duration=True,
             gt=0,

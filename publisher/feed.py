@@ -21,13 +21,16 @@ from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema, sta
 
 __all__ = [
     "DB_ERRORS",
+    "NO_REWRITES",
     "FeedEntry",
     "FeedHealth",
     "FeedReader",
     "FeedState",
+    "FeedTrimmed",
     "PageOfFeed",
     "ReplicaBehind",
     "ResumeFacts",
+    "Rewrites",
     "install_trigger",
     "publish",
     "publish_many",
@@ -55,6 +58,10 @@ retried. A read a standby cancelled because it conflicted with replay (SQLSTATE
 40001) is an ``asyncpg.PostgresError`` too."""
 
 
+class FeedTrimmed(Exception):
+    """Entries after a reader's position were deleted before it read them."""
+
+
 @dataclass(frozen=True, slots=True)
 class FeedEntry:
     """One row of the feed table."""
@@ -64,6 +71,26 @@ class FeedEntry:
     sub_resources: tuple[str, ...]
     changed_resource_id: str
     published: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrites:
+    """What the compaction job has announced it rewrites (schema migration 6).
+
+    A run announces itself before it widens any entry; publishers serve nothing
+    at or before ``through`` from memory to a listener that reads the table past
+    a run's changes (see ``pages``, ``catchup``; docs/compaction.md).
+    """
+
+    generation: int
+    """Grows by one with each run: a page of the table read under an older one
+    may hold entries as they were before a run's changes."""
+    through: Position
+    """The newest entry any run has widened or is about to (never lowered)."""
+
+
+NO_REWRITES = Rewrites(0, ORIGIN)
+"""A feed the compaction job never ran on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +105,8 @@ class FeedState:
     """The oldest resumable position: everything after it is still held."""
     compacted_through: Position
     """The newest entry compaction merged away into a later one."""
+    rewrites: Rewrites = NO_REWRITES
+    """What the compaction job has announced it rewrites."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +131,7 @@ class PageOfFeed:
 
     entries: list[FeedEntry]
     low_water: Position
-    compacted_through: Position
+    rewrites: Rewrites = NO_REWRITES
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,12 +272,17 @@ def _entry(row: asyncpg.Record) -> FeedEntry:
     )
 
 
+def _rewrites(row: asyncpg.Record) -> Rewrites:
+    return Rewrites(row["rw_generation"], Position(row["rw_txid"], row["rw_id"]))
+
+
 def _state(row: asyncpg.Record) -> FeedState:
     return FeedState(
         feed_id=row["feed_id"],
         cursor_key=bytes(row["cursor_key"]),
         low_water=Position(row["lw_txid"], row["lw_id"]),
         compacted_through=Position(row["ct_txid"], row["ct_id"]),
+        rewrites=_rewrites(row),
     )
 
 
@@ -271,33 +305,47 @@ class FeedReader:
         # ORDER BY names the table's columns (f.txid), not the bigint output
         # alias: ordering by the alias would sort the whole feed instead of
         # walking the primary key.
+        # `trimmed`, from the same snapshot: entries after the cursor were
+        # deleted before this reader had them (a garbage collection with a max
+        # age shorter than the reader's lag). One value for the statement.
         self._after = (
-            f"SELECT {columns} FROM {q}.feed f"
+            f"SELECT {columns},"
+            " (SELECT (s.low_water_txid, s.low_water_id) > ($1::bigint::text::xid8, $2)"
+            f" FROM {q}.feed_state s) AS trimmed"
+            f" FROM {q}.feed f"
             " WHERE (f.txid, f.id) > ($1::bigint::text::xid8, $2)"
             " AND f.txid < pg_snapshot_xmin(pg_current_snapshot())"
             " ORDER BY f.txid, f.id LIMIT $3"
         )
-        # A catch-up page and the low-water mark in one statement, so one
-        # snapshot: when the mark is at or before `after`, nothing after it was
-        # trimmed, and the page has no hole (whoever deletes raises the mark in
-        # the same transaction). The page's rows come in feed order; the mark
-        # comes on every row (and alone, with NULL entries, when there are none).
-        # `complete`: every transaction up to the page's end has ended in this
-        # snapshot, so the page holds every entry of (after, upto]. Always true on
-        # the primary (upto was read below its horizon, which only moves on); false
-        # on a standby that has not yet replayed what the tailer read, which must
-        # then not be taken for a page with no entries.
-        # The same read, with the snapshot's horizon: a tailer on a standby learns
-        # from it whether the transactions the doorbell named have been replayed.
+        # What the compaction job has announced it rewrites (migration 6).
+        rewrites = (
+            "s.rewrite_generation AS rw_generation,"
+            " s.rewritten_through_txid::text::bigint AS rw_txid,"
+            " s.rewritten_through_id AS rw_id"
+        )
+        # The tailer's read, with the snapshot's horizon: a tailer on a standby
+        # learns from it whether the transactions the doorbell named have been
+        # replayed. (`trimmed` is NULL when there are no entries.)
         self._after_horizon = (
             "SELECT h.horizon, p.* FROM (SELECT"
             " pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS horizon) h"
             f" LEFT JOIN LATERAL ({self._after}) p ON true ORDER BY p.txid, p.id"
         )
+        # A catch-up page, the low-water mark and the compaction job's rewrites
+        # in one statement, so one snapshot: when the mark is at or before
+        # `after`, nothing after it was trimmed, and the page has no hole
+        # (whoever deletes raises the mark in the same transaction); a page that
+        # shows any of a run's changes shows that run's announcement. The
+        # page's rows come in feed order; the marks come on every row (and
+        # alone, with NULL entries, when there are none).
+        # `complete`: every transaction up to the page's end has ended in this
+        # snapshot, so the page holds every entry of (after, upto]. Always true on
+        # the primary (upto was read below its horizon, which only moves on); false
+        # on a standby that has not yet replayed what the tailer read, which must
+        # then not be taken for a page with no entries.
         self._page = (
             "SELECT s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id,"
-            " s.compacted_through_txid::text::bigint AS ct_txid,"
-            " s.compacted_through_id AS ct_id,"
+            f" {rewrites},"
             " $3::bigint::text::xid8 < pg_snapshot_xmin(pg_current_snapshot()) AS complete, p.*"
             f" FROM {q}.feed_state s LEFT JOIN LATERAL ("
             f" SELECT {columns} FROM {q}.feed f"
@@ -340,7 +388,7 @@ class FeedReader:
             "s.feed_id, s.cursor_key,"
             " s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id,"
             " s.compacted_through_txid::text::bigint AS ct_txid,"
-            " s.compacted_through_id AS ct_id"
+            f" s.compacted_through_id AS ct_id, {rewrites}"
         )
         self._state = f"SELECT {state} FROM {q}.feed_state s"
         # The newest final entry, or the low-water mark when that is later (every
@@ -378,16 +426,29 @@ class FeedReader:
         )
 
     async def read_after(self, conn: PgConnection, after: Position, limit: int) -> list[FeedEntry]:
-        """Return up to ``limit`` final entries after ``after``, in feed order."""
+        """Return up to ``limit`` final entries after ``after``, in feed order.
+
+        Raises:
+            FeedTrimmed: entries after ``after`` were deleted (the low-water mark
+                passed it) before they were read: what this returned would have a hole.
+        """
         rows = await conn.fetch(self._after, after.txid, after.id, limit)
+        if rows and rows[0]["trimmed"]:
+            raise FeedTrimmed(f"the feed was trimmed past {after} before it was read")
         return [_entry(r) for r in rows]
 
     async def read_after_horizon(
         self, conn: PgConnection, after: Position, limit: int
     ) -> tuple[list[FeedEntry], int]:
         """``read_after``, and the horizon of the snapshot it read in: every transaction
-        below it has ended (committed or not) as far as that server knows."""
+        below it has ended (committed or not) as far as that server knows.
+
+        Raises:
+            FeedTrimmed: as ``read_after``.
+        """
         rows = await conn.fetch(self._after_horizon, after.txid, after.id, limit)
+        if rows[0]["trimmed"]:
+            raise FeedTrimmed(f"the feed was trimmed past {after} before it was read")
         return [_entry(r) for r in rows if r["id"] is not None], int(rows[0]["horizon"])
 
     async def read_page(
@@ -399,8 +460,8 @@ class FeedReader:
         limit: int,
     ) -> PageOfFeed:
         """Up to ``limit`` entries of ``resources`` in ``(after, upto]``, in feed order,
-        and the feed's low-water and compaction marks, from one snapshot (a catch-up
-        page)."""
+        the feed's low-water mark and the compaction job's rewrites, from one
+        snapshot (a catch-up page)."""
         rows = await conn.fetch(
             self._page, after.txid, after.id, upto.txid, upto.id, list(resources), limit
         )
@@ -410,7 +471,7 @@ class FeedReader:
         return PageOfFeed(
             [_entry(r) for r in rows if r["id"] is not None],
             Position(first["lw_txid"], first["lw_id"]),
-            Position(first["ct_txid"], first["ct_id"]),
+            _rewrites(first),
         )
 
     async def head(self, conn: PgConnection) -> Position:

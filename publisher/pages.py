@@ -10,10 +10,13 @@ same pages. A read that is under way is awaited by every listener it may
 cover instead of being made again: a thousand listeners that fell behind
 together make one query per page, not a thousand.
 
-A kept page is the table as it was when read. Once the compaction job has
-merged entries (the feed's compaction mark moved), every kept page is let
-go: a listener must never read an entry's stretch of the table after the
-merge and the entry's keeper from a copy made before it (docs/compaction.md).
+A kept page is the table as it was when read. Every page read also brings the
+compaction job's rewrites (``feed.Rewrites``, same snapshot): once a new run
+has announced itself, every kept page is let go, and ``floor`` (the newest
+entry any run has widened, or is about to) tells catch-up where copies held
+in memory stop being trustworthy: a listener must never read an entry's
+stretch of the table after a merge and the entry's keeper from a copy made
+before it (``catchup``; docs/compaction.md, "Publishers' copies").
 
 ``PageCache`` is pure; ``FeedPages`` adds the reads.
 """
@@ -28,7 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from changefeed.schemas import Position
 
 from .entries import Chunk, Encoder
-from .feed import PageOfFeed
+from .feed import NO_REWRITES, PageOfFeed, Rewrites
 
 __all__ = ["CursorExpired", "FeedPages", "PageCache", "PageRead"]
 
@@ -41,8 +44,9 @@ class CursorExpired(Exception):
 
 
 PageRead = Callable[[Position, Position, ResourceKey, int], Awaitable["PageOfFeed"]]
-"""Reads up to ``limit`` entries of some resources in ``(after, upto]``; returns them
-and the feed's marks, all from one snapshot (``FeedReader.read_page``)."""
+"""Reads up to ``limit`` entries of some resources in ``(after, upto]``; returns them,
+the feed's low-water mark and the compaction job's rewrites, all from one
+snapshot (``FeedReader.read_page``)."""
 
 
 class PageCache:
@@ -128,14 +132,28 @@ class FeedPages:
         """Page queries made."""
         self.shared_total = 0
         """Pages served to a listener from what another one read."""
-        self._mark = Position(0, 0)
-        """The feed's compaction mark as of the newest read: kept pages were read under it."""
+        self._rewrites = NO_REWRITES
+        """The compaction job's rewrites as of the newest read: kept pages were read
+        under its generation."""
+
+    @property
+    def floor(self) -> Position:
+        """The newest entry the compaction job has widened or announced: a copy in
+        memory of an entry at or before it may be older than the table's."""
+        return self._rewrites.through
+
+    def observe(self, rewrites: Rewrites) -> None:
+        """Take what a read of the feed says about the job's rewrites (a page, or a
+        resume's facts): a newer run lets every kept page go and may raise ``floor``."""
+        if rewrites.generation > self._rewrites.generation:
+            self.cache.clear()
+            self._rewrites = Rewrites(rewrites.generation, max(self.floor, rewrites.through))
 
     def reset(self) -> None:
-        """Let every kept page go, and forget the compaction mark (the feed changed
-        under the publisher: a restored feed's mark may be lower)."""
+        """Let every kept page go, and forget the job's rewrites (the feed changed
+        under the publisher: a restored feed's may be lower)."""
         self.cache.clear()
-        self._mark = Position(0, 0)
+        self._rewrites = NO_REWRITES
 
     async def page(self, resources: Sequence[str], position: Position, upto: Position) -> Chunk:
         """A page covering ``position`` for ``resources``, reading at most ``upto``.
@@ -166,14 +184,12 @@ class FeedPages:
             self.reads_total += 1
             if after < read.low_water:
                 raise CursorExpired(f"the feed was trimmed past {after}")
-            if read.compacted_through > self._mark:
-                self._mark = read.compacted_through
-                self.cache.clear()
+            self.observe(read.rewrites)
             entries = read.entries
             full = len(entries) == self.page_size
             through = entries[-1].position if full else upto
             page = Chunk(entries, after, through, self._encode)
-            if page.covers(after) and read.compacted_through == self._mark:
+            if page.covers(after) and read.rewrites.generation == self._rewrites.generation:
                 self.cache.add(key, page)
             future.set_result(page)
             return page

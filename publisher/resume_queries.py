@@ -58,6 +58,7 @@ class ResumeQueries:
             primary), once started.
         timeout: seconds allowed to get a connection, and again for the query.
         standby: the primary beside the standby, when ``pool`` is a standby's.
+        on_facts: told every answer ``plan`` uses, before it decides.
     """
 
     def __init__(
@@ -67,8 +68,10 @@ class ResumeQueries:
         timeout: float,
         *,
         standby: Standby | None = None,
+        on_facts: Callable[[ResumeFacts], None] | None = None,
     ) -> None:
         self._reader = reader
+        self._on_facts = on_facts
         self._pool = pool
         self._timeout = timeout
         self._standby = standby
@@ -88,6 +91,7 @@ class ResumeQueries:
             the database's errors (``feed.DB_ERRORS``), and TimeoutError.
         """
         facts = await self.facts(cursor.position)
+        self._told(facts)
         resumed, reason = plan_resume(
             cursor, facts, feed_id=feed_id, head=head, replay_limit=replay_limit
         )
@@ -110,7 +114,12 @@ class ResumeQueries:
                 f"this publisher's standby has not caught up with the cursor within "
                 f"{self._standby.wait:g}s; retry"
             )
+        self._told(caught_up)
         return plan_resume(cursor, caught_up, feed_id=feed_id, head=head, replay_limit=replay_limit)
+
+    def _told(self, facts: ResumeFacts) -> None:
+        if self._on_facts is not None:
+            self._on_facts(facts)
 
     async def facts(self, position: Position) -> ResumeFacts:
         """The feed's facts about ``position`` (shared with whoever asks meanwhile).

@@ -94,7 +94,15 @@ class Sessions:
         self._fanout = fanout
         self._catchup = catchup
         self._tailer = tailer
-        self._resume_queries = ResumeQueries(reader, pool, _READY_TIMEOUT, standby=standby)
+        # A listener may have read past a compaction run elsewhere: every answer about
+        # a cursor tells catch-up of it before the listener's start is decided (_admit).
+        self._resume_queries = ResumeQueries(
+            reader,
+            pool,
+            _READY_TIMEOUT,
+            standby=standby,
+            on_facts=lambda facts: catchup.observe(facts.state.rewrites),
+        )
         self.registry = Registry()
         self.draining = False
         self.direct_writes: bool | None = None
@@ -239,10 +247,14 @@ class Sessions:
         head = self._window.head
         start = since.position if since is not None else head
         stamp = since.stamp if since is not None else self._window.head_stamp
+        # A resume below the compaction job's rewrite floor reads the table up to
+        # it before it is served copies held in memory (catchup); a new listener
+        # bootstraps, and the copies after the head only tell it to fetch again.
+        live_from = max(head, self._catchup.floor) if resumed else head
         delivery = Delivery(
             request.interest,
             start,
-            head,
+            live_from,
             capacity=self._config.queue_size,
             batch=registration.batch,
         )

@@ -34,7 +34,7 @@ from changefeed.backoff import Backoff, retrying
 from changefeed.logs import log_event
 from changefeed.schemas import Position, stamp_of
 
-from .feed import DB_ERRORS, FeedEntry, FeedReader
+from .feed import DB_ERRORS, FeedEntry, FeedReader, FeedTrimmed
 from .pacing import StandbyPacing
 
 __all__ = ["Join", "Tailer"]
@@ -210,10 +210,7 @@ class Tailer:
             if self._pacing is None:
                 await conn.add_listener(self._channel, self.ring)
             first = self.position is None
-            if self._join is not None:
-                self.position, self.stamp = await self._join(conn, self.position, self.stamp)
-            elif first:
-                self.position = await self._reader.head(conn)
+            await self._join_feed(conn)
             if first:
                 log_event(log, "tailer.started", position=str(self.position))
             elif self.status != "starting":
@@ -232,6 +229,16 @@ class Tailer:
                 self._wake.clear()
                 try:
                     await self._drain(conn)
+                except FeedTrimmed as exc:
+                    # Entries after the position were deleted before they were read
+                    # (garbage collected with a max age shorter than this lag): join
+                    # the feed again, which closes every listener with 4011 (they
+                    # bootstrap) and starts from the head. Never a silent gap.
+                    log_event(log, "tailer.trimmed", logging.ERROR, reason=str(exc))
+                    self.ready.clear()
+                    await self._join_feed(conn)
+                    self.ready.set()
+                    continue
                 except asyncpg.SerializationError as exc:
                     # Replay cancelled the read (a standby's conflict with
                     # recovery): nothing was handed on; read again.
@@ -253,6 +260,13 @@ class Tailer:
                     await conn.close()
             if not conn.is_closed():
                 conn.terminate()
+
+    async def _join_feed(self, conn: asyncpg.Connection) -> None:
+        """Where to read from on ``conn``: ``join``'s answer, or the head the first time."""
+        if self._join is not None:
+            self.position, self.stamp = await self._join(conn, self.position, self.stamp)
+        elif self.position is None:
+            self.position = await self._reader.head(conn)
 
     def _next_read(self) -> float:
         """Seconds until the next read unless the doorbell rings first."""

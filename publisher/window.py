@@ -2,9 +2,9 @@
 
 The tailer appends each batch it reads; the window keeps the newest chunks
 whose entries fit in ``max_bytes``, and lets the oldest go, and those older
-than ``max_age`` too (``expire``): a copy of an entry is never kept long
-enough for the compaction job to have changed the entry in the table
-meanwhile (docs/compaction.md). It covers the feed
+than ``max_age`` too (``expire``). Its entries are copies from when the tailer
+read them: catch-up takes none at or before the compaction job's rewrite
+floor (``catchup``; docs/compaction.md). It covers the feed
 from ``base`` (exclusive) to ``head`` (inclusive) without a hole, so a
 listener whose position lies in that interval catches up from memory, and one
 further back reads the feed table instead (``pages``). Whatever the number of

@@ -17,6 +17,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 import pytest
@@ -128,6 +129,17 @@ async def feed_dsn(dsn: str) -> str:
     finally:
         await conn.close()
     return dsn
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One SparkSession on ``local[2]`` for every test that runs the compaction job in
+    this process: starting the JVM is the slow part, so it is started once, when the
+    first such test asks for it."""
+    from changefeed.compaction import spark_session
+
+    with spark_session("local[2]") as session:
+        yield session
 
 
 @pytest.fixture(scope="session")

@@ -36,13 +36,14 @@ PHASES = [
     "spark",
     "scan-gc",
     "scan-merge+stage",
-    "count",
-    "apply-gc",
+    "survey",
     "apply-keep",
     "apply-merge",
+    "apply-gc",
+    "apply-keys",
 ]
 COUNTED = {"scan-gc": "tasks", "scan-merge+stage": "tasks"} | {
-    name: "entries" for name in ("apply-gc", "apply-keep", "apply-merge")
+    name: "entries" for name in ("apply-gc", "apply-keep", "apply-merge", "apply-keys")
 }
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]")
 
@@ -172,9 +173,10 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 async def test_without_a_terminal_progress_is_plain_lines_with_done_and_total(
     feed_dsn: str,
 ) -> None:
-    await seed(feed_dsn)
+    dsn = feed_dsn
+    await seed(dsn)
     proc = await asyncio.create_subprocess_exec(
-        *command(feed_dsn),
+        *command(dsn),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -213,3 +215,27 @@ async def test_without_a_terminal_progress_is_plain_lines_with_done_and_total(
     assert planned["drops"] == finished["apply-merge"]["total"]
     done = next(d for d in lines if d["event"] == "compaction.done")
     assert done["collected"] == planned["garbage"] and done["merged"] > 0
+    assert done["full"] is True and "run           full (no previous run)" in stdout
+
+    # The next run reads what changed since (nothing here): an incremental run.
+    again = await asyncio.create_subprocess_exec(
+        *command(dsn),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(again.communicate(), TIMEOUT)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(again.pid, signal.SIGKILL)
+        if again.returncode is None:
+            await again.wait()
+    assert again.returncode == 0, err.decode()[-3000:]
+    assert "run           incremental (after run 1)" in out.decode()
+    started = [
+        d["phase"] for d in json_lines(err.decode()) if d["event"] == "compaction.phase_started"
+    ]
+    assert "scan-delta" in started and "scan-gc" not in started

@@ -65,14 +65,6 @@ print("FINISHED", flush=True)
 """
 
 
-@pytest.fixture(scope="module")
-def spark() -> Any:
-    from changefeed.compaction import spark_session
-
-    with spark_session("local[2]") as session:
-        yield session
-
-
 @pytest.fixture
 async def second_feed_dsn(pg_server: Any) -> AsyncIterator[str]:
     async with fresh_database(pg_server, feed_schema=True) as dsn:

@@ -20,7 +20,13 @@ from changefeed.compaction import (
     COMPACTION_LOCK_KEY,
     CompactionStore,
     CompactionSummary,
+    Cutoffs,
+    GcRegion,
     PlanEntry,
+    PreviousRun,
+    RunLog,
+    Scope,
+    choose_scope,
     covers,
     jdbc_from_dsn,
     merge_subs,
@@ -34,7 +40,7 @@ from changefeed.compaction.durations import format_duration, parse_duration
 from changefeed.compaction.errors import CompactionError
 from changefeed.compaction.frames import block_ranges, read_predicates
 from changefeed.compaction.jdbc import find_jdbc_jar
-from changefeed.compaction.plan import chunk_garbage
+from changefeed.compaction.scope import delta_of
 from changefeed.schemas import ORIGIN, Position
 
 # --------------------------------------------------------------------------- unions
@@ -187,17 +193,161 @@ def test_keeper_is_latest_position_not_latest_id() -> None:
     assert plan.updates == {Position(6, 1): ("alias", "nic")}
 
 
-@given(st.sets(st.tuples(st.integers(1, 50), st.integers(0, 500))), st.integers(1, 64))
-def test_garbage_chunks_hold_at_most_width_entries(
-    positions: set[tuple[int, int]], width: int
+# --------------------------------------------------------------------------- incremental runs
+
+FEED = __import__("uuid").UUID("12345678-1234-5678-1234-567812345678")
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def _at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def _previous(**changes: object) -> PreviousRun:
+    fields: dict[str, object] = {
+        "run_id": 7,
+        "finished": True,
+        "cutoffs": Cutoffs(Position(50, 500), _at(1000), _at(5000)),
+        "horizon": 55,
+        "feed_id": FEED,
+        "index_intact": True,
+        "last_full": _at(5000),
+    }
+    fields.update(changes)
+    return PreviousRun(**fields)  # type: ignore[arg-type]
+
+
+NOW = Cutoffs(Position(60, 600), _at(1600), _at(5600))
+
+
+@pytest.mark.parametrize(
+    ("previous", "requested", "reason"),
+    [
+        (None, False, "no previous run"),
+        (_previous(), True, "requested"),
+        (_previous(finished=False), False, "run 7 did not finish"),
+        (_previous(feed_id=None), False, "restored or recreated"),
+        (_previous(horizon=80), False, "restored"),
+        (_previous(index_intact=False), False, "index of kept entries is gone"),
+        (_previous(last_full=_at(0)), False, "older than the max age"),
+        (_previous(last_full=None), False, "older than the max age"),
+    ],
+)
+def test_a_run_is_full_when_the_previous_one_does_not_cover_the_feed(
+    previous: PreviousRun | None, requested: bool, reason: str
 ) -> None:
-    unique = {i: Position(t, i) for t, i in positions}  # ids are unique in a feed
-    chunks = chunk_garbage(unique.values(), width)
-    assert sum(c.rows for c in chunks) == len(unique)
-    for c in chunks:
-        assert c.rows <= width == c.id_to - c.id_from
-        inside = [p for p in unique.values() if c.id_from <= p.id < c.id_to]
-        assert len(inside) == c.rows and min(inside) == c.first and max(inside) == c.last
+    scope = choose_scope(
+        NOW,
+        previous,
+        horizon=65,
+        feed_id=FEED,
+        max_age=4600,
+        taken=_at(6200),
+        full_requested=requested,
+    )
+    assert scope.full and reason in scope.reason
+
+
+def test_an_incremental_run_reads_after_the_previous_head_and_two_bands_of_ages() -> None:
+    scope = choose_scope(NOW, _previous(), horizon=65, feed_id=FEED, max_age=4600, taken=_at(6200))
+    assert scope == Scope(
+        False,
+        "after run 7",
+        since=Position(50, 500),
+        gc_band=(_at(1000), _at(1600)),
+        lag_band=(_at(5000), _at(5600)),
+        kept_until=_at(5000),
+    )
+    # Longer durations than last time: nothing aged into either band.
+    longer = Cutoffs(NOW.head, _at(900), _at(4000))
+    scope = choose_scope(
+        longer, _previous(), horizon=65, feed_id=FEED, max_age=4600, taken=_at(6200)
+    )
+    assert scope.gc_band is None and scope.lag_band is None and scope.kept_until == _at(4000)
+    # A max age shorter than the last lag: the lag band starts at the new gc cutoff.
+    short = Cutoffs(NOW.head, _at(5300), _at(5900))
+    scope = choose_scope(
+        short, _previous(), horizon=65, feed_id=FEED, max_age=4600, taken=_at(6200)
+    )
+    assert scope.gc_band == (_at(1000), _at(5300)) and scope.lag_band == (_at(5300), _at(5900))
+
+
+@st.composite
+def two_runs(draw: st.DrawFn) -> dict[str, object]:
+    """A feed with publication times, the first run's bounds, entries that come
+    after it, and the second run's bounds (time moved on, durations may differ)."""
+    n = draw(st.integers(0, 50))
+    ids = draw(st.permutations(range(1, n + 1)))
+    rows = []
+    for i in range(n):
+        rows.append(
+            (
+                Position(draw(st.integers(1, 40)), ids[i]),
+                draw(st.sampled_from(["vm", "net"])),
+                draw(st.sampled_from(["a", "b", "c", "d", "e"])),
+                draw(SUBS),
+                draw(st.integers(0, 100)),  # published
+            )
+        )
+    head1 = Position(draw(st.integers(0, 30)), draw(st.integers(0, n + 1)))
+    t1 = draw(st.integers(60, 110))
+    age1, lag1 = sorted(draw(st.lists(st.integers(1, 60), min_size=2, max_size=2)), reverse=True)
+    t2 = t1 + draw(st.integers(0, 40))
+    age2, lag2 = sorted(draw(st.lists(st.integers(1, 60), min_size=2, max_size=2)), reverse=True)
+    head2 = max(head1, Position(draw(st.integers(0, 41)), draw(st.integers(0, n + 1))))
+    return {
+        "rows": rows,
+        "run1": Cutoffs(head1, _at(t1 - age1), _at(t1 - lag1)),
+        "run2": Cutoffs(head2, _at(t2 - age2), _at(t2 - lag2)),
+        "t2": t2,
+    }
+
+
+def _entries(rows: list[tuple], cut: Cutoffs) -> list[PlanEntry]:
+    return [
+        PlanEntry(p, r, i, s, garbage=_at(t) < cut.gc, candidate=_at(t) < cut.lag)
+        for p, r, i, s, t in rows
+    ]
+
+
+@given(two_runs())
+@settings(max_examples=400, deadline=None)
+def test_an_incremental_run_after_a_full_one_plans_what_a_full_run_would(
+    case: dict[str, object],
+) -> None:
+    """The scope's argument, on the reference: after a finished full run, the
+    garbage and the merge of what an incremental run reads (the entries after the
+    previous head, the two bands of ages, the indexed keepers of the ids they
+    touch) leave the feed exactly as a full run would."""
+    rows, run1, run2 = case["rows"], case["run1"], case["run2"]
+    assert isinstance(rows, list) and isinstance(run1, Cutoffs) and isinstance(run2, Cutoffs)
+    # Run 1 (full) on the entries it could see: everything at or before its head
+    # is final; entries after it may be in transactions still open.
+    first = plan_feed(_entries(rows, run1), run1.head)
+    state, _ = simulate(_entries(rows, run1), first, ORIGIN)
+    keys = {}
+    for e in _entries(rows, run1):
+        if e.position <= run1.head and e.candidate and not e.garbage:
+            key = (e.resource, e.changed_resource_id)
+            keys[key] = max(keys.get(key, e.position), first.drops.get(e.position, e.position))
+    published = {p: _at(t) for p, _, _, _, t in rows}
+    after1 = [(p, r, i, s, t) for p, r, i, s, t in rows if p in state]
+    after1 = [(p, r, i, state[p][2], t) for p, r, i, s, t in after1]
+    entries2 = _entries(after1, run2)
+    full = plan_feed(entries2, run2.head)
+    expected, _ = simulate(entries2, full, ORIGIN)
+
+    previous = PreviousRun(1, True, run1, 0, FEED, True, run1.lag)
+    t2 = case["t2"]
+    assert isinstance(t2, int)
+    scope = choose_scope(run2, previous, horizon=0, feed_id=FEED, max_age=10_000, taken=_at(t2))
+    assert not scope.full
+    garbage, members = delta_of(entries2, published, scope, keys, run2.head)
+    assert garbage == full.garbage
+    flagged = [*members, *(e for e in entries2 if e.position in garbage)]
+    incremental = plan_feed(flagged, run2.head)
+    got, _ = simulate(entries2, incremental, ORIGIN)
+    assert got == expected
 
 
 def test_block_ranges_cover_the_table_without_overlap() -> None:
@@ -460,7 +610,10 @@ async def _insert(conn: asyncpg.Connection, rows: list[tuple[str, str, list[str]
 
 async def _staged(conn: asyncpg.Connection, store: CompactionStore, rows: list[tuple]) -> int:
     snap = await store.snapshot()
-    run_id = await store.begin_run(snap)
+    runs = RunLog(conn, "changefeed")
+    await runs.ensure()
+    now = Cutoffs(snap.head, snap.taken, snap.taken)
+    run_id = await runs.begin(now, Scope(True, "test"), horizon=snap.horizon, feed_id=snap.feed_id)
     table = await store.create_staging(run_id)
     for row in rows:
         await conn.execute(
@@ -569,16 +722,16 @@ async def test_gc_rechecks_age_and_never_lowers_the_low_water_mark(feed_dsn: str
         store = CompactionStore(conn, "changefeed")
         await store.prepare()
         cutoff = datetime.now(UTC) - timedelta(days=1)
-        # One chunk spanning all three entries: the young one survives.
-        chunk = chunk_garbage([first, last], 1000)
-        assert await store.apply_gc(chunk, cutoff) == 2
+        # One region spanning all three entries: the young one survives.
+        region = [GcRegion(first, last, 2)]
+        assert await store.apply_gc(region, cutoff, 1000) == (2, 1)
         assert [
             r["changed_resource_id"]
             for r in await conn.fetch("SELECT changed_resource_id FROM changefeed.feed")
         ] == ["b"]
         assert await store.low_water() == last
         # A rerun deletes nothing and leaves the mark where it is.
-        assert await store.apply_gc(chunk, cutoff) == 0
+        assert await store.apply_gc(region, cutoff, 1000) == (0, 1)
         assert await store.low_water() == last
     finally:
         await conn.close()
@@ -607,3 +760,78 @@ def test_spark_errors_report_the_innermost_java_cause() -> None:
         "org.postgresql.util.PSQLException: FATAL: password authentication failed"
     )
     assert _spark_message(ValueError("first\nsecond")) == "first"
+
+
+async def test_the_garbage_walk_is_bounded_whatever_the_ids_and_a_long_writer(
+    feed_dsn: str,
+) -> None:
+    """Garbage with sparse ids (what merges leave behind), and in the middle of it,
+    in feed order, a writer that kept its transaction open while it wrote 3,000
+    entries still young: every transaction of the walk looks at no more than
+    batch_size entries along the primary key, their number is what the stretch
+    holds over batch_size (not one per id bucket), and only the garbage goes."""
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        old = datetime.now(UTC) - timedelta(days=2)
+        young = datetime.now(UTC)
+        await conn.execute(
+            """
+            INSERT INTO changefeed.feed (id, txid, resource, changed_resource_id, published)
+            OVERRIDING SYSTEM VALUE
+            SELECT g * 997, (1000 + g)::text::xid8, 'vm', 'r' || g, $1
+            FROM generate_series(1, 1000) AS g
+            """,
+            old,
+        )
+        await conn.execute(  # the long writer: one txid among the garbage's, late ids
+            """
+            INSERT INTO changefeed.feed (id, txid, resource, changed_resource_id, published)
+            OVERRIDING SYSTEM VALUE
+            SELECT 2000000 + g, '1500'::xid8, 'vm', 'w' || g, $1
+            FROM generate_series(1, 3000) AS g
+            """,
+            young,
+        )
+        store = CompactionStore(conn, "changefeed")
+        await store.prepare()
+        region = GcRegion(Position(1001, 997), Position(2000, 997_000), 1000)
+        steps: list[int] = []
+        deleted, transactions = await store.apply_gc(
+            [region], datetime.now(UTC) - timedelta(days=1), 100, steps.append
+        )
+        assert deleted == 1000 and transactions == len(steps) == 40  # 4,000 entries / 100
+        assert sum(steps) == 1000
+        left = await conn.fetchval("SELECT count(*) FROM changefeed.feed")
+        assert left == 3000
+        assert await store.low_water() == Position(2000, 997_000)
+    finally:
+        await conn.close()
+
+
+async def test_the_announcement_raises_the_generation_and_never_lowers_the_horizon(
+    feed_dsn: str,
+) -> None:
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        store = CompactionStore(conn, "changefeed")
+        await store.prepare()
+        assert await store.announce(Position(10, 5)) == (1, Position(10, 5))
+        assert await store.announce(Position(9, 99)) == (2, Position(10, 5))
+        assert await store.announce(Position(10, 6)) == (3, Position(10, 6))
+        from changefeed.publisher.feed import FeedReader
+
+        state = await FeedReader().state(conn)
+        assert (state.rewrites.generation, state.rewrites.through) == (3, Position(10, 6))
+        assert await store.wait_for_standbys(0.0) == []  # no standby: nothing to wait for
+    finally:
+        await conn.close()
+
+
+async def test_refused_on_a_feed_schema_older_than_the_job_needs(feed_dsn: str) -> None:
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        await conn.execute("DELETE FROM changefeed.schema_migrations WHERE version >= 6")
+    finally:
+        await conn.close()
+    with pytest.raises(CompactionError, match=r"version 5; the job needs 6.*db init"):
+        await asyncio.to_thread(run_compaction, feed_dsn, max_age=86400, compaction_lag=600)

@@ -219,3 +219,12 @@ def test_cli_parser_knows_the_progress_modes(mode: str) -> None:
         ["compact", "--progress", mode, "--batch-size", "50", "--partitions", "3"]
     )
     assert (args.progress, args.batch_size, args.partitions) == (mode, 50, 3)
+
+
+def test_cli_parser_knows_full_runs_and_the_replay_wait() -> None:
+    from changefeed.cli import _parser
+
+    args = _parser().parse_args(["compact", "--full", "--replay-wait", "2m"])
+    assert (args.full, args.replay_wait) == (True, "2m")
+    plain = _parser().parse_args(["compact"])
+    assert (plain.full, plain.replay_wait) == (False, "60s")

@@ -1,6 +1,6 @@
 """The Spark compaction job against real PostgreSQL and real Spark on ``local[2]``.
 
-One SparkSession serves the whole module (starting the JVM is the slow part).
+One SparkSession (``conftest.spark``) serves every test: starting the JVM is the slow part.
 The property test is a seeded random loop rather than hypothesis: every
 example is a full Spark run, so shrinking would cost minutes; the seed of a
 failing example is in the assertion message.
@@ -12,7 +12,7 @@ import asyncio
 import random
 import statistics
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,7 +29,6 @@ from changefeed.compaction import (
     plan_feed,
     run_compaction,
     simulate,
-    spark_session,
     uncovered,
 )
 from changefeed.publisher.feed import FeedReader, publish
@@ -44,39 +43,43 @@ RESOURCES = ("net", "vm")
 SUBS: list[list[str]] = [[], ["nic"], ["alias"], ["alias", "nic"], ["disk", "nic"], ["nic", "nic"]]
 
 
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    with spark_session("local[2]") as session:
-        yield session
-
-
 # --------------------------------------------------------------------------- helpers
 
 
 async def reset_feed(conn: asyncpg.Connection) -> None:
+    """An empty feed, and no run the next one could follow incrementally."""
     await conn.execute("TRUNCATE changefeed.feed")
     await conn.execute("UPDATE changefeed.feed_state SET low_water_txid = '0', low_water_id = 0")
+    await conn.execute(
+        "DROP TABLE IF EXISTS changefeed.compaction_runs, changefeed.compaction_keys"
+    )
 
 
-async def seed_random_feed(conn: asyncpg.Connection, rng: random.Random) -> None:
-    """A random feed: entries with explicit ages and mostly explicit txids, so that
-    feed order (txid, id) differs from id order. Positions mostly follow age (as in
-    life: old entries sit early in the feed), with some entries out of place; some
-    younger entries come from real transactions."""
+AGES = {  # seconds, far from the cutoffs of MAX_AGE and LAG
+    "garbage": (25 * 3600, 72 * 3600),
+    "candidate": (2 * 3600, 20 * 3600),
+    "young": (0, 1800),
+}
+
+
+async def seed_random_feed(
+    conn: asyncpg.Connection,
+    rng: random.Random,
+    ages: Mapping[str, tuple[float, float]] = AGES,
+) -> None:
+    """A random feed: entries with explicit ages (from ``ages``, by bucket) and mostly
+    explicit txids, so that feed order (txid, id) differs from id order. Positions
+    mostly follow age (as in life: old entries sit early in the feed), with some
+    entries out of place; some younger entries come from real transactions."""
     now = datetime.now(UTC)
     top = int(await conn.fetchval("SELECT pg_current_xact_id()::text::bigint")) - 1
     txids = sorted(rng.randint(3, top) for _ in range(rng.randint(1, 12)))
     n = rng.randint(0, 80)
     items = []
+    buckets = [name for name in ages for _ in range(2 if name == "candidate" else 1)]
     for _ in range(n):
-        bucket = rng.choice(["garbage", "candidate", "candidate", "young"])
-        if bucket == "garbage":
-            age = rng.uniform(25 * 3600, 72 * 3600)
-        elif bucket == "candidate":
-            age = rng.uniform(2 * 3600, 20 * 3600)
-        else:
-            age = rng.uniform(0, 1800)
-        items.append((age, bucket))
+        bucket = rng.choice(buckets)
+        items.append((rng.uniform(*ages[bucket]), bucket))
     items.sort(reverse=True)
     for i, (age, bucket) in enumerate(items):
         values = (
@@ -116,7 +119,9 @@ async def seed_random_feed(conn: asyncpg.Connection, rng: random.Random) -> None
 Feed = dict[Position, tuple[str, str, tuple[str, ...]]]
 
 
-async def read_feed(conn: asyncpg.Connection) -> tuple[list[PlanEntry], Feed]:
+async def read_feed(
+    conn: asyncpg.Connection, max_age: float = MAX_AGE, lag: float = LAG
+) -> tuple[list[PlanEntry], Feed]:
     rows = await conn.fetch(
         "SELECT txid::text::bigint AS txid, id, resource, changed_resource_id, sub_resources,"
         " extract(epoch FROM now() - published) AS age FROM changefeed.feed"
@@ -127,8 +132,8 @@ async def read_feed(conn: asyncpg.Connection) -> tuple[list[PlanEntry], Feed]:
             r["resource"],
             r["changed_resource_id"],
             tuple(r["sub_resources"]),
-            garbage=float(r["age"]) > MAX_AGE,
-            candidate=float(r["age"]) > LAG,
+            garbage=float(r["age"]) > max_age,
+            candidate=float(r["age"]) > lag,
         )
         for r in rows
     ]
@@ -200,9 +205,8 @@ class RecordedProgress(NullProgress):
 
 
 def compact(dsn: str, spark: Any, **kwargs: Any) -> Any:
-    return run_compaction(
-        dsn, max_age=MAX_AGE, compaction_lag=LAG, spark=spark, **{"batch_size": 7, **kwargs}
-    )
+    settings = {"max_age": MAX_AGE, "compaction_lag": LAG, "batch_size": 7, **kwargs}
+    return run_compaction(dsn, spark=spark, **settings)
 
 
 # --------------------------------------------------------------------------- I5 property
@@ -317,6 +321,136 @@ async def test_dry_run_changes_nothing_and_counts_the_same(feed_dsn: str, spark:
         assert tables == []  # a dry run writes nothing, not even its bookkeeping
     finally:
         await conn.close()
+
+
+# --------------------------------------------------------------------------- incremental runs
+
+AGES_TWICE = {  # seconds, far from both runs' cutoffs: (24 h, 1 h), then (12 h, 30 min)
+    "garbage": (30 * 3600, 40 * 3600),
+    "becomes garbage": (14 * 3600, 20 * 3600),
+    "candidate": (2 * 3600, 10 * 3600),
+    "becomes candidate": (0.6 * 3600, 0.9 * 3600),
+    "young": (0, 0.4 * 3600),
+}
+
+
+async def append_entries(conn: asyncpg.Connection, rng: random.Random, n: int) -> None:
+    """``n`` entries in real transactions (after every position so far), some of them
+    stamped long ago, as a writer's long transaction would."""
+    now = datetime.now(UTC)
+    for _ in range(n):
+        low, high = AGES_TWICE[rng.choice(list(AGES_TWICE))]
+        await conn.execute(
+            "INSERT INTO changefeed.feed (resource, sub_resources, changed_resource_id, published)"
+            " VALUES ($1, $2, $3, $4)",
+            rng.choice(RESOURCES),
+            rng.choice(SUBS),
+            rng.choice("abcdefgh"),
+            now - timedelta(seconds=rng.uniform(low, high)),
+        )
+
+
+async def test_incremental_runs_leave_the_feed_a_full_run_would(feed_dsn: str, spark: Any) -> None:
+    """Random feeds: a full run, entries appended (some of them already old), a second
+    run with shorter durations (as if time had moved on) reading only what changed:
+    the feed equals the reference plan of a full run on the whole feed, every
+    resumable cursor keeps its notifications, and a third run changes nothing."""
+    conn = await asyncpg.connect(feed_dsn)
+    reader = FeedReader()
+    try:
+        for seed in range(4):
+            rng = random.Random(1000 + seed)
+            await reset_feed(conn)
+            await seed_random_feed(conn, rng, AGES_TWICE)
+            await append_entries(conn, rng, rng.randint(0, 20))
+            first = await asyncio.to_thread(compact, feed_dsn, spark)
+            assert first.full
+            await append_entries(conn, rng, rng.randint(1, 40))
+            entries, before = await read_feed(conn, 12 * 3600, 1800)
+            head = await reader.head(conn)
+            low_before = await reader.low_water(conn)
+            cursors = cursors_for(rng, list(before), low_before, head)
+            owed = {c: await resume(conn, c) for c in cursors if c >= low_before}
+
+            second = await asyncio.to_thread(
+                compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800
+            )
+            assert not second.full, f"seed {seed}: {second.scope}"
+            plan = plan_feed(entries, head)
+            expected, expected_low = simulate(entries, plan, low_before)
+            _, after = await read_feed(conn, 12 * 3600, 1800)
+            assert after == expected, f"seed {seed}: feed differs from a full run's"
+            assert await reader.low_water(conn) == expected_low, f"seed {seed}"
+            assert (second.collected, second.merged, second.rewritten) == (
+                len(plan.garbage),
+                len(plan.drops),
+                len(plan.updates),
+            ), f"seed {seed}"
+            low_after = await reader.low_water(conn)
+            for cursor, got in owed.items():
+                if cursor >= low_after:
+                    lost = uncovered(got, await resume(conn, cursor))
+                    assert not lost, f"seed {seed}: resume from {cursor} lost {sorted(lost)}"
+
+            third = await asyncio.to_thread(
+                compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800
+            )
+            assert not third.full and (third.collected, third.merged) == (0, 0), f"seed {seed}"
+
+        # The third run changed nothing, yet the index of kept entries must still be
+        # there: a restart that empties it (unlogged) makes the next run a full one.
+        await conn.execute("TRUNCATE changefeed.compaction_keys")
+        fourth = await asyncio.to_thread(
+            compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800
+        )
+        assert fourth.full and "index of kept entries is gone" in fourth.scope, fourth.scope
+    finally:
+        await conn.close()
+
+
+def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None:
+    """The members of a hot id are aggregated where they were read and the totals
+    broadcast back: its drops come out of every read partition, where the one
+    shuffle the other ids go through puts them all in one task; both plan the
+    same rows."""
+    from pyspark.sql import functions as F
+
+    from changefeed.compaction.merge import hot_groups, merge_rows
+
+    members = spark.range(0, 40_000, numPartitions=4).select(
+        (F.col("id") % 97).alias("txid"),
+        F.col("id"),
+        F.lit("vm").alias("resource"),
+        F.when(F.col("id") % 4 == 0, F.lit("hot"))
+        .otherwise(F.concat(F.lit("vm-"), (F.col("id") % 3000).cast("string")))
+        .alias("changed_resource_id"),
+        F.when(F.col("id") % 5 == 0, F.array(F.lit("alias")))
+        .otherwise(F.array(F.lit("nic")))
+        .alias("sub_resources"),
+    )
+    assert hot_groups(members, hot_min=5_000) == [("vm", "hot")]
+    hot_id = F.col("changed_resource_id") == "hot"
+
+    def hot_drops(split: bool) -> tuple[int, int, list[Any]]:
+        if split:
+            rows = merge_rows(members.where(~hot_id), members.where(hot_id), ["alias", "nic"])
+        else:
+            rows = merge_rows(members, None, ["alias", "nic"])
+        rows = rows.withColumn("task", F.spark_partition_id())
+        (keeper,) = rows.where("kind = 4 AND changed_resource_id = 'hot'").collect()
+        hot = rows.where(
+            (F.col("kind") == 3)
+            & (F.col("keep_txid") == keeper["txid"])
+            & (F.col("keep_id") == keeper["id"])
+        )
+        plan = sorted(rows.select("kind", "txid", "id", "keep_txid", "keep_id").collect())
+        return hot.count(), hot.select("task").distinct().count(), plan
+
+    split_drops, split_tasks, split_plan = hot_drops(True)
+    plain_drops, plain_tasks, plain_plan = hot_drops(False)
+    assert split_drops == plain_drops == 10_000 - 1
+    assert (split_tasks, plain_tasks) == (4, 1)
+    assert split_plan == plain_plan
 
 
 # --------------------------------------------------------------------------- beside live writers
@@ -453,10 +587,11 @@ async def test_job_beside_four_writers_and_a_tailer(feed_dsn: str, spark: Any) -
         "snapshot",
         "scan-gc",
         "scan-merge+stage",
-        "count",
-        "apply-gc",
+        "survey",
         "apply-keep",
         "apply-merge",
+        "apply-gc",
+        "apply-keys",
     ]
     # Every phase with a count got to its total, in as many batches as the summary says.
     for phase in phases.values():

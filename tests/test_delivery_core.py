@@ -16,7 +16,7 @@ from changefeed.publisher.catchup import Catchup, Filled
 from changefeed.publisher.delivery import Closing, Delivery
 from changefeed.publisher.entries import Chunk
 from changefeed.publisher.fanout import Fanout
-from changefeed.publisher.feed import FeedEntry, PageOfFeed
+from changefeed.publisher.feed import FeedEntry, PageOfFeed, Rewrites
 from changefeed.publisher.matching import Interest
 from changefeed.publisher.pages import CursorExpired, FeedPages, PageCache
 from changefeed.publisher.scheduler import FlushScheduler
@@ -207,7 +207,7 @@ def test_a_listener_behind_the_window_reads_the_feed_table() -> None:
     async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
         reads.append((after, upto))
         table = [e for e in entries(1, 60) if after < e.position <= upto]
-        return PageOfFeed(table[:limit], ORIGIN, ORIGIN)
+        return PageOfFeed(table[:limit], ORIGIN)
 
     pages = FeedPages(read, encode, page_size=20, max_bytes=1 << 20)
     catchup = _catchup(window, fanout, pages)
@@ -251,7 +251,7 @@ def test_pages_are_shared_by_listeners_near_each_other_and_reads_under_way_are_a
         reads.append(after)
         await asyncio.sleep(0.01)
         table = [e for e in entries(1, 1000) if after < e.position <= upto]
-        return PageOfFeed(table[:limit], ORIGIN, ORIGIN)
+        return PageOfFeed(table[:limit], ORIGIN)
 
     pages = FeedPages(read, str, page_size=100, max_bytes=1 << 24)
 
@@ -269,23 +269,24 @@ def test_pages_are_shared_by_listeners_near_each_other_and_reads_under_way_are_a
 
 def test_a_page_below_the_low_water_mark_says_the_cursor_expired() -> None:
     async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
-        return PageOfFeed([], Position(100, 50), ORIGIN)
+        return PageOfFeed([], Position(100, 50))
 
     pages = FeedPages(read, str, page_size=100, max_bytes=1 << 20)
     with pytest.raises(CursorExpired):
         asyncio.run(pages.page(["vm"], Position(100, 10), Position(100, 100)))
 
 
-def test_kept_pages_are_let_go_once_the_compaction_job_merged_entries() -> None:
-    """A page is the table as it was read: after a merge (the compaction mark moved)
-    no listener may read an entry's keeper from a copy made before it."""
-    mark = {"now": ORIGIN}
+def test_kept_pages_are_let_go_once_a_compaction_run_announced_itself() -> None:
+    """A page is the table as it was read: once a run has announced itself (a new
+    rewrite generation) no listener may read an entry's keeper from a copy made
+    before it, whatever the run changes."""
+    rewrites = {"now": Rewrites(0, ORIGIN)}
     reads: list[Position] = []
 
     async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
         reads.append(after)
         table = [e for e in entries(1, 100) if after < e.position <= upto]
-        return PageOfFeed(table[:limit], ORIGIN, mark["now"])
+        return PageOfFeed(table[:limit], ORIGIN, rewrites["now"])
 
     pages = FeedPages(read, str, page_size=20, max_bytes=1 << 24)
     head = Position(100, 100)
@@ -293,14 +294,100 @@ def test_kept_pages_are_let_go_once_the_compaction_job_merged_entries() -> None:
     async def scenario() -> None:
         first = await pages.page(["vm"], Position(100, 0), head)
         assert await pages.page(["vm"], Position(100, 5), head) is first  # kept, shared
-        mark["now"] = Position(100, 3)  # the job merged entries meanwhile
+        # A run that rewrites nothing past the floor already known still counts.
+        rewrites["now"] = Rewrites(1, ORIGIN)
         await pages.page(["vm"], Position(100, 40), head)
-        assert len(pages.cache) == 1  # only the page read under the new mark
+        assert len(pages.cache) == 1  # only the page read under the new generation
         again = await pages.page(["vm"], Position(100, 5), head)
         assert again is not first
+        assert pages.floor == ORIGIN
 
     asyncio.run(scenario())
     assert reads == [Position(100, 0), Position(100, 40), Position(100, 5)]
+
+
+def _rewritten(e: FeedEntry) -> FeedEntry:
+    """``e`` as the compaction job left it: widened with "alias"."""
+    return FeedEntry(e.position, e.resource, ("alias", "nic"), e.changed_resource_id, e.published)
+
+
+def _with_subs(e: FeedEntry) -> str:
+    return f"{e.changed_resource_id}:{','.join(e.sub_resources)}"
+
+
+def _texts(delivery: Delivery) -> list[str]:
+    return [item.text for item in delivery.take(10_000)]
+
+
+def test_below_the_rewrite_floor_a_listener_behind_reads_the_table_not_the_window() -> None:
+    """The window holds entries 1-60 as the tailer read them; then a compaction run
+    widened entries up to 40 in the table (the floor). A listener that resumes from
+    10 reads 11-40 from the table, as the job left them, and only 41-60 from the
+    window; it never takes a copy at or before the floor."""
+    window = Window(ORIGIN, 1 << 20, _with_subs)
+    window.append(entries(1, 60))  # the tailer's copies: ("nic",)
+    floor = Position(100, 40)
+    table = [_rewritten(e) if e.position <= floor else e for e in entries(1, 60)]
+    reads: list[tuple[Position, Position]] = []
+
+    async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
+        reads.append((after, upto))
+        rows = [e for e in table if after < e.position <= upto]
+        return PageOfFeed(rows[:limit], ORIGIN, Rewrites(1, floor))
+
+    pages = FeedPages(read, _with_subs, page_size=100, max_bytes=1 << 20)
+    catchup = _catchup(window, Fanout(), pages)
+    resumed = Delivery(ALL_VMS, Position(100, 10), window.head, capacity=1000)
+    got: list[str] = []
+
+    async def scenario() -> None:
+        # The window starts at ORIGIN, so without the floor the listener would
+        # read it all from memory: it learns the floor from the resume's facts.
+        catchup.observe(Rewrites(1, floor))
+        while not resumed.live:
+            if catchup.fill(resumed, 100) is Filled.NEEDS_FEED:
+                await catchup.load(resumed, 100)
+            got.extend(_texts(resumed))
+
+    asyncio.run(scenario())
+    assert got == [f"id{n}:alias,nic" for n in range(11, 41)] + [
+        f"id{n}:nic" for n in range(41, 61)
+    ]
+    assert reads == [(Position(100, 10), floor)]
+
+
+def test_a_listener_reaching_a_floor_ahead_of_the_tailer_rejoins_past_it() -> None:
+    """The tailer is behind the floor (it read up to 20; the job widened up to 30):
+    a listener behind reads the table up to the floor, rejoins live there, and the
+    tailer's later copies of entries up to the floor are not sent to it again."""
+    window = Window(ORIGIN, 1 << 20, _with_subs)
+    fanout = Fanout()
+    fanout.dispatch(*window.append(entries(1, 20)))
+    floor = Position(100, 30)
+    table = [_rewritten(e) if e.position <= floor else e for e in entries(1, 40)]
+
+    async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
+        rows = [e for e in table if after < e.position <= upto]
+        return PageOfFeed(rows[:limit], ORIGIN, Rewrites(1, floor))
+
+    pages = FeedPages(read, _with_subs, page_size=100, max_bytes=1 << 20)
+    catchup = _catchup(window, fanout, pages)
+    behind = Delivery(ALL_VMS, Position(100, 5), window.head, capacity=1000)
+    got: list[str] = []
+
+    async def scenario() -> None:
+        catchup.observe(Rewrites(1, floor))  # from its resume's facts
+        while not behind.live:
+            if catchup.fill(behind, 100) is Filled.NEEDS_FEED:
+                await catchup.load(behind, 100)
+            got.extend(_texts(behind))
+
+    asyncio.run(scenario())
+    assert behind.live and behind.skip_until == floor
+    # The tailer, late, now reads 21-40 from a snapshot before the job's widening.
+    fanout.dispatch(*window.append(entries(21, 40)))
+    got.extend(_texts(behind))
+    assert got == [f"id{n}:alias,nic" for n in range(6, 31)] + [f"id{n}:nic" for n in range(31, 41)]
 
 
 def test_the_window_lets_entries_older_than_its_max_age_go() -> None:
@@ -492,8 +579,8 @@ def test_a_sender_blocked_mid_send_with_an_empty_queue_is_stalled() -> None:
 
 def test_pages_kept_from_before_the_feed_changed_are_not_served_after() -> None:
     """A restore hands out the same positions again: the publisher lets its kept
-    pages go (join_feed calls FeedPages.reset), and the lower compaction mark of
-    the restored feed does not stop pages from being kept again."""
+    pages go (join_feed calls FeedPages.reset), and the lower rewrite generation
+    of the restored feed does not stop pages from being kept again."""
 
     def old(k: int) -> FeedEntry:
         return FeedEntry(Position(10 + k, 100 + k), "vm", (), f"lost-{k}", T0)
@@ -502,21 +589,21 @@ def test_pages_kept_from_before_the_feed_changed_are_not_served_after() -> None:
         return FeedEntry(Position(11 + k, 100 + k), "vm", (), f"new-{k}", T0)
 
     zero = Position(0, 0)
-    feed: dict[str, Any] = {"entries": [old(k) for k in range(50)], "mark": Position(9, 5)}
+    feed: dict[str, Any] = {"entries": [old(k) for k in range(50)], "rewrites": Rewrites(4, zero)}
 
     async def read(after: Position, upto: Position, resources: Any, limit: int) -> PageOfFeed:
         rows = [e for e in feed["entries"] if after < e.position <= upto]
-        return PageOfFeed(rows[:limit], zero, feed["mark"])
+        return PageOfFeed(rows[:limit], zero, feed["rewrites"])
 
     pages = FeedPages(read, lambda e: e.changed_resource_id, page_size=20, max_bytes=1 << 24)
 
     async def scenario() -> None:
         await pages.page(["vm"], Position(9, 99), Position(60, 150))
-        feed["entries"], feed["mark"] = [new(k) for k in range(50)], zero
+        feed["entries"], feed["rewrites"] = [new(k) for k in range(50)], Rewrites(0, zero)
         pages.reset()
         page = await pages.page(["vm"], Position(11, 100), Position(60, 150))
         assert [e.changed_resource_id for e in page.entries[:2]] == ["new-1", "new-2"]
-        assert len(pages.cache) == 1  # kept again, under the restored feed's mark
+        assert len(pages.cache) == 1  # kept again, under the restored feed's generation
 
     asyncio.run(scenario())
 

@@ -330,6 +330,57 @@ async def test_a_catch_up_trimmed_under_its_feet_ends_with_cursor_expired_not_a_
         await bystander.close()
 
 
+async def test_a_tailer_that_garbage_collection_passed_unread_closes_its_listeners_4011(
+    feed_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collector with a max age shorter than a tailer's lag (say `changefeed
+    compact --max-age 1s` against a tailer a few seconds behind) deletes entries
+    the tailer has not read yet. The tailer's read says so (the low-water mark
+    passed its position, same snapshot): its live listeners are closed with 4011
+    (they bootstrap) instead of being served the rest with a silent gap."""
+    from datetime import timedelta
+
+    from changefeed.publisher.feed import FeedReader
+    from changefeed.publisher.retention import trim_expired
+
+    read_after = FeedReader.read_after
+    armed = False
+
+    async def lag_then_read(self: FeedReader, conn: Any, after: Any, limit: int) -> Any:
+        nonlocal armed
+        if armed:  # the collector gets there first: the tailer is "behind"
+            armed = False
+            other = await asyncpg.connect(feed_dsn)
+            try:
+                await other.execute("UPDATE changefeed.feed SET published = now() - interval '2d'")
+                assert await trim_expired(other, "changefeed", timedelta(days=1)) == 3
+            finally:
+                await other.close()
+            await write(feed_dsn, [("vm", [], "after-the-gap")])
+        return await read_after(self, conn, after, limit)
+
+    async with running_publisher(feed_dsn) as pub:
+        ws, _ = await register(pub.ws_url, registration(subs=[]))
+        monkeypatch.setattr(FeedReader, "read_after", lag_then_read)
+        armed = True
+        await write(feed_dsn, [("vm", [], f"unread-{i}") for i in range(3)])
+        got: list[dict[str, Any]] = []
+        with pytest.raises(ConnectionClosed) as closed:
+            async with asyncio.timeout(10):
+                while True:
+                    got.append(orjson.loads(await ws.recv()))
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == CloseCode.CURSOR_EXPIRED
+        assert [doc["error"]["code"] for doc in got] == ["cursor_expired"]  # no item after a gap
+        # The publisher carries on from the head, for listeners that register again.
+        again, ack = await register(pub.ws_url, registration(subs=[]))
+        assert ack["resumed"] is False
+        await write(feed_dsn, [("vm", [], "later")])
+        (later,) = await receive_items(again, 1)
+        assert later["changedResourceId"] == "later"
+        await again.close()
+
+
 async def test_cursor_older_than_the_low_water_mark_is_not_resumed(feed_dsn: str) -> None:
     async with running_publisher(feed_dsn) as pub:
         ws, _ = await register(pub.ws_url, registration())
