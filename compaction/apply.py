@@ -35,7 +35,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -61,6 +61,7 @@ __all__ = [
     "BatchReport",
     "CompactionStore",
     "FeedSnapshot",
+    "SharedWalk",
 ]
 
 COMPACTION_LOCK_KEY = 0x6366_636D_7000  # "cfcmp": one compaction job per database
@@ -565,8 +566,10 @@ class CompactionStore:
         sql: str,
         batch_size: int,
         report: BatchReport | None,
+        shared: SharedWalk | None = None,
     ) -> int:
-        """Run ``sql`` over the staging rows of ``kind``, about ``batch_size`` at a time."""
+        """Run ``sql`` over the staging rows of ``kind``, about ``batch_size`` at a time
+        (with ``shared``, only the page ranges no other connection has taken)."""
         total = 0
 
         def done(row: asyncpg.Record) -> None:
@@ -579,14 +582,11 @@ class CompactionStore:
             span = (await self._spans(run_id, kind)).get(kind)
             if span is None:
                 return total
-            first, last, rows = span
-            # Page ranges that hold about batch_size rows of this kind each, over
-            # the pages that hold any (Spark's tasks write the kinds apart, or
-            # interleaved: either way the density is even enough).
-            step = max(1, batch_size * (last - first + 1) // rows)
-            for lo in range(first, last + 1, step):
-                hi = (lo + step, 0) if lo + step <= last else _LAST_PAGE
-                row = await self._batch(sql, kind, (lo, 0), hi)
+            ranges = _page_ranges(span, batch_size)
+            if shared is not None:
+                ranges = shared.take(kind, ranges)
+            for lo, hi in ranges:
+                row = await self._batch(sql, kind, lo, hi)
                 if row["batch"]:
                     done(row)
             return total
@@ -626,7 +626,11 @@ class CompactionStore:
         )
 
     async def apply_drops(
-        self, run_id: int, batch_size: int, report: BatchReport | None = None
+        self,
+        run_id: int,
+        batch_size: int,
+        report: BatchReport | None = None,
+        shared: SharedWalk | None = None,
     ) -> int:
         """Delete the entries merged into their keepers; return entries deleted.
 
@@ -660,7 +664,7 @@ class CompactionStore:
             )"""
         sql = self._walk_sql(run_id, "txid, id, keep_txid, keep_id", action, raise_mark)
         return await self._walk(
-            KIND_DROP, run_id=run_id, sql=sql, batch_size=batch_size, report=report
+            KIND_DROP, run_id=run_id, sql=sql, batch_size=batch_size, report=report, shared=shared
         )
 
     async def apply_keys(
@@ -693,3 +697,31 @@ class CompactionStore:
         return await self._walk(
             KIND_KEY, run_id=run_id, sql=sql, batch_size=batch_size, report=report
         )
+
+
+PageRange = tuple[tuple[int, int], tuple[int, int]]
+"""A batch's ``[lo, hi)`` range of the staging table's tuple ids."""
+
+
+def _page_ranges(span: tuple[int, int, int], batch_size: int) -> Iterator[PageRange]:
+    """Page ranges that hold about ``batch_size`` rows of one kind each, over the pages
+    that hold any (``span``: first page, last page, rows). Spark's tasks write the
+    kinds apart, or interleaved: either way the density is even enough."""
+    first, last, rows = span
+    step = max(1, batch_size * (last - first + 1) // rows)
+    for lo in range(first, last + 1, step):
+        yield (lo, 0), ((lo + step, 0) if lo + step <= last else _LAST_PAGE)
+
+
+class SharedWalk:
+    """One walk of a kind of staging rows by several connections: each batch's page
+    range goes to whichever connection asks next, and to it alone. (One event loop:
+    taking the next range never yields to another task.)"""
+
+    def __init__(self) -> None:
+        self._walks: dict[int, Iterator[PageRange]] = {}
+
+    def take(self, kind: int, ranges: Iterator[PageRange]) -> Iterator[PageRange]:
+        """The walk of ``kind``: ``ranges`` for the first connection to ask, the same
+        iterator, as far as it has gone, for the others."""
+        return self._walks.setdefault(kind, ranges)

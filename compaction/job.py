@@ -49,7 +49,7 @@ import asyncpg
 from changefeed.schemas import ORIGIN, Position, quote_schema
 from changefeed.schemas.errors import ProtocolError
 
-from .apply import CompactionStore, FeedSnapshot
+from .apply import CompactionStore, FeedSnapshot, SharedWalk
 from .errors import CompactionError
 from .frames import (
     _ts,
@@ -530,10 +530,10 @@ class _Run:
         self, regions: list[GcRegion], counts: Mapping[str, int], through: Position | None
     ) -> None:
         """The apply step, batch by batch (see ``apply``), on two connections: the
-        keepers and the drops on the control connection, meanwhile the garbage and
-        then the index of kept entries on a second one. Neither touches the other's
-        rows, and each statement is safe in any order (docs/compaction.md); the
-        database's second core does the other half."""
+        keepers and the drops on the control connection, meanwhile the garbage, the
+        index of kept entries and then whatever drops are left on a second one.
+        Each batch is one connection's alone, and each statement is safe in any
+        order (docs/compaction.md); the database's second core does the other half."""
         summary, runner, store = self.summary, self.runner, self.store
         run_id = self.run_id
         assert run_id is not None
@@ -546,6 +546,11 @@ class _Run:
             aside.share_survey(store)
             garbage, keys = _Deferred(), _Deferred()
             collected = asyncio.Event()
+            drops = SharedWalk()
+            drops_open = asyncio.Event()  # the keepers are in (and replayed)
+            side_idle = asyncio.Event()  # the side holds no drop batch
+            side_idle.set()
+            merged_aside = [0]
 
             async def on_the_side() -> None:
                 done = await aside.apply_gc(regions, self.now.gc, batch, garbage.advance)
@@ -553,6 +558,12 @@ class _Run:
                 collected.set()
                 full = self.scope.full
                 await aside.apply_keys(run_id, full=full, batch_size=batch, report=keys.advance)
+                await drops_open.wait()
+                side_idle.clear()
+                try:
+                    merged_aside[0] = await aside.apply_drops(run_id, batch, report, drops)
+                finally:
+                    side_idle.set()
 
             meanwhile = runner.get_loop().create_task(on_the_side())
             try:
@@ -571,7 +582,10 @@ class _Run:
                     if counts["drops"]:
                         wait = self.settings.replay_wait
                         summary.standbys = runner.run(store.wait_for_standbys(wait))
-                    summary.merged = runner.run(store.apply_drops(run_id, batch, report))
+                    drops_open.set()
+                    merged = runner.run(store.apply_drops(run_id, batch, report, drops))
+                    runner.run(_first(side_idle, meanwhile))  # its last drop batch
+                    summary.merged = merged + merged_aside[0]
                 with self.clock.phase("apply-gc", sum(r.rows for r in regions), "entries"):
                     garbage.attach(report)
                     runner.run(_first(collected, meanwhile))
