@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
-import socket
 import statistics
 import time
 import uuid
@@ -47,7 +46,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import httpx
-from common import cpu_seconds, database, percentile, say
+from common import cpu_seconds, database, free_port, percentile, say
 
 from changefeed.bootstrap import Admission, Pager
 from changefeed.example.vmapi import create_app, ensure_schema
@@ -115,17 +114,10 @@ def _serve(dsn: str, port: int) -> None:
     ).run()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 @contextlib.asynccontextmanager
 async def vm_api(dsn: str) -> AsyncIterator[tuple[str, int]]:
     """The VM API in a child process; yields its base URL and pid."""
-    port = _free_port()
+    port = free_port()
     process = multiprocessing.get_context("spawn").Process(
         target=_serve, args=(dsn, port), name="vmapi-bench", daemon=True
     )

@@ -68,12 +68,21 @@ from typing import Any
 
 import asyncpg
 import orjson
-from common import ClientFleet, cpu_seconds, database, raise_nofile, say, serve_publisher, until
+from common import (
+    ClientFleet,
+    cpu_seconds,
+    database,
+    fresh_schema,
+    raise_nofile,
+    say,
+    serve_publisher,
+    until,
+)
 
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish_many
 from changefeed.publisher.entries import entry_bytes
 from changefeed.publisher.feed import FeedEntry
-from changefeed.schemas import Position, apply_schema
+from changefeed.schemas import Position
 
 SCHEMA = "changefeed_bench"
 VM = ResourceConfig("vm", "/vms", ("nic", "alias"))
@@ -121,15 +130,6 @@ async def running_publisher(dsn: str, **tuning: Any) -> AsyncIterator[tuple[str,
     )
     async with serve_publisher(config) as served:
         yield served
-
-
-async def fresh_schema(dsn: str) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-        await apply_schema(conn, SCHEMA)
-    finally:
-        await conn.close()
 
 
 async def write(conn: asyncpg.Connection, ids: Sequence[str], per_transaction: int) -> None:
@@ -183,7 +183,7 @@ async def burst_drain(
     queue_size: int | None = None,
 ) -> Run:
     """Seconds from the burst's COMMIT to the last listener having its last entry."""
-    await fresh_schema(dsn)
+    await fresh_schema(dsn, SCHEMA)
     writer = await asyncpg.connect(dsn)
     tuning = {} if queue_size is None else {"queue_size": queue_size}
     try:
@@ -211,7 +211,7 @@ async def live_rate(
     fleet: ClientFleet, dsn: str, ids: list[str], listeners: int, *, batch: bool
 ) -> Run:
     """Deliveries/s to listeners registered live while ``ids`` are written."""
-    await fresh_schema(dsn)
+    await fresh_schema(dsn, SCHEMA)
     writer = await asyncpg.connect(dsn)
     try:
         async with running_publisher(dsn) as (url, publisher):
@@ -250,7 +250,7 @@ async def catch_up_rate(
     window_bytes: int,
 ) -> Run:
     """Deliveries/s to listeners that register ``len(ids)`` entries behind."""
-    await fresh_schema(dsn)
+    await fresh_schema(dsn, SCHEMA)
     writer = await asyncpg.connect(dsn)
     try:
         async with running_publisher(dsn, window_bytes=window_bytes) as (url, publisher):

@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import uuid
@@ -53,7 +52,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import httpx
-from common import database, say, until
+from common import database, free_port, say, until
 
 from changefeed.bootstrap import Admission
 from changefeed.example.vmapi import create_app, ensure_schema
@@ -113,17 +112,10 @@ def _serve(dsn: str, port: int) -> None:
     ).run()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 @contextlib.asynccontextmanager
 async def vm_api(dsn: str) -> AsyncIterator[str]:
     """The VM API in a child process; yields its base URL."""
-    port = _free_port()
+    port = free_port()
     process = multiprocessing.get_context("spawn").Process(
         target=_serve, args=(dsn, port), name="vmapi-bench", daemon=True
     )

@@ -678,6 +678,29 @@ async def fleet(nofile: int = 8192) -> AsyncIterator[ClientFleet]:
         await clients.stop()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def fresh_schema(dsn: str, schema: str) -> None:
+    """Drop ``schema`` and create the feed schema there again: every round starts on an
+    empty feed."""
+    import asyncpg
+
+    from changefeed.schemas import apply_schema, quote_schema
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(f"DROP SCHEMA IF EXISTS {quote_schema(schema)} CASCADE")
+        await apply_schema(conn, schema)
+    finally:
+        await conn.close()
+
+
 def say(*parts: object) -> None:
     """Print a figure line now (benchmarks run long; nothing waits in a buffer)."""
     print(*parts, flush=True, file=sys.stdout)

@@ -63,7 +63,7 @@ from typing import Any
 import asyncpg
 import httpx
 import orjson
-from common import ClientFleet, raise_nofile, rss_bytes, say
+from common import ClientFleet, free_port, raise_nofile, rss_bytes, say
 from latency import SCHEMA, WARMUP, fill_history, run_writer
 
 from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
@@ -213,15 +213,6 @@ def _config(dsn: str, read_dsn: str | None, port: int, connections: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 @contextlib.asynccontextmanager
 async def publishers(
     count: int, dsn: str, read_dsn: str | None, *, connections: int = 1000
@@ -234,7 +225,7 @@ async def publishers(
     ):
         try:
             for i in range(count):
-                port = _free_port()
+                port = free_port()
                 path = Path(tmp) / f"publisher-{i}.toml"
                 named = f"{dsn}?application_name=changefeed-pool"
                 path.write_text(_config(named, read_dsn, port, connections))
@@ -497,7 +488,7 @@ async def measure_idle(dsn: str, listeners: int) -> tuple[float, float]:
         async with publishers(1, dsn, None, connections=listeners + 1000) as pubs:
             url = f"ws://{pubs.urls[0]}/changefeeds"
             publisher = await idle_rss(fleet, url, pubs.pids[0], listeners, registration())
-        port = _free_port()
+        port = free_port()
         raw = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _RAW_SERVER, str(port), stdout=subprocess.PIPE
         )

@@ -66,13 +66,12 @@ from urllib.parse import urlsplit
 
 import asyncpg
 import orjson
-from common import database, percentile, say, until
+from common import database, fresh_schema, percentile, say, until
 from websockets.client import ClientProtocol
 from websockets.frames import Frame, Opcode
 from websockets.uri import parse_uri
 
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish_many
-from changefeed.schemas import apply_schema
 
 SCHEMA = "changefeed_bench"
 VM = ResourceConfig("vm", "/vms", ("nic", "alias"))
@@ -286,15 +285,6 @@ async def raw_websockets_server(texts: Sequence[str], burst: asyncio.Event) -> A
 # --------------------------------------------------------------------------- a measurement
 
 
-async def fresh_schema(dsn: str) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-        await apply_schema(conn, SCHEMA)
-    finally:
-        await conn.close()
-
-
 async def write_burst(dsn: str, count: int) -> None:
     conn = await asyncpg.connect(dsn)
     try:
@@ -321,7 +311,7 @@ def item_texts(count: int) -> list[str]:
 
 
 async def measure(args: argparse.Namespace, dsn: str, server: str, rate: float) -> list[Any]:
-    await fresh_schema(dsn)
+    await fresh_schema(dsn, SCHEMA)
     burst = asyncio.Event()
     if server == "raw-websockets":
         context = raw_websockets_server(item_texts(args.backlog), burst)

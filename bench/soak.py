@@ -55,7 +55,6 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,7 +69,7 @@ import asyncpg
 import httpx
 import orjson
 import psutil
-from common import say
+from common import free_port, say
 
 from changefeed.listener import BackoffPolicy, Controller, Listener, ListenerConfig, Resynced
 from changefeed.schemas import ChangeItem, ChangeKind
@@ -199,13 +198,6 @@ def database(dsn: str | None) -> Iterator[str]:
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 class Child:

@@ -51,3 +51,29 @@ async def test_the_fleet_benchmark_runs() -> None:
             await proc.wait()
     assert proc.returncode == 0, out.decode()[-3000:]
     assert "idle listeners on one publisher process" in out.decode()
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+async def test_the_compaction_benchmark_runs_on_a_two_worker_standalone_cluster(dsn: str) -> None:
+    """bench/compaction.py on a small feed, with the job on a Spark standalone cluster of
+    a master and two workers (bench/sparkcluster.py, on 127.0.0.1): the full and the
+    incremental run each end in the same feed as plain SQL does."""
+    from helpers import free_port
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(BENCH / "compaction.py"), "--rows", "20000", "--standalone",
+        "--cluster-port", str(free_port()), "--dsn", dsn,
+        cwd=BENCH, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    assert "spark://127.0.0.1:" in text, text[-3000:]
+    assert text.count("same feed after both: True") == 2, text[-3000:]
+    assert "run           incremental" in text, text[-3000:]
