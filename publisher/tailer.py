@@ -234,7 +234,7 @@ class Tailer:
                     # (garbage collected with a max age shorter than this lag): join
                     # the feed again, which closes every listener with 4011 (they
                     # bootstrap) and starts from the head. Never a silent gap.
-                    log_event(log, "tailer.trimmed", logging.ERROR, reason=str(exc))
+                    log_event(log, "tailer.trimmed", logging.ERROR, exc=exc, reason=str(exc))
                     self.ready.clear()
                     await self._join_feed(conn)
                     self.ready.set()

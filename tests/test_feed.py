@@ -377,3 +377,35 @@ async def test_entry_age_shows_how_long_a_writer_held_its_entry(feed_dsn: str) -
     # (a loaded machine may still take a while over them: 0.5 s is generous).
     assert bucket("0.5") == 5
     assert metric_value(metrics, "changefeed_entry_age_seconds_sum") >= 0.6
+
+
+@pytest.mark.parametrize("read", ["read_after", "read_after_horizon"])
+async def test_a_read_the_collector_passed_says_so_rather_than_return_a_gap(
+    feed_dsn: str, read: str
+) -> None:
+    """Both of the tailer's reads (on the primary; on a standby, with the horizon) say
+    when entries after the position were deleted before they were read: the low-water
+    mark passed it, in the read's own snapshot."""
+    from datetime import timedelta
+
+    from changefeed.publisher.feed import FeedReader, FeedTrimmed
+    from changefeed.publisher.retention import trim_expired
+
+    reader = FeedReader()
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        await publish(conn, "vm", [], "read")
+        position = await reader.head(conn)
+        await publish(conn, "vm", [], "collected-unread")
+        await conn.execute("UPDATE changefeed.feed SET published = now() - interval '2d'")
+        assert await trim_expired(conn, "changefeed", timedelta(days=1)) == 2
+        await publish(conn, "vm", [], "after-the-gap")
+        with pytest.raises(FeedTrimmed):
+            await getattr(reader, read)(conn, position, 10)
+        # From the low-water mark on, nothing is missing: the read goes on.
+        low_water = await reader.low_water(conn)
+        got = await getattr(reader, read)(conn, low_water, 10)
+        entries = got[0] if read == "read_after_horizon" else got
+        assert [e.changed_resource_id for e in entries] == ["after-the-gap"]
+    finally:
+        await conn.close()
