@@ -35,7 +35,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from tenacity import AsyncRetrying, RetryCallState
 from tenacity.retry import retry_base
@@ -47,6 +47,7 @@ __all__ = [
     "Backoff",
     "BackoffError",
     "WaitBackoff",
+    "finite_number",
     "retry_after_floor",
     "retrying",
 ]
@@ -69,7 +70,9 @@ class BackoffError(ValueError):
         self.message = message
 
 
-def _finite(value: object) -> bool:
+def finite_number(value: object) -> TypeGuard[int | float]:
+    """A finite int or float (a bool is not a number here): what every duration and
+    factor a setting takes must be."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -101,15 +104,15 @@ class Backoff:
     jitter: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (_finite(self.initial) and self.initial > 0):
+        if not (finite_number(self.initial) and self.initial > 0):
             self._refuse("initial", f"must be a finite number > 0, got {self.initial!r}")
-        if not (_finite(self.maximum) and self.maximum > 0):
+        if not (finite_number(self.maximum) and self.maximum > 0):
             self._refuse("maximum", f"must be a finite number > 0, got {self.maximum!r}")
         if not self.maximum >= self.initial:
             self._refuse("maximum", f"must be >= initial ({self.initial}), got {self.maximum!r}")
-        if not (_finite(self.factor) and self.factor >= 1):
+        if not (finite_number(self.factor) and self.factor >= 1):
             self._refuse("factor", f"must be >= 1, got {self.factor!r}")
-        if not (_finite(self.jitter) and 0 <= self.jitter <= 1):
+        if not (finite_number(self.jitter) and 0 <= self.jitter <= 1):
             self._refuse("jitter", f"must be in [0, 1], got {self.jitter!r}")
 
     def _refuse(self, field: str, message: str) -> None:

@@ -144,8 +144,10 @@ _REQUEST_TIMEOUT = _request_timeout(b"the request head did not arrive in time\n"
 _BODY_TIMEOUT = _request_timeout(b"the request body stopped arriving\n")
 
 
-class _HeadDeadline:
-    """The deadlines' state and what happens when one passes (shared by both protocols)."""
+class _HeadDeadline(asyncio.Protocol):
+    """The deadlines' state and what happens when one passes, and the steps both
+    protocols take alike (a mixin: it comes before uvicorn's protocol in their bases,
+    so ``super()`` is uvicorn's)."""
 
     head_timeout: ClassVar[float] = DEFAULT_HEAD_TIMEOUT
     timeout_log: ClassVar[_TimeoutLog]
@@ -157,6 +159,19 @@ class _HeadDeadline:
     _head_timer: asyncio.TimerHandle | None = None
     _head_started = False
     _body_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        self._note_head_bytes()
+        super().data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_deadline()
+        self._cancel_body_deadline()
+        super().connection_lost(exc)
 
     def _arm_head_deadline(self) -> None:
         """Start the deadline, unless it is running: bytes never extend it."""
@@ -228,14 +243,6 @@ class _HeadDeadline:
 class _HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
     """uvicorn's httptools protocol with the request head's deadline."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_head_deadline()
-
-    def data_received(self, data: bytes) -> None:
-        self._note_head_bytes()
-        super().data_received(data)
-
     def on_headers_complete(self) -> None:
         self._cancel_head_deadline()
         super().on_headers_complete()
@@ -257,23 +264,10 @@ class _HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
         if waits_for_a_request:
             self._arm_head_deadline()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_deadline()
-        self._cancel_body_deadline()
-        super().connection_lost(exc)
-
 
 class _H11HeadDeadline(_HeadDeadline, H11Protocol):
     """uvicorn's h11 protocol with the request head's deadline: h11 says whether the
     connection waits for a request (``IDLE``) after each step."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_head_deadline()
-
-    def data_received(self, data: bytes) -> None:
-        self._note_head_bytes()
-        super().data_received(data)
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -293,11 +287,6 @@ class _H11HeadDeadline(_HeadDeadline, H11Protocol):
             self._arm_body_deadline()  # its head, or more of its body, arrived
         else:
             self._cancel_body_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_deadline()
-        self._cancel_body_deadline()
-        super().connection_lost(exc)
 
 
 _BASES: dict[str, type[_HeadDeadline]] = {

@@ -42,7 +42,6 @@ __all__ = [
     "FanoutWebSocketProtocol",
     "fast_path_unavailable",
     "server_config",
-    "tune_collector",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,7 +85,8 @@ def server_config(
     **overrides: Any,
 ) -> uvicorn.Config:
     """uvicorn settings for a publisher: uvloop/httptools where available, websocket
-    pings every 20 s (dead listeners are dropped within ~40 s), no per-message
+    pings every 20 s (a dead listener is dropped after three 20 s ping deadlines
+    without progress, 60-80 s), no per-message
     compression (small JSON frames gain little and cost CPU per listener).
 
     Args:

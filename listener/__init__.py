@@ -54,7 +54,7 @@ connection state machine and what a failure means), ``_backoff`` (the
 listener's settings of changefeed's one back-off policy), ``_checks`` (what
 a setting may be),
 ``_workqueue``, ``_mirror``, ``_checkpoint`` (what a checkpoint holds and the
-rules for using one), ``_attachments``. Every exception is a
+rules for using one), and ``_attachments``' rules. Every exception is a
 ``ListenerError`` (tree in ``_errors``). See docs/listener.md.
 
 What the package must never do: block or slow the publisher (the socket is

@@ -14,10 +14,9 @@ Pure code.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import TypeGuard
 
+from changefeed.backoff import finite_number
 from changefeed.schemas import ChangeKind, Registration
 from changefeed.schemas.validation import bounded, schema_error
 
@@ -33,9 +32,8 @@ __all__ = [
 ]
 
 
-def is_number(value: object) -> TypeGuard[int | float]:
-    """A finite int or float (a bool is not a number here)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+is_number = finite_number
+"""A finite int or float (a bool is not a number here): changefeed.backoff's rule."""
 
 
 def check_count(key: str, value: object, *, optional: bool = False) -> None:

@@ -26,7 +26,6 @@ __all__ = [
     "Labels",
     "families",
     "figure",
-    "help_of",
     "nested",
     "samples",
 ]
@@ -97,15 +96,6 @@ def nested(
         default_factory=default_factory,
         metadata={_KEY: Figure(help, inner=inner, label=label)},
     )
-
-
-def help_of(cls: type, name: str) -> str:
-    """The help text declared for field ``name`` of ``cls``."""
-    for f in fields(cls):
-        if f.name == name:
-            figure_: Figure = f.metadata[_KEY]
-            return figure_.help
-    raise KeyError(name)
 
 
 @dataclass(frozen=True, slots=True)

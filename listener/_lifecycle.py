@@ -19,7 +19,7 @@
     any state --close() or a failure retrying cannot heal--> STOPPED
 
 Pure code: no I/O, no clock, no event loop. The adapter (the listener: its
-connection loop, ``_connection``, and what a connection reports, ``_reports``)
+connection loop, ``_connection``, and what it hands on, ``_inbox``)
 asks ``Lifecycle.to`` for each step and ``disposition`` what a failure means,
 so policy lives here only. It must never allow a transition that is not in
 ``TRANSITIONS`` (the adapter's bugs surface as LifecycleError, not as a

@@ -299,7 +299,7 @@ def test_server_processes_tune_the_garbage_collector() -> None:
     changes process-wide state."""
     code = (
         "import gc\n"
-        "from changefeed.serving import tune_collector\n"
+        "from changefeed.collector import tune_collector\n"
         "before = gc.get_threshold()\n"
         "tune_collector()\n"
         "print(before[0], gc.get_threshold()[0], gc.get_freeze_count())\n"

@@ -239,7 +239,7 @@ async def test_the_tailer_reads_on_only_once_every_listener_had_its_turn(feed_ds
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Take everything alive now out of the garbage collector's view, as a served
-    publisher process does (changefeed.serving.tune_collector). In this test
+    publisher process does (changefeed.collector.tune_collector). In this test
     process a full collection walks pytest's whole heap: 40-150 ms on the CI
     machine, a stop of the publisher in the middle of a burst that looks
     exactly like one listener being served before the others."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 import pytest
+from helpers import wait_until
 
 import changefeed.listener as listener_pkg
 from changefeed.listener import BackoffPolicy, RegistrationRefused, Resynced
@@ -143,12 +144,12 @@ async def test_the_dispatch_hands_each_resource_its_run_as_far_as_there_is_room(
     box.bootstrapped([resynced("vm"), resynced("server")])
     box.live()
     await box.receive(frame(item(1), item(2), item(3), item(4, "server")))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: len(vms.got) == 2 and len(servers.got) == 1, 5)
     assert vms.got == [["resynced:vm"], ["c1", "c2"]] and servers.got == [["resynced:server"]]
     assert box.done == "c2" and box.held() == 2  # c3 and c4 wait for vms' room
     vms.space = 10
     vms.more.set()
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: len(servers.got) == 2, 5)
     assert vms.got[-1] == ["c3"] and servers.got[-1] == ["c4"]
     assert box.done == box.resume == "c4" and box.delivered == 4
     box.stop(None)
