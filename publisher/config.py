@@ -356,8 +356,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ping_timeout: Annotated[
         float,
         _doc(
-            "A listener that neither answers a ping within this nor makes progress meanwhile "
-            "(takes more of what was sent, or sends anything) is evicted (`keepalive_timeout`).",
+            "Each ping's deadline. A listener that makes no progress (takes none of what was "
+            "sent, sends nothing) through three deadlines in a row, answering no ping, is "
+            "evicted (`keepalive_timeout`): 60 s at the defaults, 80 s after its last sign.",
             "seconds",
             duration=True,
             gt=0,

@@ -115,7 +115,7 @@ COUNTERS: tuple[CounterFigure, ...] = (
     ),
     CounterFigure(
         "Listeners the publisher closed: slow_listener (no progress for stall_timeout),"
-        " keepalive_timeout (no pong and no progress for ping_timeout),"
+        " keepalive_timeout (no pong and no progress through three ping_timeout deadlines),"
         " cursor_expired (trimmed past while catching up)",
         lambda r: sum(r.counters.evictions.values()),
         stats="evictions",
