@@ -299,6 +299,7 @@ def test_server_processes_tune_the_garbage_collector() -> None:
     changes process-wide state."""
     code = (
         "import gc\n"
+        "import changefeed.serving  # what a server has loaded by then\n"
         "from changefeed.collector import tune_collector\n"
         "before = gc.get_threshold()\n"
         "tune_collector()\n"
