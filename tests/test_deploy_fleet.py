@@ -103,7 +103,7 @@ def test_compose_standby_is_a_streaming_copy_with_the_standby_settings() -> None
     assert services["standby"]["depends_on"]["primary"]["condition"] == "service_healthy"
     init = (COMPOSE / "primary-init.sh").read_text()
     assert "REPLICATION" in init and "host replication replicator" in init
-    assert services["nginx"]["sysctls"] == {"net.ipv4.tcp_notsent_lowat": 16384}
+    assert services["nginx"]["sysctls"] == {"net.ipv4.tcp_notsent_lowat": 8192}
 
 
 @pytest.mark.nginx
@@ -178,7 +178,7 @@ def test_the_database_kustomization_builds() -> None:
 
 def test_the_slow_listener_sysctl_is_one_this_kernel_has() -> None:
     settings = conf_settings(DEPLOY / "nginx" / "sysctl-changefeed.conf")
-    assert settings == {"net.ipv4.tcp_notsent_lowat": "16384"}
+    assert settings == {"net.ipv4.tcp_notsent_lowat": "8192"}
     proc = Path("/proc/sys/net/ipv4/tcp_notsent_lowat")
     if not proc.exists():
         pytest.skip("no /proc/sys here")
