@@ -16,41 +16,38 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
+async def run_bench(script: str, *args: str, timeout: float) -> str:
+    """Run ``bench/<script>`` with ``args``; its output, once it exited 0."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(BENCH / script), *args,
+        cwd=BENCH, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = out.decode()
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "bench",
     ["bootstrap", "catchup", "checkpoint", "fanout", "keepalive", "latency", "listener", "publish"],
 )
 async def test_the_benchmark_runs(bench: str, dsn: str) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(BENCH / f"{bench}.py"), "--quick", "--dsn", dsn,
-        cwd=BENCH, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 240)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, out.decode()[-3000:]
+    await run_bench(f"{bench}.py", "--quick", "--dsn", dsn, timeout=240)
 
 
 @pytest.mark.slow
 async def test_the_fleet_benchmark_runs() -> None:
     """bench/fleet.py makes its own primary and standby (a standby cannot be made of
     the tests' server from outside), so it runs without ``--dsn``."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(BENCH / "fleet.py"), "--quick",
-        cwd=BENCH, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 300)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, out.decode()[-3000:]
-    assert "idle listeners on one publisher process" in out.decode()
+    text = await run_bench("fleet.py", "--quick", timeout=300)
+    assert "idle listeners on one publisher process" in text
 
 
 @pytest.mark.slow
@@ -61,19 +58,11 @@ async def test_the_compaction_benchmark_runs_on_a_two_worker_standalone_cluster(
     incremental run each end in the same feed as plain SQL does."""
     from helpers import free_port
 
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(BENCH / "compaction.py"), "--rows", "20000", "--standalone",
-        "--cluster-port", str(free_port()), "--dsn", dsn,
-        cwd=BENCH, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    port = str(free_port())
+    text = await run_bench(
+        "compaction.py", "--rows", "20000", "--standalone", "--cluster-port", port,
+        "--dsn", dsn, timeout=300,
     )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 300)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    text = out.decode()
-    assert proc.returncode == 0, text[-3000:]
     assert "spark://127.0.0.1:" in text, text[-3000:]
     assert text.count("same feed after both: True") == 2, text[-3000:]
     assert "run           incremental" in text, text[-3000:]
