@@ -26,15 +26,28 @@ async def _setup(dsn: str) -> tuple[asyncpg.Connection, asyncpg.Connection]:
     return holder, job
 
 
+class _Retried(random.Random):
+    """A seeded source that says when the back-off first draws a wait: a try failed."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.drawn = asyncio.Event()
+
+    def uniform(self, a: float, b: float) -> float:
+        self.drawn.set()
+        return super().uniform(a, b)
+
+
 async def test_a_batch_waiting_for_a_lock_is_tried_again_and_then_runs(dsn: str) -> None:
     holder, job = await _setup(dsn)
     try:
-        store = CompactionStore(job, "changefeed", rng=random.Random(1))
+        rng = _Retried(1)
+        store = CompactionStore(job, "changefeed", rng=rng)
         held = holder.transaction()
         await held.start()
         await holder.execute("SELECT * FROM locked WHERE id = 1 FOR UPDATE")
         batch = asyncio.create_task(store._batch(SQL))
-        await asyncio.sleep(0.08)  # the first try timed out on the lock
+        await asyncio.wait_for(rng.drawn.wait(), 10)  # the first try timed out on the lock
         await held.rollback()
         row = await asyncio.wait_for(batch, 10)
         assert row["n"] == 1
