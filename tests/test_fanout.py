@@ -437,10 +437,17 @@ async def test_a_listener_that_stops_reading_slows_nobody_and_catches_up_later(
         assert median(with_slow, "throughput") >= min(
             0.8 * median(without, "throughput"), *(r["throughput"] for r in without)
         )
-        for key in ("p50", "p99"):
-            assert median(with_slow, key) <= max(
-                1.2 * median(without, key) + 0.002, *(r[key] for r in without)
-            ), key
+        assert median(with_slow, "p50") <= max(
+            1.2 * median(without, "p50") + 0.002, *(r["p50"] for r in without)
+        )
+        # The p99 of a ~1 s round is a handful of deliveries: one scheduler hiccup on
+        # a shared machine doubles it (measured: 18-65 ms in rounds without a slow
+        # listener). What this test must catch is the others waiting on the slow
+        # socket, which holds them for a pause (100 ms) or more; bench/catchup.py
+        # measures the tail itself.
+        assert median(with_slow, "p99") <= max(
+            2 * median(without, "p99") + 0.02, *(r["p99"] for r in without)
+        )
         peak = max(r["peak_rss"] for r in with_slow)
         print(f"publisher RSS: {baseline_rss / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB")
         # Each slow listener costs at most its queue (400 shared items) and its
