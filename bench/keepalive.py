@@ -2,7 +2,7 @@
 
     python bench/keepalive.py [--dsn DSN] [--quick] [--rounds 3] [--listeners 20]
                               [--backlog 10000] [--pause 5] [--read-seconds 15]
-                              [--rates 500,100] [--pong-wait 60]
+                              [--rates 500,100] [--pong-wait 60] [--notsent-lowat 8192]
                               [--servers direct,asgi,asgi-host-default,raw-websockets]
 
 A websocket pong is written behind every byte sent before it, so a listener
@@ -27,7 +27,8 @@ Servers, each in every round, in turn:
 
 * ``direct``: the publisher as ``changefeed serve`` runs it (uvicorn,
   changefeed.serving's protocol, ``TCP_NOTSENT_LOWAT`` set on the listening
-  socket by DrainingServer);
+  socket by DrainingServer, ``--notsent-lowat`` bytes, the default
+  ``[server] notsent_lowat`` unless given);
 * ``asgi``: the publisher through plain ASGI sends (uvicorn's own
   ``websockets-sansio`` protocol), with the same listening socket setting;
 * ``asgi-host-default``: plain ASGI on a listening socket without the
@@ -72,6 +73,7 @@ from websockets.frames import Frame, Opcode
 from websockets.uri import parse_uri
 
 from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, publish_many
+from changefeed.tcp_liveness import NOTSENT_LOWAT
 
 SCHEMA = "changefeed_bench"
 VM = ResourceConfig("vm", "/vms", ("nic", "alias"))
@@ -233,7 +235,7 @@ def _client_main(conn: Connection, *args: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def changefeed_server(dsn: str, server: str) -> AsyncIterator[str]:
+async def changefeed_server(dsn: str, server: str, notsent_lowat: int) -> AsyncIterator[str]:
     import uvicorn
     from starlette.applications import Starlette
 
@@ -249,7 +251,7 @@ async def changefeed_server(dsn: str, server: str) -> AsyncIterator[str]:
     if server == "asgi-host-default":
         runner = uvicorn.Server(settings)
     else:
-        runner = DrainingServer(settings, [publisher])
+        runner = DrainingServer(settings, [publisher], notsent_lowat=notsent_lowat)
     runner.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     task = asyncio.create_task(runner.serve())
     await until(lambda: runner.started, 30)
@@ -316,7 +318,7 @@ async def measure(args: argparse.Namespace, dsn: str, server: str, rate: float) 
     if server == "raw-websockets":
         context = raw_websockets_server(item_texts(args.backlog), burst)
     else:
-        context = changefeed_server(dsn, server)
+        context = changefeed_server(dsn, server, args.notsent_lowat)
     async with context as url:
         parent, child = multiprocessing.Pipe()
         proc = multiprocessing.get_context("spawn").Process(
@@ -381,7 +383,7 @@ async def main(args: argparse.Namespace) -> None:
         say(
             f"pong latency under catch-up: {args.listeners} listeners, {args.backlog:,}-entry "
             f"backlog, paused {args.pause:g} s, then reading {args.read_seconds:g} s; "
-            f"median of {args.rounds} rounds"
+            f"TCP_NOTSENT_LOWAT {args.notsent_lowat:,} bytes; median of {args.rounds} rounds"
         )
         say(
             f"{'server':>20} {'rate':>6} {'pong p50':>9} {'pong p99':>9} {'own p50':>8} "
@@ -418,6 +420,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rates", default="500,100", help="items/s each listener reads")
     parser.add_argument(
         "--pong-wait", type=float, default=60.0, help="seconds to wait for late pongs"
+    )
+    parser.add_argument(
+        "--notsent-lowat",
+        type=int,
+        default=NOTSENT_LOWAT,
+        help="TCP_NOTSENT_LOWAT bytes on the publisher's listening socket (not for "
+        "asgi-host-default); compare settings by running the bench once per value",
     )
     parser.add_argument("--servers", default=",".join(SERVERS), help="which servers to run")
     args = parser.parse_args()
