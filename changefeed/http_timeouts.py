@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from typing import Any, ClassVar
 
 import h11
@@ -60,6 +59,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from changefeed.budgeted_log import BudgetedLines
 from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
 from changefeed.publisher.config import ServerConfig
@@ -85,49 +85,16 @@ LOG_WINDOW = 10.0
 class _TimeoutLog:
     """The timeout lines of one protocol class (one server setting), within a budget."""
 
-    __slots__ = ("_budget", "_summary")
+    __slots__ = ("_lines",)
 
     def __init__(self, window: float) -> None:
-        self._budget = LogBudget(LOG_BURST, window)
-        self._summary: asyncio.TimerHandle | None = None
+        self._lines = BudgetedLines(LogBudget(LOG_BURST, window), log, "http.timeouts_held")
 
     def timed_out(
         self, loop: asyncio.AbstractEventLoop, event: str, peer: str, partial: bool, timeout: float
     ) -> None:
-        write, ended = self._budget.note(time.monotonic(), event)
-        if ended is not None:
-            self._write_summary(ended)
-        if write:
+        if self._lines.due(event, loop):
             log_event(log, event, logging.INFO, peer=peer, partial=partial, timeout=timeout)
-        elif self._summary is None:
-            self._schedule(loop)
-
-    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Write the summary when the window ends, even if no timeout comes after it
-        (should this loop stop first, the next timeout writes it)."""
-        ends = self._budget.ends
-        if ends is not None and not loop.is_closed():
-            # A little late rather than early: the loop may run a timer before its time.
-            delay = max(0.0, ends - time.monotonic()) + 0.01
-            self._summary = loop.call_later(delay, self._window_ended, loop)
-
-    def _window_ended(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._summary = None
-        held = self._budget.close(time.monotonic())
-        if held is not None:
-            self._write_summary(held)
-        elif self._budget.ends is not None:
-            self._schedule(loop)  # woken early
-
-    def _write_summary(self, held: dict[str, int]) -> None:
-        log_event(
-            log,
-            "http.timeouts_held",
-            logging.INFO,
-            window=self._budget.window,
-            logged=self._budget.burst,
-            held=dict(sorted(held.items())),
-        )
 
 
 def _request_timeout(message: bytes) -> bytes:

@@ -29,6 +29,7 @@ import asyncpg
 from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
 
+from changefeed import lost_writes
 from changefeed.logs import log_event
 from changefeed.schemas import AccessDenied, AccessGranted, Position, apply_schema, notify_channel
 
@@ -141,6 +142,9 @@ class Publisher:
         self._own_pool = pool is None
         self._read_pool: asyncpg.Pool | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._holds_lost_writes = False
+        """Whether this publisher holds the budget on the loop's lost-write lines
+        (``changefeed.lost_writes``), from ``start`` to ``stop``."""
         histograms = (self.broadcast.entry_age, self.broadcast.flush_seconds)
         self.metrics = PublisherMetrics(lambda: metrics_snapshot(self), histograms)
 
@@ -207,6 +211,9 @@ class Publisher:
         if self.config.create_schema:
             async with self._pool.acquire() as conn:
                 await apply_schema(conn, self.config.schema)
+        if not self._holds_lost_writes:
+            lost_writes.hold()
+            self._holds_lost_writes = True
         self._spawn(self.tailer.run(), "tailer")
         if self.doorbell is not None:
             self._spawn(self.doorbell.run(), "doorbell")
@@ -282,6 +289,9 @@ class Publisher:
                 async with asyncio.timeout(grace):
                     await self._pool.close()
             self._pool = None
+        if self._holds_lost_writes:
+            lost_writes.release()
+            self._holds_lost_writes = False
         log_event(log, "publisher.stopped")
 
     @contextlib.asynccontextmanager
