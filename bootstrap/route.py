@@ -125,8 +125,9 @@ class BootstrapRoute:
         pool: the pool to query, or a callable returning it.
         admission: walk and query limits (default: ``Admission()``).
         authorize: optional check of each request, e.g. the publisher's
-            ``authorize_request``, whose refusal (an ``AccessDenied``) is answered
-            401, 403 or 503 as it says; a plain False answers 401.
+            ``authorize_request`` (which checks the resource whose bootstrap
+            route serves the request's path), whose refusal (an ``AccessDenied``)
+            is answered 401, 403 or 503 as it says; a plain False answers 401.
         to_item: row → item (default: ``dict(row)``).
         acquire_timeout: how long a request waits for a pool connection before 503.
         authorize_timeout: how long ``authorize`` may take before the request is

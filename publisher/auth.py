@@ -21,14 +21,21 @@ import binascii
 import hashlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
 
 from changefeed.logs import log_event
-from changefeed.schemas import AccessDenied, AccessGranted, decide
+from changefeed.schemas import AccessDenied, AccessGranted, allows, decide
 
 from .errors import PublisherError
 
-__all__ = ["AuthUnavailable", "Authorizer", "BearerAuth", "presented_token"]
+__all__ = [
+    "AuthUnavailable",
+    "Authorizer",
+    "BearerAuth",
+    "presented_token",
+    "resources_served_at",
+]
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +158,12 @@ class BearerAuth:
         return None if allowed is None else frozenset(allowed)
 
     async def check(
-        self, authorization: str, *, basic: bool = False, resource: str | None = None
+        self,
+        authorization: str,
+        *,
+        basic: bool = False,
+        resource: str | None = None,
+        any_of: Sequence[str] = (),
     ) -> AccessGranted | AccessDenied:
         """Whether a request with this ``Authorization`` header may go on: the one
         decision every route renders (``changefeed.schemas.access``). Never raises:
@@ -162,9 +174,32 @@ class BearerAuth:
             basic: also take ``Basic`` credentials, whose password is the token.
             resource: the resource the request reads, when it reads one: a token
                 not allowed it is ``forbidden``.
+            any_of: resources of which the token must be allowed one (a route
+                two resources share); ``forbidden`` naming the first otherwise.
         """
         try:
             allowed = await self.resolve(authorization, basic=basic)
         except AuthUnavailable:
             return AccessDenied.unavailable()
+        if any_of and allowed is not None:
+            resource = next((r for r in any_of if allows(allowed, r)), any_of[0])
         return decide(allowed, resource)
+
+
+def resources_served_at(path: str, routes: Iterable[tuple[str, str]]) -> list[str]:
+    """The resources whose bootstrap route serves ``path``: of ``routes`` (``(resource,
+    bootstrap route)``; a route may be an absolute URL, whose path counts), those
+    whose route is ``path`` or has it as an item (``{route}/{id}``), the longest
+    route only. Empty: no bootstrap route serves it."""
+    path = path.rstrip("/") or "/"
+    found: list[str] = []
+    longest = -1
+    for resource, route in routes:
+        prefix = urlsplit(route).path.rstrip("/") or "/"
+        if path != prefix and not path.startswith(prefix.rstrip("/") + "/"):
+            continue
+        if len(prefix) > longest:
+            found, longest = [resource], len(prefix)
+        elif len(prefix) == longest:
+            found.append(resource)
+    return found

@@ -33,7 +33,7 @@ from changefeed import lost_writes
 from changefeed.logs import log_event
 from changefeed.schemas import AccessDenied, AccessGranted, Position, apply_schema, notify_channel
 
-from .auth import Authorizer, BearerAuth
+from .auth import Authorizer, BearerAuth, resources_served_at
 from .broadcast import Broadcast
 from .config import PublisherConfig
 from .counters import Counters
@@ -364,16 +364,28 @@ class Publisher:
         The answer is true when it may. A refusal (false) says how to answer it,
         as every route of the publisher does (``changefeed.schemas.access``):
         ``status`` 401 ``unauthorized`` (no token, or an unknown one), 403
-        ``forbidden`` (a token not allowed ``resource``) or 503 ``unavailable``
+        ``forbidden`` (a token not allowed the resource) or 503 ``unavailable``
         (the authorizer failed or took longer than 5 s; ``Retry-After``), with
         ``headers()`` and the error body ``frame()``. ``BootstrapRoute`` answers it
         so. A refusal is counted (``changefeed_refusals_total``, stats).
 
         Args:
             request: the request (its ``Authorization: Bearer`` header).
-            resource: when given, the token must also be allowed to read this resource.
+            resource: the resource the request reads. When None, the resource whose
+                ``bootstrap_route`` serves the request's path (the route, or an item
+                under it; ``auth.resources_served_at``), so that
+                ``BootstrapRoute(..., authorize=publisher.authorize_request)`` checks
+                the resource it serves. Where two resources share a route, a token
+                allowed either may read it. A path no bootstrap route serves needs
+                a known token only.
         """
-        outcome = await self.auth.check(request.headers.get("authorization", ""), resource=resource)
+        header = request.headers.get("authorization", "")
+        if resource is None:
+            routes = ((r.name, r.bootstrap_route) for r in self.config.resources)
+            served = resources_served_at(request.url.path, routes)
+            outcome = await self.auth.check(header, any_of=served)
+        else:
+            outcome = await self.auth.check(header, resource=resource)
         if isinstance(outcome, AccessDenied):
             peer = f"{request.client.host}:{request.client.port}" if request.client else ""
             self.refused(outcome.code, "http", peer, f"{request.url.path}: {outcome.message}")

@@ -23,9 +23,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from changefeed.publisher import ConfigError, Publisher, PublisherConfig
-from changefeed.publisher.auth import presented_token
+from changefeed.publisher.auth import presented_token, resources_served_at
 from changefeed.publisher.config import load_config
-from changefeed.schemas import CloseCode, validate
+from changefeed.schemas import AccessDenied, CloseCode, validate
 
 OPS = "ops-token-all-resources"
 DNS = "dns-token-vm-only"
@@ -181,6 +181,96 @@ async def test_bootstrap_routes_use_authorize_request_with_a_resource(feed_dsn: 
         refused = publisher.stats()["counters"]["refused"]
         assert refused == {"forbidden": 1, "unauthorized": 1}
         assert (await http.get("/healthz")).status_code == 200
+
+
+async def test_a_bootstrap_route_built_as_documented_checks_the_resource_it_serves(
+    feed_dsn: str,
+) -> None:
+    """``BootstrapRoute("/vms", ..., authorize=publisher.authorize_request)``, as
+    docs/bootstrap.md builds it, names no resource: the publisher finds the one whose
+    ``bootstrap_route`` serves the path. A token allowed only ``network`` gets 403 on
+    the list and on an item (it got 200, and every VM), one allowed ``vm`` gets them."""
+    import uuid
+
+    import asyncpg
+    from servers import serve_app
+
+    from changefeed.bootstrap import BootstrapRoute, KeysetQuery
+    from changefeed.publisher import ResourceConfig
+
+    table = f"vms_{uuid.uuid4().hex[:8]}"
+    vm_id = uuid.uuid4()
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        await conn.execute(f"CREATE TABLE {table} (uuid uuid PRIMARY KEY, alias text)")
+        await conn.execute(f"INSERT INTO {table} VALUES ($1, 'web')", vm_id)
+    finally:
+        await conn.close()
+    network = ResourceConfig("network", "http://127.0.0.1:1/networks", ("subnet",))
+    publisher = Publisher(
+        PublisherConfig(
+            dsn=feed_dsn, resources=(VM, network), retention=False, poll_interval=0.2, **TOKENS
+        )
+    )
+    pool = await asyncpg.create_pool(feed_dsn, min_size=1, max_size=2)
+    try:
+        vms = KeysetQuery("vms", table=table, key="uuid", parse_id=uuid.UUID)
+        route = BootstrapRoute("/vms", vms, pool, authorize=publisher.authorize_request)
+        app = Starlette(routes=[*publisher.routes, *route.routes()], lifespan=publisher.lifespan)
+        async with serve_app(app) as served, httpx.AsyncClient(base_url=served.url) as http:
+            for path in ("/vms", f"/vms/{vm_id}"):
+                refused = await http.get(path, headers=bearer(HASHED))
+                assert refused.status_code == 403, (path, refused.text)
+                assert refused.json()["error"]["code"] == "forbidden"
+                for token in (DNS, OPS):
+                    assert (await http.get(path, headers=bearer(token))).status_code == 200
+                assert (await http.get(path)).status_code == 401
+            listed = await http.get("/vms", headers=bearer(DNS))
+            assert [item["uuid"] for item in listed.json()["items"]] == [str(vm_id)]
+        # A route given as an absolute URL counts by its path; a path no bootstrap
+        # route serves needs a known token only.
+
+        def request(path: str, token: str) -> Any:
+            from starlette.requests import Request
+
+            headers = [(b"authorization", f"Bearer {token}".encode())]
+            return Request({"type": "http", "headers": headers, "path": path, "client": None})
+
+        assert await publisher.authorize_request(request("/networks/n1", HASHED))
+        assert not await publisher.authorize_request(request("/networks/n1", DNS))
+        assert await publisher.authorize_request(request("/version", HASHED))
+        assert await publisher.authorize_request(request("/vmsx", HASHED))  # not under /vms
+    finally:
+        await pool.close()
+
+
+def test_the_resource_a_path_reads_is_the_longest_bootstrap_route_serving_it() -> None:
+    routes = [
+        ("vm", "/vms"),
+        ("nic", "/vms/nics"),
+        ("network", "https://net.example/networks/"),
+        ("vm-audit", "/vms"),
+    ]
+    assert resources_served_at("/vms", routes) == ["vm", "vm-audit"]  # a shared route
+    assert resources_served_at("/vms/42", routes) == ["vm", "vm-audit"]
+    assert resources_served_at("/vms/nics/7", routes) == ["nic"]
+    assert resources_served_at("/networks", routes) == ["network"]
+    assert resources_served_at("/vmsx", routes) == []
+    assert resources_served_at("/", [("all", "/")]) == ["all"]
+    assert resources_served_at("/anything", [("all", "/")]) == ["all"]
+
+
+async def test_a_route_two_resources_share_lets_in_a_token_allowed_either() -> None:
+    from changefeed.publisher.auth import BearerAuth
+
+    auth = BearerAuth((), {"v": ("vm",), "n": ("network",), "d": ("disk",)})
+    assert await auth.check("Bearer v", any_of=("vm", "network"))
+    assert await auth.check("Bearer n", any_of=("vm", "network"))
+    refused = await auth.check("Bearer d", any_of=("vm", "network"))
+    assert isinstance(refused, AccessDenied) and refused.code == "forbidden"
+    assert "vm" in refused.message
+    unknown = await auth.check("Bearer x", any_of=("vm",))
+    assert isinstance(unknown, AccessDenied) and unknown.code == "unauthorized"
 
 
 Authorize = Callable[[str], Awaitable[frozenset[str] | None]]
