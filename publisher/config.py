@@ -222,7 +222,11 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         float,
         _doc(
             "A listener that has items to take and takes nothing at all for this long is "
-            "evicted (4009). A listener that reads, however slowly, never is.",
+            "evicted (4009). What it takes is what TCP shows: a receiver's kernel reopens a "
+            "full window only once a good part of its buffer is free (on loopback 64 KiB or "
+            "more), so a listener that reads less than that per `stall_timeout` (about 1 KiB/s "
+            "at 60 s) looks stopped; raise it for consumers that slow. Any faster reader is "
+            "never evicted.",
             "seconds",
             duration=True,
             gt=0,

@@ -1,8 +1,12 @@
 """Which listeners have stopped making progress. Pure code.
 
-A listener is never closed for being slow: one that reads, however slowly,
-is served until it catches up (I3). It is closed only when it has had
-something to take and took nothing at all for ``stall_timeout``. Progress is
+A listener is never closed for being slow: one that keeps reading is served
+until it catches up (I3). It is closed only when it has had something to
+take and took nothing at all for ``stall_timeout``. What it took is what TCP
+lets the publisher see, and a receiver whose buffer is full reopens its
+window only once a good part of it is free (at least one segment: 64 KiB on
+loopback): a listener reading less than that per ``stall_timeout`` looks
+stopped (docs/runbook.md, ChangefeedEvictions). Progress is
 anything the listener took off the connection: items written to its socket,
 or, where the server can tell (direct writes), bytes leaving the transport's
 buffer, so that a listener draining a full buffer a few bytes at a time is
