@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from changefeed.visible import visible
+
 __all__ = ["HumanFormatter", "JsonFormatter", "configure_logging", "log_event"]
 
 _FIELDS = "cf_fields"
@@ -61,12 +63,17 @@ class JsonFormatter(logging.Formatter):
 
 
 class HumanFormatter(logging.Formatter):
-    """``HH:MM:SS.mmm level logger event key=value ...`` for terminals."""
+    """``HH:MM:SS.mmm level logger event key=value ...`` for terminals, one line per
+    event (but for a traceback), with what is not printable escaped (``visible``)."""
 
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created).strftime("%H:%M:%S.%f")[:-3]
         pairs = " ".join(f"{k}={v}" for k, v in _fields(record).items())
-        line = f"{ts} {record.levelname.lower():<7} {record.name} {record.getMessage()} {pairs}"
+        # Field values come from peers (instance names, paths): a newline or an escape
+        # sequence of theirs must not start a line of its own or drive the terminal.
+        line = visible(
+            f"{ts} {record.levelname.lower():<7} {record.name} {record.getMessage()} {pairs}"
+        )
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line.rstrip()

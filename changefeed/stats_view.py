@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from changefeed.visible import visible
+
 __all__ = ["render_stats"]
 
 
@@ -27,6 +29,9 @@ def render_stats(doc: dict[str, Any], *, width: int | None = None) -> str:
         lines += ["", *_evictions(evictions)]
     if refusals:
         lines += ["", *_refusals(refusals)]
+    # Names and reasons come from listeners and clients: no control or format
+    # character of theirs reaches the terminal as itself.
+    lines = [visible(line) for line in lines]
     if width is None:
         return "\n".join(lines)
     return "\n".join(line if len(line) <= width else line[: width - 1] + "…" for line in lines)

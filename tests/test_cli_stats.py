@@ -88,3 +88,45 @@ async def test_stats_shows_the_runbooks_figures_readably(feed_dsn: str) -> None:
         await asyncio.gather(reading, return_exceptions=True)
         await reader.close()
         await bad.close()
+
+
+async def test_names_from_listeners_reach_the_terminal_escaped(feed_dsn: str) -> None:
+    """A listener chooses its instance and service names: ``changefeed stats`` shows a
+    right-to-left override or an escape sequence in them as its escape, never as
+    itself (they were written raw)."""
+    async with running_publisher(feed_dsn) as pub:
+        frame = orjson.dumps(
+            {
+                "instance": "abc\u202egnp.exe",
+                "service": "svc\x1b[2J\x1b]0;owned\x07",
+                "changeKind": {"resource": "vm", "subResources": []},
+            }
+        ).decode()
+        ws, ack = await register(pub.ws_url, frame)
+        assert "error" not in ack
+        text = await changefeed_stats(pub.server.url)
+        assert "\u202e" not in text and "\x1b" not in text and "\x07" not in text
+        (row,) = [line for line in text.splitlines() if line.startswith("svc")]
+        assert row.startswith("svc\\x1b[2J\\x1b]0;owned\\x07  abc\\u202egnp.exe  "), row
+        await ws.close()
+
+
+def test_the_human_log_keeps_an_event_on_one_line_whatever_its_fields_hold() -> None:
+    import io
+    import logging
+
+    from changefeed.logs import HumanFormatter, log_event
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(HumanFormatter())
+    logger = logging.getLogger("changefeed.test_visible")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        log_event(logger, "registration", instance="x\n12:00:00.000 info forged line\x1b[31m")
+    finally:
+        logger.removeHandler(handler)
+    (line,) = stream.getvalue().splitlines()
+    assert line.endswith("instance=x\\n12:00:00.000 info forged line\\x1b[31m"), line
