@@ -8,7 +8,7 @@ log line; a format character such as U+202E (right-to-left override) can make
 character that is not printable (Python's ``str.isprintable``: controls,
 format and unassigned characters, separators other than the space) as its
 escape, the way ``repr`` would, and leaves everything else as it was. The
-dashboard does the same in the browser (``static/dashboard.js``).
+dashboard escapes such characters in the browser itself (``static/dashboard.js``).
 """
 
 from __future__ import annotations
