@@ -107,7 +107,7 @@ def _verdict(path: str, exercise: Callable[[], Awaitable[str | None]]) -> Verdic
 
         lacking = missing("fast" if path == "fast" else "deadlines")
         if lacking:
-            why = f"uvicorn {version} changed what it uses: {'; '.join(lacking)}"
+            why = f"uvicorn {version} lacks what it uses: {'; '.join(lacking)}"
     if why is None:
         why = _run_self_check(exercise)
     return Verdict(why, version)

@@ -61,8 +61,24 @@ class Private:
     def __str__(self) -> str:
         return self.owner if self.kind == "class" else f"{self.owner}.{self.name}"
 
+    def absent_library(self) -> str | None:
+        """The library (not uvicorn) that ``owner``'s module needs and that is not
+        installed, such as ``httptools`` without ``uvicorn[standard]``; None when
+        the module loads, or fails for another reason."""
+        try:
+            _load(self.owner)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and exc.name.split(".")[0] != "uvicorn":
+                return exc.name
+        except (ImportError, AttributeError):
+            pass
+        return None
+
     def check(self) -> str | None:
         """None when the installed uvicorn has it as described; else what differs."""
+        if (library := self.absent_library()) is not None:
+            module = self.owner.partition(":")[0]
+            return f"{module} needs {library}, which is not installed (uvicorn[standard] has it)"
         try:
             owner = _load(self.owner)
         except (ImportError, AttributeError) as exc:
@@ -246,5 +262,17 @@ PRIVATE: tuple[Private, ...] = (
 
 
 def missing(path: Path) -> list[str]:
-    """What the installed uvicorn lacks of ``path``'s names (empty: nothing)."""
-    return [why for private in PRIVATE if private.path == path and (why := private.check())]
+    """What the installed uvicorn lacks of ``path``'s names (empty: nothing).
+
+    For the fast path, an HTTP protocol whose library is not installed
+    (httptools) is not lacking: uvicorn cannot choose it, and the self-check
+    runs the one uvicorn chose. The deadlines extend both protocols.
+    """
+    lacking = [
+        why
+        for private in PRIVATE
+        if private.path == path
+        and not (path == "fast" and private.absent_library() is not None)
+        and (why := private.check())
+    ]
+    return list(dict.fromkeys(lacking))  # a missing library is said once, not per name

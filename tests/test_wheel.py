@@ -219,3 +219,28 @@ def test_the_fast_path_asked_of_an_untested_uvicorn_is_plain_asgi_and_says_why(
     [line] = [json.loads(x) for x in done.stderr.splitlines() if '"serving.fast_path"' in x]
     assert line["level"] == "warning" and line["path"] == "plain ASGI"
     assert line["why"] == "uvicorn 0.35.0 is outside the tested versions (>=0.54,<0.55)"
+
+
+def test_without_httptools_the_fast_path_runs_on_h11_and_the_deadlines_name_it(
+    wheel_venvs: Venvs, tmp_path: Path
+) -> None:
+    """``changefeed[publisher]`` with plain ``uvicorn`` (no ``[standard]``, so no
+    httptools): uvicorn chooses h11, and the fast path, whose self-check runs the
+    protocol uvicorn chose, runs on it. It used to be refused with "uvicorn changed
+    what it uses", for a library that is only not installed. The deadlines extend
+    both HTTP protocols: they say which library they need."""
+    plain = wheel_venvs.get("uvicorn-plain", "publisher", "uvicorn")
+    assert "httptools" not in plain.distributions()
+    code = (
+        "from changefeed.fast_path import deadlines, fast_path\n"
+        "print(fast_path().why_not)\n"
+        "print(deadlines().why_not)\n"
+    )
+    done = plain.run(["python", "-c", code], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    fast, without = done.stdout.splitlines()[-2:]
+    assert fast == "None", done.stdout
+    assert without.endswith(
+        "lacks what it uses: uvicorn.protocols.http.httptools_impl needs httptools, "
+        "which is not installed (uvicorn[standard] has it)"
+    ), without
