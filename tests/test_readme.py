@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,15 @@ def test_readme_has_the_two_examples_and_a_two_command_quickstart() -> None:
     assert [c.split()[0:2] for c in commands] == [["./dev", "demo"], ["./dev", "test"]]
 
 
-async def test_publisher_example(feed_dsn: str) -> None:
+async def test_publisher_example(feed_dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The API runs as written, and the README's own listener example follows it: it
+    bootstraps from the example's route, then gets the change (a newcomer's
+    listener got 404 from a route the example advertised and did not serve)."""
     source = _blocks()[0].replace('"postgresql://postgres@127.0.0.1:5432/postgres"', repr(feed_dsn))
     namespace: dict[str, Any] = {}
     exec(compile(source, "README.md", "exec"), namespace)
+    listener: dict[str, Any] = {}
+    exec(compile(_blocks()[1], "README.md", "exec"), listener)
     conn = await asyncpg.connect(feed_dsn)
     vm = str(uuid.uuid4())
     await conn.execute("CREATE TABLE vms (uuid text PRIMARY KEY, alias text)")
@@ -40,12 +46,28 @@ async def test_publisher_example(feed_dsn: str) -> None:
     async with serve_app(namespace["app"]) as server:
         ws, ack = await register(server.ws_url + "/changefeeds", registration(subs=["alias"]))
         assert ack["bootstrapRoute"] == "/vms"
-        async with httpx.AsyncClient(base_url=server.url) as http:
-            response = await http.patch(f"/vms/{vm}", json={"alias": "new"})
-            assert response.status_code == 200
-        (item,) = await receive_items(ws, 1)
-        assert item["changeKind"] == {"resource": "vm", "subResources": ["alias"]}
-        assert item["changedResourceId"] == vm
+        follower = asyncio.create_task(listener["follow_vms"](server.ws_url + "/changefeeds"))
+        out: list[str] = []
+
+        def printed(line: str) -> Callable[[], bool]:
+            def seen() -> bool:
+                out.append(capsys.readouterr().out)
+                return line in "".join(out).splitlines()
+
+            return seen
+
+        try:
+            await wait_until(printed(f"{vm} old"), timeout=20, message="the bootstrap")
+            async with httpx.AsyncClient(base_url=server.url) as http:
+                response = await http.patch(f"/vms/{vm}", json={"alias": "new"})
+                assert response.status_code == 200
+            (item,) = await receive_items(ws, 1)
+            assert item["changeKind"] == {"resource": "vm", "subResources": ["alias"]}
+            assert item["changedResourceId"] == vm
+            await wait_until(printed(f"{vm} new"), timeout=20, message="the change")
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
         await ws.close()
     assert await conn.fetchval("SELECT alias FROM vms") == "new"
     await conn.close()

@@ -117,6 +117,8 @@ async def test_the_readme_publisher_example_runs_from_the_wheel_under_uvicorn(
             ws, ack = await register(served.ws_url, registration(subs=["alias"]))
             assert ack["bootstrapRoute"] == "/vms"
             async with httpx.AsyncClient(base_url=served.url, timeout=10) as http:
+                listed = (await http.get("/vms", params={"limit": 10})).json()
+                assert listed == {"items": [{"uuid": vm, "alias": "old"}], "next": None}
                 response = await http.patch(f"/vms/{vm}", json={"alias": "new"})
                 assert response.status_code == 200, response.text
             (item,) = await receive_items(ws, 1)
