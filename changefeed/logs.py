@@ -81,7 +81,8 @@ class HumanFormatter(logging.Formatter):
 
 def configure_logging(level: str = "info", json_output: bool | None = None) -> None:
     """Send the ``changefeed`` (and uvicorn's) loggers to stderr; JSON unless stderr
-    is a terminal."""
+    is a terminal. Where the process has no logging set up (no handler on the root
+    logger), every other library's warnings go the same way."""
     if json_output is None:
         json_output = not sys.stderr.isatty()
     handler = logging.StreamHandler(sys.stderr)
@@ -91,3 +92,10 @@ def configure_logging(level: str = "info", json_output: bool | None = None) -> N
         logger.handlers[:] = [handler]
         logger.setLevel(level.upper())
         logger.propagate = False
+    root = logging.getLogger()
+    if not root.handlers:
+        # Nobody set up this process's logging (a changefeed command, a script):
+        # other libraries' warnings (asyncpg's pool, asyncio's) come out in the
+        # same form, traceback included, instead of as Python's bare last resort,
+        # which would break a stream of JSON lines.
+        root.addHandler(handler)

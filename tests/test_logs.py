@@ -1,0 +1,34 @@
+"""What ``changefeed.logs.configure_logging`` does to a process's log."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_other_libraries_warnings_come_out_as_json_lines_with_their_traceback() -> None:
+    """asyncpg's pool warns, with a traceback, while a primary is down: in a process
+    whose logging changefeed set up, that is one JSON line (it was Python's bare
+    last-resort text, which breaks a stream of JSON lines)."""
+    code = (
+        "import logging\n"
+        "from changefeed.logs import configure_logging, log_event\n"
+        "configure_logging('info', json_output=True)\n"
+        "try:\n"
+        "    raise ConnectionRefusedError('primary down')\n"
+        "except OSError:\n"
+        "    pool = logging.getLogger('asyncpg.pool')\n"
+        "    pool.warning('Failed to restore the pool', exc_info=True)\n"
+        "log_event(logging.getLogger('changefeed.test'), 'own.event', answer=42)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    foreign, own = lines
+    assert foreign["logger"] == "asyncpg.pool" and foreign["level"] == "warning"
+    assert foreign["event"] == "Failed to restore the pool"
+    assert "ConnectionRefusedError: primary down" in foreign["exc"]
+    assert own["event"] == "own.event" and own["answer"] == 42
