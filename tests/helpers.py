@@ -11,6 +11,8 @@ import contextlib
 import inspect
 import logging
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -152,3 +154,11 @@ async def standby_caught_up(primary_dsn: str, standby_dsn: str, timeout: float =
         await wait_until(replayed, timeout, message=f"standby replayed {target}")
     finally:
         await standby.close()
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (for process-wide state: imports, logging,
+    the garbage collector); its output as text, within 60 s."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )

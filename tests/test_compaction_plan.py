@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import importlib
 import pkgutil
-import subprocess
-import sys
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
+from helpers import run_python
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -469,9 +468,8 @@ def test_compaction_error_is_its_own_root() -> None:
 def _modules_after(statement: str) -> set[str]:
     """The modules a fresh interpreter has loaded after ``statement``."""
     code = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
     return set(out.stdout.split())
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import run_python
 from prometheus_client import CollectorRegistry, generate_latest
 from test_deploy_support import DEPLOY, NGINX, ROOT, Nginx, make_certificate, render_nginx
 
@@ -305,9 +306,8 @@ def test_server_processes_tune_the_garbage_collector() -> None:
         "tune_collector()\n"
         "print(before[0], gc.get_threshold()[0], gc.get_freeze_count())\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
     before, after, frozen = (int(v) for v in result.stdout.split())
     assert after >= 10_000 > before
     assert frozen > 10_000  # every module loaded so far: out of every later collection

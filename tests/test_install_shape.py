@@ -7,21 +7,14 @@ installed into clean venvs, is checked in tests/test_wheel.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_SIDE = ("uvicorn", "starlette", "asyncpg", "pyspark", "prometheus_client")
-
-
-def _python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
 
 
 def test_the_listener_side_imports_no_server_side_module() -> None:
@@ -33,7 +26,7 @@ def test_the_listener_side_imports_no_server_side_module() -> None:
         "from changefeed.bootstrap import Pager\n"
         f"print(sorted(m for m in {unwanted!r} if m in sys.modules))\n"
     )
-    done = _python(code)
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
@@ -79,7 +72,7 @@ def test_a_command_without_its_extra_says_which_to_install(
         "from changefeed.cli import main\n"
         f"sys.exit(main({argv!r}))\n"
     )
-    done = _python(code)
+    done = run_python(code)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert f"pip install 'changefeed[{extra}]'" in done.stderr
@@ -87,6 +80,6 @@ def test_a_command_without_its_extra_says_which_to_install(
 
 
 def test_the_publisher_without_its_extra_says_which_to_install() -> None:
-    done = _python("import sys; sys.modules['asyncpg'] = None\nimport changefeed.publisher\n")
+    done = run_python("import sys; sys.modules['asyncpg'] = None\nimport changefeed.publisher\n")
     assert done.returncode == 1
     assert "changefeed.publisher needs changefeed[publisher]" in done.stderr

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from helpers import run_python
 
 
 def test_other_libraries_warnings_come_out_as_json_lines_with_their_traceback() -> None:
@@ -22,9 +22,7 @@ def test_other_libraries_warnings_come_out_as_json_lines_with_their_traceback() 
         "    pool.warning('Failed to restore the pool', exc_info=True)\n"
         "log_event(logging.getLogger('changefeed.test'), 'own.event', answer=42)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stderr.splitlines()]
     foreign, own = lines
