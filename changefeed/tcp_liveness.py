@@ -50,8 +50,7 @@ kernel checks it once per segment it builds, so it holds up to about one more
 segment (on loopback up to 64 KiB): bench/keepalive.py (``--notsent-lowat``)
 measured 28 KiB held ahead of a pong with 8 KiB, 45 KiB with 16 KiB and 72 KiB
 with 32 KiB, which is 1.3 s, 2.1 s and 3.4 s added to the pong of a listener
-reading 100 items a second; bench/fanout.py's throughput was the same with
-this constant at 8 KiB as at 16 KiB (medians of interleaved runs within 2 %)."""
+reading 100 items a second."""
 
 _TCP_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 
