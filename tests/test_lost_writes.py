@@ -63,6 +63,7 @@ async def test_listeners_resetting_mid_catch_up_write_a_bounded_number_of_lines(
     # The publisher has stopped: what was held went out as one summary.
     held = [r for r in caplog.records if r.getMessage() == "asyncio.lost_writes_held"]
     total = sum(r.cf_fields["held"][lost_writes.MESSAGE] for r in held)  # type: ignore[attr-defined]
+    print(f"\nlost-write lines: {len(during)} written, {total} held")
     # Without the budget each of these would have been a line of its own (about 120
     # per listener here); the summary is how the test knows the writes happened.
     assert len(during) == lost_writes.LOG_BURST and total > 0, (len(during), total)
