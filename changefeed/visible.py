@@ -8,7 +8,9 @@ log line; a format character such as U+202E (right-to-left override) can make
 character that is not printable (Python's ``str.isprintable``: controls,
 format and unassigned characters, separators other than the space) as its
 escape, the way ``repr`` would, and leaves everything else as it was. The
-dashboard escapes such characters in the browser itself (``static/dashboard.js``).
+dashboard escapes the same characters the same way in the browser
+(``publisher/static/dashboard.js``: Unicode categories Other and Separator
+but the space); ``tests/test_dashboard.py`` checks that both show a name alike.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from websockets.exceptions import InvalidStatus
 from changefeed.publisher import publish_many
 from changefeed.publisher.rates import RateHistory
 from changefeed.schemas import validate
+from changefeed.visible import visible
 
 CHROMIUM = Path("/usr/bin/chromium")
 # No sandbox (tests may run as root), and no background connections: this
@@ -80,9 +81,10 @@ TOKENS: dict[str, Any] = {
 HOSTILE_INSTANCE = '<img src="x" onerror="document.body.dataset.pwned = 1">'
 HOSTILE_SERVICE = "<b>dns</b>"
 # A right-to-left override makes "invoice-\u202egnp.exe" read "invoice-exe.png"; an
-# isolate, a mark and a line break would hide or reorder the text around them.
+# isolate, a mark, controls, separators and a tag character would hide, reorder or
+# break the text around them.
 BIDI_INSTANCE = "invoice-\u202egnp.exe"
-BIDI_SERVICE = "dns\u2067\u200f\u2069\nq"
+BIDI_SERVICE = "dns\u2067\u200f\u2069\nq\t\x1b[31m\x85\xa0\u2028\ufeff\U000e0041"
 
 
 @contextlib.asynccontextmanager
@@ -208,9 +210,13 @@ async def test_the_page_shows_listeners_deliveries_and_rates_live_and_says_when_
             # ... and characters that would reorder, hide or break them are shown escaped.
             bidi_row = listener_row(page, "gnp.exe")
             instance, service = bidi_row.locator("td").nth(1), bidi_row.locator("td").nth(2)
-            await expect(instance).to_have_text("invoice-\\u202Egnp.exe")
-            await expect(instance).to_have_attribute("title", "invoice-\\u202Egnp.exe")
-            await expect(service).to_have_text("dns\\u2067\\u200F\\u2069\\u000Aq")
+            await expect(instance).to_have_text("invoice-\\u202egnp.exe")
+            await expect(instance).to_have_attribute("title", "invoice-\\u202egnp.exe")
+            # The page and the server (`changefeed stats`, the logs) show a name alike.
+            assert visible(BIDI_SERVICE) == (
+                "dns\\u2067\\u200f\\u2069\\nq\\t\\x1b[31m\\x85\\xa0\\u2028\\ufeff\\U000e0041"
+            )
+            await expect(service).to_have_text(visible(BIDI_SERVICE))
             refusal = page.locator("#refusals tbody tr").first
             await expect(refusal).to_contain_text("unknown_resource")
             await expect(refusal).to_contain_text("no change feed for resource 'nosuch'")

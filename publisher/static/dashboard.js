@@ -54,15 +54,28 @@
 
   const has = (value) => value !== undefined && value !== null;
 
-  // Bidirectional controls (U+061C, U+200E/F, U+202A-U+202E, U+2066-U+2069) would
-  // reorder the text around them, so that "abc\u202Egnp.exe" reads "abcexe.png";
-  // C0/C1 controls, zero-width characters and line separators hide or break it.
-  // A listener chooses its names: each such character is shown as its escape.
-  const UNSAFE = /[\u0000-\u001f\u007f-\u009f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]/g;
+  // Bidirectional controls (U+202E, U+2066-U+2069, ...) would reorder the text
+  // around them, so that "abc\u202Egnp.exe" reads "abcexe.png"; control,
+  // zero-width and separator characters hide or break it. A listener chooses its
+  // names: each such character is shown as its escape. The rule is the server's
+  // (changefeed/visible.py: what Python's str.isprintable refuses, that is the
+  // Unicode categories Other and Separator but the space), and so is the escape
+  // (Python's repr): tests/test_dashboard.py checks that both show a name alike.
+  const UNSAFE = /(?! )[\p{C}\p{Z}]/gu;
+  const NAMED = { "\t": "\\t", "\n": "\\n", "\r": "\\r" };
 
-  /** A name a listener sent, as text, with the characters above escaped (\u202E). */
+  function escapeOne(c) {
+    const code = c.codePointAt(0);
+    const hex = code.toString(16);
+    if (NAMED[c]) return NAMED[c];
+    if (code < 0x100) return `\\x${hex.padStart(2, "0")}`;
+    if (code < 0x10000) return `\\u${hex.padStart(4, "0")}`;
+    return `\\U${hex.padStart(8, "0")}`;
+  }
+
+  /** A name a listener sent, as text, with the characters above escaped (\u202e). */
   function escaped(value) {
-    return String(value).replace(UNSAFE, (c) => `\\u${c.charCodeAt(0).toString(16).toUpperCase().padStart(4, "0")}`);
+    return String(value).replace(UNSAFE, escapeOne);
   }
 
   function missing(what) {
