@@ -162,7 +162,6 @@ class BearerAuth:
         authorization: str,
         *,
         basic: bool = False,
-        resource: str | None = None,
         any_of: Sequence[str] = (),
     ) -> AccessGranted | AccessDenied:
         """Whether a request with this ``Authorization`` header may go on: the one
@@ -172,15 +171,16 @@ class BearerAuth:
         Args:
             authorization: the header's value (empty when there is none).
             basic: also take ``Basic`` credentials, whose password is the token.
-            resource: the resource the request reads, when it reads one: a token
-                not allowed it is ``forbidden``.
-            any_of: resources of which the token must be allowed one (a route
-                two resources share); ``forbidden`` naming the first otherwise.
+            any_of: what the request reads, when it reads a resource: the token
+                must be allowed one of them (one, or those that share a route);
+                ``forbidden`` naming the first otherwise. Empty: a known token
+                may go on.
         """
         try:
             allowed = await self.resolve(authorization, basic=basic)
         except AuthUnavailable:
             return AccessDenied.unavailable()
+        resource = None
         if any_of and allowed is not None:
             resource = next((r for r in any_of if allows(allowed, r)), any_of[0])
         return decide(allowed, resource)

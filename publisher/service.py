@@ -383,9 +383,9 @@ class Publisher:
         if resource is None:
             routes = ((r.name, r.bootstrap_route) for r in self.config.resources)
             served = resources_served_at(request.url.path, routes)
-            outcome = await self.auth.check(header, any_of=served)
         else:
-            outcome = await self.auth.check(header, resource=resource)
+            served = [resource]
+        outcome = await self.auth.check(header, any_of=served)
         if isinstance(outcome, AccessDenied):
             peer = f"{request.client.host}:{request.client.port}" if request.client else ""
             self.refused(outcome.code, "http", peer, f"{request.url.path}: {outcome.message}")
