@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Self
 
@@ -219,6 +219,7 @@ class Controller(Generic[T]):
         self._host: asyncio.Task[Any] | None = None  # the task inside ``async with``
         self._host_cancelled = False  # ... which this controller's failure cancelled
         self._closing = False
+        self._close_asked = asyncio.Event()  # close(): run() returns, wherever it runs
         self._ran = False  # run() has begun
         self._ended = asyncio.Event()
         self._source: EventSource | None = None
@@ -328,8 +329,8 @@ class Controller(Generic[T]):
             await self.queue.wait_idle()
 
     async def run(self) -> None:
-        """Follow the listener and keep the mirror current until cancelled or the
-        listener stops.
+        """Follow the listener and keep the mirror current until ``close()`` (then it
+        returns), cancelled, or the listener stops.
 
         Raises:
             RegistrationRefused, RetriesExhausted: the listener stopped for good.
@@ -353,9 +354,9 @@ class Controller(Generic[T]):
             if self._sink is not None and self._link is not None:
                 stopped = self._sink.running()
                 self._link.running()
-                await stopped
+                await self._until_closed(stopped)
             elif self._source is not None:
-                await self._consume(self._source)
+                await self._until_closed(self._consume(self._source))
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 self._failure = exc
@@ -372,6 +373,20 @@ class Controller(Generic[T]):
             await asyncio.gather(*helpers, return_exceptions=True)
             if self._link is not None:
                 await self._link.done()
+
+    async def _until_closed(self, following: Awaitable[None]) -> None:
+        """Await ``following``; should ``close()`` come first, stop it and return."""
+        follow = asyncio.ensure_future(following)
+        closed = asyncio.ensure_future(self._close_asked.wait())
+        try:
+            await asyncio.wait((follow, closed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            if not follow.done():
+                follow.cancel()
+                await asyncio.gather(follow, return_exceptions=True)
+        if not follow.cancelled():
+            follow.result()  # its error, if it stopped with one
 
     async def _consume(self, source: EventSource) -> None:
         """Read an event source other than a Listener one event at a time."""
@@ -438,6 +453,7 @@ class Controller(Generic[T]):
         cancelled, as a ``TaskGroup`` cancels it for a failed task, and its exit raises
         that error."""
         self._closing = False
+        self._close_asked.clear()
         self._host = asyncio.current_task()
         self._task = asyncio.create_task(self.run(), name=f"changefeed-controller-{self.name}")
         self._task.add_done_callback(self._stopped)
@@ -473,9 +489,9 @@ class Controller(Generic[T]):
             # The block's own exception wins; the controller's is in exception().
 
     async def close(self) -> None:
-        """Stop the background task started by ``async with`` (idempotent). A controller
-        that has not run is detached from its listener, which then no longer waits
-        for it to run.
+        """Stop the controller (idempotent): the background task of ``async with``, or
+        ``run()`` awaited elsewhere, which then returns. A controller that has not
+        run is detached from its listener, which then no longer waits for it to run.
 
         Raises:
             RegistrationRefused, RetriesExhausted, ...: the error that stopped the
@@ -483,10 +499,13 @@ class Controller(Generic[T]):
                 that stopped for good cannot be closed as if it had not.
         """
         self._closing = True
+        self._close_asked.set()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        elif self._ran:
+            await self._ended.wait()  # run() in a task of the caller's: it returns
         if (task is not None or not self._ran) and self._link is not None:
             # Also when it never ran (or its task was cancelled before ``run`` began):
             # the listener must not wait for this controller to start.

@@ -99,6 +99,28 @@ async def test_close_raises_what_stopped_the_controller_and_a_block_of_its_own_w
             assert fine.done() and fine.exception() is None
 
 
+async def test_close_stops_a_controller_run_in_a_task_of_the_applications(dsn: str) -> None:
+    """``close()`` used to stop only the task of ``async with``: a ``run()`` in the
+    application's own task went on, and ``done()`` stayed False."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 3)
+        listener = shared_listener(api.ws_url)
+        vms = Controller(listener, resource="vm")
+        servers = Controller(listener, resource="server")
+        runs = [asyncio.create_task(c.run()) for c in (vms, servers)]
+        await vms.wait_synced(20)
+        assert len(vms.mirror) == 3
+        await vms.close()
+        assert vms.done() and vms.exception() is None
+        async with asyncio.timeout(10):
+            assert await runs[0] is None  # a clean stop: run() returns
+        assert not runs[1].done()  # the other goes on
+        await servers.close()
+        async with asyncio.timeout(10):
+            await runs[1]
+        assert servers.done() and servers.exception() is None
+
+
 async def test_a_controller_attached_and_never_run_is_an_error_within_the_timeout(
     dsn: str,
 ) -> None:
