@@ -210,7 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     listen.add_argument(
         "--mirror",
         action="store_true",
-        help="keep a mirror of the resources and print it as it changes",
+        help="keep a mirror of the resources, print each change to it, and the whole"
+        " mirror when stopped (not when refused)",
     )
     listen.add_argument("--id-field", default="uuid", help="id field of bootstrap items")
     listen.add_argument("--token", default=os.environ.get("CHANGEFEED_TOKEN"), help=_TOKEN_HELP)

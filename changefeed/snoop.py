@@ -194,18 +194,25 @@ async def run_listen(args: argparse.Namespace) -> int:
             )
             for kind in kinds
         ]
+        failed = False
         try:
             await asyncio.gather(*(controller.run() for controller in controllers))
+        except Exception:
+            # A refusal or exhausted retries: no mirror is printed, as an empty one
+            # would read as a feed with nothing in it.
+            failed = True
+            raise
         finally:
-            for controller in controllers:
-                _emit(
-                    {
-                        "event": "mirror",
-                        "resource": controller.resource,
-                        "size": len(controller.mirror),
-                        "resources": dict(controller.mirror),
-                    }
-                )
+            if not failed:  # stopped (a signal, --duration, --count): the mirrors now
+                for controller in controllers:
+                    _emit(
+                        {
+                            "event": "mirror",
+                            "resource": controller.resource,
+                            "size": len(controller.mirror),
+                            "resources": dict(controller.mirror),
+                        }
+                    )
 
     async def report() -> None:
         while True:

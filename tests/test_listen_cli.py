@@ -263,6 +263,18 @@ async def test_listen_with_a_checkpoint_resumes_and_prints_only_what_changed(
     )
 
 
+async def test_listen_mirror_refused_prints_no_mirror_and_exits_1(dsn: str) -> None:
+    """A refused ``listen --mirror`` used to print an empty mirror before exiting 1,
+    which a script reading stdout could take for a feed with nothing in it."""
+    args = ["--resource", "vm", "--mirror", "--token", "revoked"]
+    async with VmApiServer(dsn, auth_tokens=("s3cret",)) as api, listen(api.url, *args) as process:
+        assert await asyncio.wait_for(process.wait(), 30) == 1
+        assert process.stdout is not None and process.stderr is not None
+        out, err = await process.stdout.read(), await process.stderr.read()
+    assert out == b"", out
+    assert "registration refused (http_401)" in err.decode()
+
+
 async def test_listen_refuses_a_checkpoint_file_another_listen_holds(
     dsn: str, tmp_path: Path
 ) -> None:
