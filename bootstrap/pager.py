@@ -127,6 +127,8 @@ class _Attempts:
         self.url = url
         self.failures = 0
         self.busy_waited = 0.0
+        self.waited = 0.0
+        """Every wait, Retry-After included (busy_waited is the part after 429s)."""
         self.on_retry = on_retry
         self.rng = policy.rng or _JITTER
         self._failed = WaitBackoff(policy.backoff, self.rng, failures=lambda _: self.failures)
@@ -146,9 +148,11 @@ class _Attempts:
             delay = _BUSY.delay(1, self.rng, exc.retry_after)
             delay = min(delay, max(self.policy.max_wait - self.busy_waited, 0.0))
             self.busy_waited += max(delay, 1e-3)
+            self.waited += delay
             log_event(log, "bootstrap.busy", logging.DEBUG, url=self.url, delay=round(delay, 3))
             return delay
         delay = self._failed(state)  # the answer's Retry-After, plus the drawn delay
+        self.waited += delay
         log_event(
             log,
             "bootstrap.retry",
@@ -212,9 +216,11 @@ async def _get(
                 )
     except (_Retryable, httpx.TransportError) as exc:
         what = f"HTTP {last_status}" if isinstance(exc, _Retryable) else repr(exc)
+        busy = attempts.busy_waited
+        on_busy = f", {busy:.1f}s of it on busy answers" if busy else ""
         raise PagingError(
-            f"GET {shown}: gave up after {attempts.failures} failed attempts"
-            f" and {attempts.busy_waited:.1f}s waiting on busy answers (last: {what})",
+            f"GET {shown}: gave up after {attempts.failures} failed attempts and"
+            f" {attempts.waited:.1f}s of waiting between them{on_busy} (last: {what})",
             url=shown,
             status=last_status,
             retry_after=exc.retry_after if isinstance(exc, _Retryable) else None,

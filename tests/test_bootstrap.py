@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import time
 import uuid
 from collections import Counter
@@ -608,6 +609,11 @@ async def test_pager_gives_up_with_url_and_status(dsn: str) -> None:
         assert caught.value.status == 503 and caught.value.url is not None
         assert caught.value.url.startswith(f"{server.url}/down?limit=500")
         assert calls["down"] == 3
+        # It says how long it tried: the 503s' waits are counted, not only 429s'.
+        waited = r"gave up after 3 failed attempts and ([0-9.]+)s of waiting"
+        said = re.search(waited, str(caught.value))
+        assert said is not None and float(said[1]) > 0, caught.value
+        assert "busy" not in str(caught.value)
         with pytest.raises(PagingError, match="not a valid page") as caught:
             await anext(Pager(client, "/bad").pages())
         assert caught.value.status == 200
