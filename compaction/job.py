@@ -46,6 +46,7 @@ from typing import Any
 
 import asyncpg
 
+from changefeed.durations import too_long
 from changefeed.schemas import ORIGIN, Position, quote_schema
 from changefeed.schemas.errors import ProtocolError
 
@@ -117,6 +118,8 @@ def _check_durations(max_age: float, compaction_lag: float, batch_size: int) -> 
     for name, value in (("max_age", max_age), ("compaction_lag", compaction_lag)):
         if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
             raise CompactionError(f"{name} must be a positive number of seconds, got {value!r}")
+        if (why := too_long(value)) is not None:
+            raise CompactionError(f"{name} {why}")
     if max_age < compaction_lag:
         raise CompactionError(
             f"max_age ({max_age:g}s) must not be shorter than compaction_lag "

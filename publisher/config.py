@@ -33,6 +33,7 @@ import msgspec
 import msgspec.inspect as mi
 from msgspec import Meta
 
+from changefeed.durations import seconds_of, too_long
 from changefeed.schemas import ProtocolError, quote_schema
 from changefeed.tcp_liveness import NOTSENT_LOWAT
 
@@ -50,8 +51,6 @@ __all__ = [
     "server_config_from_dict",
 ]
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 
 
@@ -59,16 +58,19 @@ def parse_duration(value: Any, key: str = "duration", source: str | None = None)
     """Seconds from a number or a string: ``"500ms"``, ``"30s"``, ``"10m"``, ``"24h"``, ``"7d"``."""
     if isinstance(value, bool):
         raise ConfigError(key, f"expected a duration, got {value!r}", source)
+    seconds: float | None = None
     if isinstance(value, int | float):
         seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION.match(value)):
-        seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    else:
+    elif isinstance(value, str):
+        seconds = seconds_of(value)
+    if seconds is None:
         raise ConfigError(
             key, f'expected a duration such as 30, "500ms", "10m" or "24h", got {value!r}', source
         )
     if seconds < 0:
         raise ConfigError(key, f"must not be negative, got {value!r}", source)
+    if (why := too_long(seconds)) is not None:
+        raise ConfigError(key, why, source)
     return seconds
 
 
@@ -457,6 +459,8 @@ def _check_bounds(config: msgspec.Struct, prefix: str) -> None:
         value = getattr(config, name)
         if isinstance(value, int | float) and not isinstance(value, bool):
             problem = _bound_error(meta, value)
+            if problem is None and (meta.extra or {}).get("duration"):
+                problem = too_long(value)
             if problem is not None:
                 raise ConfigError(f"{prefix}.{name}", problem)
 
@@ -669,8 +673,8 @@ def config_reference() -> str:
         "tests/test_config.py keeps this file and the model in step.",
         "",
         'Durations are seconds as a number, or a string such as `"500ms"`, `"30s"`, `"10m"`,',
-        '`"24h"`, `"7d"`. Unknown keys and wrong types are refused with an error naming the',
-        "file and the key.",
+        '`"24h"`, `"7d"`, of at most 100 years (`"36500d"`). Unknown keys and wrong types',
+        "are refused with an error naming the file and the key.",
         "",
     ]
     sections: list[tuple[str, type[msgspec.Struct], set[str]]] = [

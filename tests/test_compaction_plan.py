@@ -452,6 +452,8 @@ def test_find_jdbc_jar(tmp_path: object) -> None:
         ({"max_age": 0, "compaction_lag": 1}, "max_age must be a positive"),
         ({"max_age": 60, "compaction_lag": -1}, "compaction_lag must be a positive"),
         ({"max_age": 60, "compaction_lag": 600}, "must not be shorter than compaction_lag"),
+        # 800000 days before now is no date: refused, not an OverflowError mid-run.
+        ({"max_age": 800_000 * 86400, "compaction_lag": 60}, r"max_age must be at most 100 years"),
         ({"max_age": 600, "compaction_lag": 60, "batch_size": 0}, "batch_size"),
         ({"max_age": 600, "compaction_lag": 60, "schema": "Bad-Name"}, "schema name"),
     ],
@@ -515,6 +517,13 @@ def test_parse_duration(text: str, seconds: float) -> None:
 def test_parse_duration_refuses_clearly(text: str) -> None:
     with pytest.raises(CompactionError, match=r"--max-age: expected a duration such as"):
         parse_duration(text, "--max-age")
+
+
+@pytest.mark.parametrize("text", ["800000d", "100000000d", "36501d"])
+def test_parse_duration_refuses_more_than_a_hundred_years(text: str) -> None:
+    with pytest.raises(CompactionError, match=r"--max-age: must be at most 100 years \(36500d\)"):
+        parse_duration(text, "--max-age")
+    assert parse_duration("36500d") == 36500 * 86400
 
 
 def test_format_duration() -> None:

@@ -137,6 +137,20 @@ def test_durations(text: Any, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
+def test_a_duration_over_a_hundred_years_is_refused_in_a_file_and_in_python(
+    tmp_path: Path,
+) -> None:
+    """``max_age = "800000d"`` used to be taken, then fail at every inline trim
+    (OverflowError computing "now minus max_age")."""
+    path = tmp_path / "long.toml"
+    path.write_text('[publisher]\nmax_age = "800000d"\n')
+    with pytest.raises(ConfigError, match=r"publisher\.max_age.*at most 100 years") as caught:
+        load_service_config(path)
+    assert str(path) in str(caught.value)
+    with pytest.raises(ConfigError, match=r"max_age.*at most 100 years"):
+        PublisherConfig(max_age=1e15)
+
+
 def test_serve_names_the_file_and_key_on_a_bad_config(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text("[publisher]\npoll_interval = true\n")
