@@ -284,9 +284,10 @@ def old_keepers(
     return frame
 
 
-def write_touched(delta: Any, target: JdbcTarget, table: str) -> None:
-    """Write the ``(resource, changed_resource_id)`` pairs of ``delta`` to ``table``, once each."""
-    delta.select("resource", "changed_resource_id").distinct().write.jdbc(
+def write_touched(groups: Any, target: JdbcTarget, table: str) -> None:
+    """Write the ``(resource, changed_resource_id)`` pairs of ``groups`` (one row each
+    already: ``merge.group_sizes``) to ``table``."""
+    groups.select("resource", "changed_resource_id").write.jdbc(
         url=target.url,
         table=table,
         mode="append",

@@ -65,7 +65,16 @@ from .frames import (
     write_touched,
 )
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .merge import HOT_KEYS, HOT_MIN, KEY, hot_groups, merge_rows, vocabulary, write_merge
+from .merge import (
+    HOT_KEYS,
+    HOT_MIN,
+    KEY,
+    group_sizes,
+    hot_groups,
+    merge_rows,
+    vocabulary,
+    write_merge,
+)
 from .plan import GcRegion
 from .progress import NullProgress, Progress
 from .runs import RunLog
@@ -487,11 +496,17 @@ class _Run:
             delta = read_feed(spark, self.target, f"{store.q}.feed", predicates).persist(
                 StorageLevel.MEMORY_AND_DISK
             )
+            sizes = None
             try:
                 aged = F.col("published") < F.lit(now.gc)
                 regions = garbage_regions(delta.where(aged).select("txid", "id"), scope.since)
                 changed = delta.where(~aged).select(*_MEMBERS)
-                write_touched(changed, self.target, touched)
+                # One count per touched group gives the touched table and the hot
+                # groups (by the changes alone: a group's keeper adds one member, and
+                # which groups are hot decides only how they are merged).
+                sizes = group_sizes(changed).persist(StorageLevel.MEMORY_AND_DISK)
+                write_touched(sizes, self.target, touched)
+                hot = hot_groups(sizes)
                 kept = old_keepers(
                     spark,
                     self.target,
@@ -506,9 +521,10 @@ class _Run:
                 # Materialized now, while the delta is cached: the merge reads it twice.
                 members = changed.unionByName(kept.select(*_MEMBERS)).localCheckpoint()
                 self.names = vocabulary(members)
-                hot = hot_groups(members)
             finally:
                 delta.unpersist()
+                if sizes is not None:
+                    sizes.unpersist()
         self.summary.hot = len(hot)
         if not hot:
             return regions, members, None

@@ -42,6 +42,7 @@ __all__ = [
     "HOT_MIN",
     "KEY",
     "MERGE_COUNTS",
+    "group_sizes",
     "hot_groups",
     "merge_rows",
     "vocabulary",
@@ -71,22 +72,23 @@ def vocabulary(members: Any) -> list[str]:
     return sorted(str(r["s"]) for r in rows)
 
 
+def group_sizes(members: Any) -> Any:
+    """How many of ``members`` each group has: ``resource, changed_resource_id, count``,
+    one row per group (one shuffle; an incremental run persists it, and takes both
+    the groups it touches and its hot ones from it)."""
+    return members.groupBy(*KEY).count()
+
+
 def hot_groups(
-    members: Any, *, hot_min: int = HOT_MIN, hot_keys: int = HOT_KEYS
+    sizes: Any, *, hot_min: int = HOT_MIN, hot_keys: int = HOT_KEYS
 ) -> list[tuple[str, str]]:
-    """The largest groups of ``members`` with ``hot_min`` members or more (at most
-    ``hot_keys``), counted by Spark: for members already at hand (an incremental
-    run's). A full run asks PostgreSQL for a sample instead (``apply``)."""
+    """The largest groups of ``sizes`` (``group_sizes``) with ``hot_min`` members or
+    more (at most ``hot_keys``), counted by Spark: for members already at hand (an
+    incremental run's). A full run asks PostgreSQL for a sample instead (``apply``).
+    Which groups are hot decides only how they are merged, never the result."""
     from pyspark.sql import functions as F
 
-    rows = (
-        members.groupBy(*KEY)
-        .count()
-        .where(F.col("count") >= hot_min)
-        .orderBy(F.desc("count"))
-        .limit(hot_keys)
-        .collect()
-    )
+    rows = sizes.where(F.col("count") >= hot_min).orderBy(F.desc("count")).limit(hot_keys).collect()
     return [(str(r["resource"]), str(r["changed_resource_id"])) for r in rows]
 
 

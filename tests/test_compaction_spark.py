@@ -415,7 +415,7 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
     same rows."""
     from pyspark.sql import functions as F
 
-    from changefeed.compaction.merge import hot_groups, merge_rows
+    from changefeed.compaction.merge import group_sizes, hot_groups, merge_rows
 
     members = spark.range(0, 40_000, numPartitions=4).select(
         (F.col("id") % 97).alias("txid"),
@@ -428,7 +428,7 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
         .otherwise(F.array(F.lit("nic")))
         .alias("sub_resources"),
     )
-    assert hot_groups(members, hot_min=5_000) == [("vm", "hot")]
+    assert hot_groups(group_sizes(members), hot_min=5_000) == [("vm", "hot")]
     hot_id = F.col("changed_resource_id") == "hot"
 
     def hot_drops(split: bool) -> tuple[int, int, list[Any]]:
