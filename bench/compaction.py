@@ -338,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per size (medians are shown), default 1"
     )
+    parser.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="warm the JVM up before measuring (default; --no-warm-up for a smoke run)",
+    )
     args = parser.parse_args(argv)
     sizes = args.rows or [1_000_000]
     results: list[tuple[Step, Step]] = []
@@ -346,12 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         with spark_session(master) as spark:
             spark_start = time.monotonic() - t0
             print(f"spark session ({master}) started in {spark_start:.1f}s", flush=True)
-            warm = asyncio.run(warm_up(admin, spark))
-            print(
-                f"JVM warm-up (a full and an incremental run on a 10,000-entry feed) took"
-                f" {warm:.1f}s",
-                flush=True,
-            )
+            if args.warm_up:
+                warm = asyncio.run(warm_up(admin, spark))
+                print(
+                    f"JVM warm-up (a full and an incremental run on a 10,000-entry feed)"
+                    f" took {warm:.1f}s",
+                    flush=True,
+                )
             for rows in sizes:
                 runs = [one_size(admin, rows, spark, args) for _ in range(args.repeat)]
                 results.append((median_step(r[0] for r in runs), median_step(r[1] for r in runs)))

@@ -61,7 +61,7 @@ async def test_the_compaction_benchmark_runs_on_a_two_worker_standalone_cluster(
     port = str(free_port())
     text = await run_bench(
         "compaction.py", "--rows", "20000", "--standalone", "--cluster-port", port,
-        "--dsn", dsn, timeout=300,
+        "--dsn", dsn, "--no-warm-up", timeout=300,
     )  # fmt: skip
     assert "spark://127.0.0.1:" in text, text[-3000:]
     assert text.count("same feed after both: True") == 2, text[-3000:]
