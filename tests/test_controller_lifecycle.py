@@ -110,13 +110,13 @@ async def test_close_stops_a_controller_run_in_a_task_of_the_applications(dsn: s
         runs = [asyncio.create_task(c.run()) for c in (vms, servers)]
         await vms.wait_synced(20)
         assert len(vms.mirror) == 3
-        await vms.close()
-        assert vms.done() and vms.exception() is None
         async with asyncio.timeout(10):
+            await vms.close()  # returns once run() has
+            assert vms.done() and vms.exception() is None
             assert await runs[0] is None  # a clean stop: run() returns
         assert not runs[1].done()  # the other goes on
-        await servers.close()
         async with asyncio.timeout(10):
+            await servers.close()
             await runs[1]
         assert servers.done() and servers.exception() is None
 
