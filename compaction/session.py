@@ -11,15 +11,17 @@ import contextlib
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from .errors import CompactionError
 from .jdbc import find_jdbc_jar
 
-__all__ = ["session_conf", "spark_session"]
+__all__ = ["check_master_reachable", "session_conf", "spark_session", "standalone_masters"]
 
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
 _LOOPBACK_MASTER = re.compile(r"^spark://(127\.0\.0\.1|localhost)(:\d+)?$")
@@ -53,6 +55,52 @@ def _local_threads(master: str) -> int | None:
     if threads == "*":
         return os.cpu_count() or 1
     return int(threads)
+
+
+def standalone_masters(master: str) -> list[tuple[str, int]]:
+    """The host and port of each master a ``spark://`` URL names, in order.
+
+    A standalone cluster with standby masters is named by all of them
+    (``spark://h1:7077,h2:7077``); the port defaults to Spark's 7077. Any
+    other master (``local``, ``yarn``, ``k8s://...``) names none.
+    """
+    if not master.startswith("spark://"):
+        return []
+    masters = []
+    for part in master.removeprefix("spark://").split(","):
+        try:
+            address = urlsplit(f"spark://{part}")
+            host, port = address.hostname, address.port
+        except ValueError as exc:
+            raise CompactionError(f"not a Spark master URL: {master!r} ({exc})") from None
+        if not host:
+            raise CompactionError(f"not a Spark master URL: {master!r} (no host in {part!r})")
+        masters.append((host, port or 7077))
+    return masters
+
+
+def check_master_reachable(master: str, timeout: float = 5.0) -> None:
+    """Fail at once, in one line, when no master of a ``spark://`` URL accepts a connection.
+
+    Spark itself retries an unreachable standalone master for about a minute,
+    printing a Java stack trace each time, and then fails with an error about a
+    stopped SparkContext that names neither the master nor the cause.
+
+    Raises:
+        CompactionError: the URL is malformed, or no master it names answers.
+    """
+    failures = []
+    for host, port in standalone_masters(master):
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return
+        except OSError as exc:
+            failures.append(f"{host}:{port}: {exc.strerror or exc or type(exc).__name__}")
+    if failures:
+        raise CompactionError(
+            f"cannot reach the Spark master {master} ({'; '.join(failures)});"
+            " is it running, and may this machine connect to it?"
+        )
 
 
 def session_conf(
@@ -96,6 +144,20 @@ def session_conf(
     return conf
 
 
+def _headline(exc: BaseException) -> str:
+    """The line of a launch failure that says what went wrong.
+
+    A Java exception reaches Python as py4j's "An error occurred while
+    calling ...", then ": " and the Java exception, then its stack trace
+    (printed by the JVM already): keep the Java exception's line.
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith(": "):
+            return line[2:]
+    return lines[0] if lines else type(exc).__name__
+
+
 @contextlib.contextmanager
 def spark_session(
     master: str = "local[*]",
@@ -114,7 +176,8 @@ def spark_session(
     :func:`~changefeed.compaction.jdbc.find_jdbc_jar`.
 
     Raises:
-        CompactionError: pyspark is not installed, or Java cannot start.
+        CompactionError: pyspark is not installed, no standalone master named
+            answers (:func:`check_master_reachable`), or Java cannot start.
     """
     try:
         from pyspark.sql import SparkSession
@@ -128,6 +191,7 @@ def spark_session(
         # A session already runs in this process: use it, leave it running.
         yield SparkSession.builder.getOrCreate()
         return
+    check_master_reachable(master)
     jar = jdbc_jar if jdbc_jar is not None else find_jdbc_jar()
     scratch = Path(tempfile.mkdtemp(prefix="changefeed-spark-"))
     try:
@@ -140,7 +204,7 @@ def spark_session(
         try:
             spark = builder.getOrCreate()
         except Exception as exc:  # py4j / JVM launch failures have no common base
-            raise CompactionError(f"cannot start Spark ({master}): {exc}") from exc
+            raise CompactionError(f"cannot start Spark ({master}): {_headline(exc)}") from exc
         try:
             spark.sparkContext.setLogLevel("WARN")
             yield spark

@@ -1,0 +1,105 @@
+"""A standalone Spark master the job cannot reach fails the run at once, in one line.
+
+Spark alone retries an unreachable master for about a minute, printing a Java
+stack trace each time, and then fails with an error about a stopped
+SparkContext that names neither the master nor the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+from test_compaction_cli import child_env, command, seed
+
+from changefeed.compaction.errors import CompactionError
+from changefeed.compaction.session import check_master_reachable, standalone_masters
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+def listening_port() -> Iterator[int]:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield server.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("master", "expected"),
+    [
+        ("spark://10.0.0.5:7077", [("10.0.0.5", 7077)]),
+        ("spark://master.example", [("master.example", 7077)]),
+        ("spark://a:7077,b:7078", [("a", 7077), ("b", 7078)]),
+        ("spark://[::1]:7077", [("::1", 7077)]),
+        ("local[2]", []),
+        ("yarn", []),
+        ("k8s://https://10.0.0.1:6443", []),
+    ],
+)
+def test_the_masters_a_url_names(master: str, expected: list[tuple[str, int]]) -> None:
+    assert standalone_masters(master) == expected
+
+
+@pytest.mark.parametrize("master", ["spark://", "spark://a:7077,", "spark://a:port"])
+def test_a_malformed_master_url_is_named_in_the_error(master: str) -> None:
+    with pytest.raises(CompactionError, match="not a Spark master URL"):
+        standalone_masters(master)
+
+
+def test_no_master_answering_is_one_error_naming_each(closed_port: int) -> None:
+    master = f"spark://127.0.0.1:{closed_port},localhost:{closed_port}"
+    with pytest.raises(CompactionError) as raised:
+        check_master_reachable(master, timeout=5)
+    message = str(raised.value)
+    assert message.count("\n") == 0
+    assert f"cannot reach the Spark master {master}" in message
+    assert f"127.0.0.1:{closed_port}: Connection refused" in message
+    assert f"localhost:{closed_port}" in message
+
+
+def test_one_standby_master_answering_is_enough(closed_port: int, listening_port: int) -> None:
+    check_master_reachable(f"spark://127.0.0.1:{closed_port},127.0.0.1:{listening_port}")
+    check_master_reachable("local[*]")  # not a standalone master: nothing to reach
+
+
+async def test_the_command_fails_at_once_and_changes_nothing(
+    feed_dsn: str, closed_port: int
+) -> None:
+    await seed(feed_dsn)
+    argv = command(feed_dsn)
+    argv[argv.index("local[2]")] = f"spark://127.0.0.1:{closed_port}"
+    done = await asyncio.to_thread(
+        subprocess.run,
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"changefeed compact: cannot reach the Spark master spark://127.0.0.1:{closed_port}"
+        f" (127.0.0.1:{closed_port}: Connection refused);"
+        " is it running, and may this machine connect to it?"
+    )
+    assert "Exception" not in done.stderr  # no JVM started, no Java stack traces
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM changefeed.feed") == 800
+    finally:
+        await conn.close()
