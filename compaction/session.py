@@ -1,8 +1,8 @@
 """The Spark session the compaction job starts: quiet, on one machine, cleaned up after.
 
 Loopback only, UI off, log level WARN, scratch space (and the log4j2 settings)
-under the temp dir, removed when the session stops. A session already running
-in this process is used as it is.
+under the temp dir, removed when the session stops. The session active in
+the calling thread, when the application runs one, is used as it is.
 """
 
 from __future__ import annotations
@@ -168,8 +168,9 @@ def spark_session(
 ) -> Iterator[Any]:
     """Start a quiet SparkSession for the job; stop it (and remove its scratch space) after.
 
-    When this process already runs a SparkContext, its session is used as it
-    is and left running (``master``, ``jdbc_jar`` and ``conf`` do not apply).
+    When the calling thread has an active session
+    (``SparkSession.getActiveSession()``), it is used as it is and left
+    running (``master``, ``jdbc_jar`` and ``conf`` do not apply).
 
     On a ``local`` master, or a standalone one on 127.0.0.1, the driver binds to
     127.0.0.1 only (``SPARK_LOCAL_IP`` is set for this process if unset). ``jdbc_jar`` defaults to
@@ -185,11 +186,10 @@ def spark_session(
         raise CompactionError(
             "the compaction job needs pyspark (pip install 'changefeed[spark]') and Java 17+"
         ) from exc
-    from pyspark import SparkContext
-
-    if SparkContext._active_spark_context is not None:
-        # A session already runs in this process: use it, leave it running.
-        yield SparkSession.builder.getOrCreate()
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        # The application (a notebook, a service) runs a session: use it, leave it running.
+        yield active
         return
     check_master_reachable(master)
     jar = jdbc_jar if jdbc_jar is not None else find_jdbc_jar()

@@ -1,6 +1,7 @@
-"""A standalone Spark master the job cannot reach fails the run at once, in one line.
+"""The job's Spark session: an unreachable master, and an application's own session.
 
-Spark alone retries an unreachable master for about a minute, printing a Java
+A standalone Spark master the job cannot reach fails the run at once, in one
+line: Spark alone retries an unreachable master for about a minute, printing a Java
 stack trace each time, and then fails with an error about a stopped
 SparkContext that names neither the master nor the cause.
 """
@@ -11,13 +12,18 @@ import asyncio
 import socket
 import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import asyncpg
 import pytest
 from test_compaction_cli import child_env, command, seed
 
 from changefeed.compaction.errors import CompactionError
-from changefeed.compaction.session import check_master_reachable, standalone_masters
+from changefeed.compaction.session import (
+    check_master_reachable,
+    spark_session,
+    standalone_masters,
+)
 
 
 @pytest.fixture
@@ -103,3 +109,11 @@ async def test_the_command_fails_at_once_and_changes_nothing(
         assert await conn.fetchval("SELECT count(*) FROM changefeed.feed") == 800
     finally:
         await conn.close()
+
+
+@pytest.mark.spark
+def test_the_applications_active_session_is_used_and_left_running(spark: Any) -> None:
+    # Its master, not the one asked for, applies: nothing checks or starts one.
+    with spark_session("spark://127.0.0.1:1") as session:
+        assert session is spark
+    assert spark.range(3).count() == 3
