@@ -56,11 +56,13 @@ from typing import Any, Generic
 import orjson
 from typing_extensions import TypeVar
 
+from changefeed.bootstrap import BootstrapError
 from changefeed.logs import log_event
 from changefeed.schemas import ChangeItem
 
 from ._backoff import BackoffPolicy
 from ._checkpoint import JsonItems, MirrorCheckpoint, application_view
+from ._errors import ListenerError
 from ._events import Resynced
 from ._handlers import AddHandler, DeleteHandler, Fetcher, ReconcileHandler, UpdateHandler
 from ._mirror import Mirror
@@ -525,10 +527,14 @@ class Reconciler(Generic[T]):
             self.fetch_errors += 1
             for key in ids:
                 self.queue.add_rate_limited(key, self._failed(self._ids[key]))
+            # The default fetch's failures are said in full by their message; anything
+            # else (an application's fetch that broke) needs its traceback.
+            expected = isinstance(exc, (BootstrapError, ListenerError))
             log_event(
                 log,
                 "controller.fetch_failed",
                 logging.WARNING,
+                exc=None if expected else exc,
                 controller=self.name,
                 ids=len(ids),
                 error=f"{type(exc).__name__}: {exc}",

@@ -153,7 +153,9 @@ class BearerAuth:
             async with asyncio.timeout(_AUTHORIZE_TIMEOUT):
                 allowed = await self._authorize(token)
         except Exception as exc:
-            log_event(log, "auth.unavailable", logging.ERROR, error=repr(exc))
+            # Past its deadline the authorizer is slow, not broken: no traceback to show.
+            cause = None if isinstance(exc, TimeoutError) else exc
+            log_event(log, "auth.unavailable", logging.ERROR, exc=cause, error=repr(exc))
             raise AuthUnavailable("authorization is unavailable; retry later") from exc
         return None if allowed is None else frozenset(allowed)
 

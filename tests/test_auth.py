@@ -8,6 +8,7 @@ import asyncio
 import base64
 import hashlib
 import logging
+import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -444,14 +445,16 @@ def _outage_authorizer(outage: str, calls: list[str]) -> Authorize:
 
 @pytest.mark.parametrize("outage", ["raises", "hangs"])
 async def test_an_authorizer_outage_is_503_with_retry_after_on_every_route(
-    dsn: str, outage: str
+    dsn: str, outage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Never 401 (which makes listeners give up for good): 503, ``Retry-After`` and the
     error body ``unavailable`` with ``retryAfter``, on the websocket's handshake, the
     publisher's routes and the API's bootstrap and write routes alike. The bootstrap
-    routes used to answer 401."""
+    routes used to answer 401. The authorizer's error is logged with its traceback;
+    its deadline passing, with none."""
     from test_listener_support import VmApiServer
 
+    caplog.set_level(logging.ERROR, logger="changefeed")
     calls: list[str] = []
     authorize = _outage_authorizer(outage, calls)
     async with (
@@ -490,6 +493,14 @@ async def test_an_authorizer_outage_is_503_with_retry_after_on_every_route(
         # The same token once the service answers again: let in.
         assert (await http.get("/vms", headers=bearer("good"))).status_code == 200
     assert calls.count("anyone") == len(answers)
+    logged = [r for r in caplog.records if r.getMessage() == "auth.unavailable"]
+    assert len(logged) == len(answers)
+    for record in logged:
+        if outage == "raises":
+            assert record.exc_info is not None
+            assert "identity service down" in "".join(traceback.format_exception(*record.exc_info))
+        else:
+            assert record.exc_info is None
 
 
 async def test_without_the_denial_extension_an_outage_is_4010_with_retry_after(

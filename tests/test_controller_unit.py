@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ import pytest
 from helpers import wait_until
 from test_listener_support import capture_events
 
+from changefeed.bootstrap import PagingError
 from changefeed.listener import (
     BackoffPolicy,
     ConnectionState,
@@ -78,6 +80,7 @@ class Api:
         self.gate: asyncio.Event | None = None
         self.in_flight = asyncio.Event()
         self.failures = 0
+        self.error: Exception = ConnectionError("API unreachable")
 
     async def fetch(self, ids: Sequence[str]) -> Mapping[str, Any]:
         self.calls.append(list(ids))
@@ -87,7 +90,7 @@ class Api:
             await self.gate.wait()
         if self.failures:
             self.failures -= 1
-            raise ConnectionError("API unreachable")
+            raise self.error
         return {i: dict(self.data[i]) for i in ids if i in self.data}
 
 
@@ -186,15 +189,26 @@ async def test_change_items_fetch_current_state_and_404_is_a_delete() -> None:
     ]
 
 
-async def test_failed_fetches_are_retried_with_backoff() -> None:
+@pytest.mark.parametrize("expected", [False, True], ids=["application-error", "paging-error"])
+async def test_failed_fetches_are_retried_with_backoff(
+    expected: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each failure is logged; with its traceback unless it is the default fetch's own
+    PagingError, whose message says it all."""
+    caplog.set_level(logging.WARNING, logger="changefeed")
     source, api, rec = Source(), Api({"a": vm("a")}), Recorder()
     api.failures = 3
+    if expected:
+        api.error = PagingError("GET /vms/a: gave up after 3 failed attempts")
     controller = Controller(source, fetch=api.fetch, reconcile=rec.reconcile, retry=FAST_RETRY)
     async with controller:
         source.send(resync([]), change("a"))
         await wait_until(lambda: rec.calls == [("a", None, vm("a"))], 5)
     stats = controller.stats()
     assert stats.fetch_errors == 3 and stats.retries == 3 and api.fetched["a"] == 4
+    logged = [r for r in caplog.records if r.getMessage() == "controller.fetch_failed"]
+    assert len(logged) == 3
+    assert all((r.exc_info is None) is expected for r in logged)
 
 
 async def test_failed_callbacks_are_retried_with_the_same_old_state() -> None:
