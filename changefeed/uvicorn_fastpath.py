@@ -41,6 +41,11 @@ _WRITE_BUFFER_HIGH = 4 * 1024
 writes to it wait: with ``TCP_NOTSENT_LOWAT`` below it, what sits ahead of a
 ping or a pong stays small (changefeed.tcp_liveness). It is checked after a
 write: one turn of frames may go past it."""
+_PEER_BACKLOG = 256 * 1024
+"""Bytes in a listener's transport buffer past which its frames are not read until
+the buffer drains. The publisher's own writes wait at ``_WRITE_BUFFER_HIGH``; what
+grows past it is what the protocol writes by itself, the pong of every ping: a peer
+that sends pings and never reads their pongs would grow the buffer without bound."""
 _ABORT_MARGIN = 1.0
 """Seconds past uvicorn's close handshake timeout before a connection whose app
 is done is dropped (see FanoutWebSocketProtocol.run_asgi)."""
@@ -144,6 +149,8 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     """The transport paused writing (asyncio flow control): a write would only queue."""
     lost = False
     """The connection is gone."""
+    reading_held = False
+    """Reading is paused until the transport's buffer drains (``_PEER_BACKLOG``)."""
     _received = 0
     """Bytes the peer has sent (progress, for the keepalive)."""
     _ping_watch: PingWatch | None = None
@@ -165,6 +172,11 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     def resume_writing(self) -> None:
         self.paused = False
         super().resume_writing()
+        if self.reading_held:
+            self.reading_held = False
+            # uvicorn pauses reading too, while the app has not taken a message.
+            if not self.read_paused and not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -191,6 +203,22 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         ):
             self.transport.write(b"".join(self.conn.data_to_send()))
             self.transport.close()
+        self._hold_reading_while_backlogged()
+
+    def _hold_reading_while_backlogged(self) -> None:
+        """Read nothing more from a peer that does not read what it asked for.
+
+        Each ping read is answered at once with a pong, whatever the transport
+        holds: a peer flooding pings and reading nothing would make the
+        publisher's memory grow without bound. Past ``_PEER_BACKLOG`` its frames
+        wait in the kernel until the buffer drains (``resume_writing``); one that
+        never reads then makes no progress, and its pings' deadlines end it
+        (``keepalive_timeout``)."""
+        transport = self.transport
+        if transport.get_write_buffer_size() > _PEER_BACKLOG and not transport.is_closing():
+            self.reading_held = True
+            if transport.is_reading():
+                transport.pause_reading()
 
     def handle_connect(self, event: Request) -> None:
         super().handle_connect(event)

@@ -140,7 +140,7 @@ PRIVATE: tuple[Private, ...] = (
         _SANSIO,
         "data_received",
         "method",
-        "answer a handshake websockets refused",
+        "answer a handshake websockets refused; hold reading while pongs pile up",
         ("data",),
     ),
     Private(
@@ -181,6 +181,7 @@ PRIVATE: tuple[Private, ...] = (
         "ping_timeout",
         "pong_timer",
         "queue",
+        "read_paused",
         "scope",
         "transport",
         "client",

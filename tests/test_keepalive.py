@@ -24,9 +24,16 @@ import orjson
 import pytest
 from helpers import wait_until
 from keepalive_listeners import burst_id
-from publisher_fixtures import connect_not_reading, receive_items, registration, running_publisher
+from publisher_fixtures import (
+    connect_not_reading,
+    receive_items,
+    register,
+    registration,
+    running_publisher,
+)
 from starlette.applications import Starlette
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from changefeed.publisher import publish_many
 from changefeed.publisher.inflight import InFlight
@@ -234,6 +241,50 @@ async def test_a_listener_reading_its_own_full_buffer_is_not_cut_off_by_the_publ
         assert len(pub.publisher.registry) == 1
         assert pub.publisher.stats()["counters"]["evictions"] == 0
         await ws.close()
+
+
+async def test_a_peer_flooding_pings_and_reading_no_pongs_is_read_no_further_and_let_go(
+    feed_dsn: str,
+) -> None:
+    """Every ping read is answered with a pong at once, whatever the transport holds:
+    a peer that floods pings and reads nothing would grow the publisher's memory
+    without bound. Past a backlog its frames are not read (it can send only what the
+    kernels' buffers take); making no progress, it is let go by its pings' deadlines,
+    as an eviction; a listener beside it is served throughout."""
+    pings = {"ws_ping_interval": 0.5, "ws_ping_timeout": 0.5}
+    async with running_publisher(feed_dsn, server=pings) as pub:
+        healthy, _ = await register(pub.ws_url, registration(subs=[]))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", pub.server.port))
+        flooder = await connect(pub.ws_url, sock=sock, compression=None, ping_interval=None)
+        await flooder.send(registration(resource="network", subs=[]))
+        await asyncio.wait_for(flooder.recv(), 10)  # the ack
+        flooder.transport.pause_reading()
+        sent, cap = 0, 64 << 20
+        while sent < cap:
+            try:
+                # Returns once written; waits while the client's own buffer is full.
+                await asyncio.wait_for(flooder.ping(sent.to_bytes(125)), 2)
+            except (TimeoutError, ConnectionClosed):
+                break  # the publisher reads no more of it (or let it go already)
+            sent += 131  # a masked frame of 125 bytes
+        assert sent < 8 << 20, f"the publisher read {sent:,} bytes of pings it could not answer"
+
+        def let_go() -> bool:
+            evictions = pub.publisher.stats()["counters"]["evictionsByCode"]
+            return bool(evictions.get("keepalive_timeout") == 1)
+
+        await wait_until(let_go, timeout=30)
+        (evicted,) = pub.publisher.stats()["recentEvictions"]
+        assert evicted["code"] == "keepalive_timeout", evicted
+        await publish_burst(feed_dsn, 1)
+        (item,) = await receive_items(healthy, 1, timeout=10)
+        assert item["changedResourceId"] == burst_id(0)
+        assert len(pub.publisher.registry) == 1
+        await healthy.close()
+        flooder.transport.abort()
 
 
 async def test_a_draining_server_bounds_what_the_kernel_holds_unsent_for_each_connection() -> None:
