@@ -28,12 +28,23 @@ slow one that keeps coming is served. It does not run while the server is the
 one waiting: reading paused because the app has not taken what came, or a
 client waiting for ``100 Continue``.
 
+A request head has a size limit too, ``max_head_bytes`` (64 KiB, ``[server]
+header_max_bytes``; nginx's default buffers hold 32 KiB): the bytes of a head
+still under way are counted as they arrive, and a head that has not ended
+within the limit is answered ``431 Request Header Fields Too Large`` and the
+connection closed (a whole head that came in one read, at most 256 KiB, is
+parsed as it is). uvicorn's
+httptools protocol sets none, and the time it spends on a head grows with its
+size: one peer sending an endless header would hold the event loop, and every
+listener's deliveries with it.
+
 A websocket upgrade cancels the head's deadline with its headers, before the
 connection becomes a websocket: registered listeners are never touched (the
 publisher's own ``registration_timeout`` covers a websocket that never
 registers).
 
-Each timeout is logged (``http.head_timeout``, ``http.body_timeout``), but
+Each timeout is logged (``http.head_timeout``, ``http.body_timeout``), and so is
+each head refused for its size (``http.head_too_large``), but
 not one line per socket: peers choose how many sockets time out, so the first
 ``LOG_BURST`` timeouts of every ``log_window`` seconds are logged one by one,
 and the rest are counted and logged as one ``http.timeouts_held`` line when
@@ -64,7 +75,13 @@ from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
 from changefeed.publisher.config import ServerConfig
 
-__all__ = ["DEFAULT_HEAD_TIMEOUT", "LOG_BURST", "LOG_WINDOW", "head_timeout_protocol"]
+__all__ = [
+    "DEFAULT_HEAD_TIMEOUT",
+    "DEFAULT_MAX_HEAD_BYTES",
+    "LOG_BURST",
+    "LOG_WINDOW",
+    "head_timeout_protocol",
+]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +90,8 @@ DEFAULT_HEAD_TIMEOUT: float = ServerConfig().header_timeout
 far above any real client's, even over a slow link, and short enough that idle
 sockets cannot pile up by the thousand."""
 
+DEFAULT_MAX_HEAD_BYTES: int = ServerConfig().header_max_bytes
+"""Bytes a request line and its headers may take (``[server] header_max_bytes``)."""
 
 LOG_BURST = 10
 """Timeouts of one window logged one by one, each with its peer."""
@@ -91,10 +110,10 @@ class _TimeoutLog:
         self._lines = BudgetedLines(LogBudget(LOG_BURST, window), log, "http.timeouts_held")
 
     def timed_out(
-        self, loop: asyncio.AbstractEventLoop, event: str, peer: str, partial: bool, timeout: float
+        self, loop: asyncio.AbstractEventLoop, event: str, peer: str, **fields: Any
     ) -> None:
         if self._lines.due(event, loop):
-            log_event(log, event, logging.INFO, peer=peer, partial=partial, timeout=timeout)
+            log_event(log, event, logging.INFO, peer=peer, **fields)
 
 
 def _request_timeout(message: bytes) -> bytes:
@@ -109,6 +128,17 @@ def _request_timeout(message: bytes) -> bytes:
 
 _REQUEST_TIMEOUT = _request_timeout(b"the request head did not arrive in time\n")
 _BODY_TIMEOUT = _request_timeout(b"the request body stopped arriving\n")
+_LINGER = 2.0
+"""Seconds a connection answered 431 is still read (and what it sends dropped)
+before it is closed, so that the answer is not lost to a reset."""
+_HEAD_TOO_LARGE_MESSAGE = b"the request line and headers are too large\n"
+_HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"content-length: %d\r\n"
+    b"connection: close\r\n"
+    b"\r\n%s" % (len(_HEAD_TOO_LARGE_MESSAGE), _HEAD_TOO_LARGE_MESSAGE)
+)
 
 
 class _HeadDeadline(asyncio.Protocol):
@@ -117,6 +147,7 @@ class _HeadDeadline(asyncio.Protocol):
     so ``super()`` is uvicorn's)."""
 
     head_timeout: ClassVar[float] = DEFAULT_HEAD_TIMEOUT
+    max_head_bytes: ClassVar[int] = DEFAULT_MAX_HEAD_BYTES
     timeout_log: ClassVar[_TimeoutLog]
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
@@ -125,6 +156,8 @@ class _HeadDeadline(asyncio.Protocol):
     cycle: Any  # uvicorn's RequestResponseCycle of the request under way (None before one)
     _head_timer: asyncio.TimerHandle | None = None
     _head_started = False
+    _head_bytes = 0
+    _discarding = False
     _body_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -132,8 +165,14 @@ class _HeadDeadline(asyncio.Protocol):
         self._arm_head_deadline()
 
     def data_received(self, data: bytes) -> None:
-        self._note_head_bytes()
+        if self._discarding:
+            return
+        self._note_head_bytes(len(data))
         super().data_received(data)
+        # Checked once the parser has seen the data: a head that ended in it (its
+        # deadline cancelled) is not refused for the body that came with it.
+        if self._head_timer is not None and self._head_bytes > self.max_head_bytes:
+            self._head_too_large()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
@@ -144,6 +183,7 @@ class _HeadDeadline(asyncio.Protocol):
         """Start the deadline, unless it is running: bytes never extend it."""
         if self._head_timer is None and not self.transport.is_closing():
             self._head_started = False
+            self._head_bytes = 0
             self._head_timer = self.loop.call_later(self.head_timeout, self._head_deadline_passed)
 
     def _cancel_head_deadline(self) -> None:
@@ -151,25 +191,46 @@ class _HeadDeadline(asyncio.Protocol):
             self._head_timer.cancel()
             self._head_timer = None
 
-    def _note_head_bytes(self) -> None:
+    def _note_head_bytes(self, count: int) -> None:
         if self._head_timer is not None:
             self._head_started = True
+            self._head_bytes += count
 
     def _still_ours(self) -> bool:
         # Once handed to a websocket protocol, the transport is not this one's to close.
         protocol: object = self.transport.get_protocol()
         return not self.transport.is_closing() and protocol is self
 
-    def _log_timeout(self, event: str, *, partial: bool) -> None:
+    def _log_timeout(self, event: str, **fields: Any) -> None:
         client = self.client
         peer = f"{client[0]}:{client[1]}" if client else ""
-        self.timeout_log.timed_out(self.loop, event, peer, partial, self.head_timeout)
+        self.timeout_log.timed_out(self.loop, event, peer, **fields)
+
+    def _head_too_large(self) -> None:
+        """Answer 431 and close: the peer has sent more head than any client needs."""
+        self._cancel_head_deadline()
+        if not self._still_ours():
+            return
+        self._log_timeout("http.head_too_large", limit=self.max_head_bytes)
+        transport = self.transport
+        transport.write(_HEAD_TOO_LARGE)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        # A lingering close: the peer is still sending its head, and closing now,
+        # with its bytes unread, would reset the connection and lose the answer.
+        # Say we are done (FIN), read and drop what still comes, close shortly.
+        transport.write_eof()
+        self._discarding = True
+        self.loop.call_later(_LINGER, transport.close)
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None
         if not self._still_ours():
             return
-        self._log_timeout("http.head_timeout", partial=self._head_started)
+        self._log_timeout(
+            "http.head_timeout", partial=self._head_started, timeout=self.head_timeout
+        )
         if self._head_started:
             self.transport.write(_REQUEST_TIMEOUT)
         self.transport.close()
@@ -195,7 +256,7 @@ class _HeadDeadline(asyncio.Protocol):
             # or has not asked for it): not the peer's delay.
             self._arm_body_deadline()
             return
-        self._log_timeout("http.body_timeout", partial=True)
+        self._log_timeout("http.body_timeout", partial=True, timeout=self.head_timeout)
         answered = cycle is None or cycle.response_started
         if cycle is not None:
             # Whatever the app sends from now on goes nowhere (not after the 408), and
@@ -264,7 +325,11 @@ _BASES: dict[str, type[_HeadDeadline]] = {
 
 @functools.cache
 def head_timeout_protocol(
-    seconds: float = DEFAULT_HEAD_TIMEOUT, http: str = "auto", *, log_window: float = LOG_WINDOW
+    seconds: float = DEFAULT_HEAD_TIMEOUT,
+    http: str = "auto",
+    *,
+    log_window: float = LOG_WINDOW,
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
 ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class that closes a connection whose request head has not
     arrived ``seconds`` after it was accepted or after its previous response.
@@ -274,14 +339,22 @@ def head_timeout_protocol(
         http: ``"auto"`` or ``"httptools"`` (uvicorn[standard]'s choice), or ``"h11"``.
         log_window: seconds in which at most ``LOG_BURST`` timeouts are logged one
             by one; the rest are counted in one line at the window's end.
+        max_head_bytes: a request line and headers that have not ended within this
+            many bytes are answered 431 and the connection closed (``[server]
+            header_max_bytes``).
 
     Raises:
-        ValueError: ``seconds`` or ``log_window`` is not positive, or ``http`` is unknown.
+        ValueError: ``seconds`` or ``log_window`` is not positive, ``max_head_bytes``
+            is below 1 KiB, or ``http`` is unknown.
     """
     if not seconds > 0:
         raise ValueError(f"the request head timeout must be positive, got {seconds!r}")
     if not log_window > 0:
         raise ValueError(f"the log window must be positive, got {log_window!r}")
+    if not max_head_bytes >= 1024:
+        raise ValueError(
+            f"the request head limit must be at least 1024 bytes, got {max_head_bytes!r}"
+        )
     if http == "auto":
         http = "httptools"
     if http not in _BASES:
@@ -289,6 +362,7 @@ def head_timeout_protocol(
     base = _BASES[http]
     attributes: dict[str, Any] = {
         "head_timeout": float(seconds),
+        "max_head_bytes": int(max_head_bytes),
         "timeout_log": _TimeoutLog(log_window),
         "__module__": __name__,
     }

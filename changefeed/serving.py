@@ -82,6 +82,7 @@ def server_config(
     *,
     fast_path: bool = False,
     head_timeout: float | None = None,
+    max_head_bytes: int | None = None,
     **overrides: Any,
 ) -> uvicorn.Config:
     """uvicorn settings for a publisher: uvloop/httptools where available, websocket
@@ -97,6 +98,8 @@ def server_config(
             many seconds after it was accepted or answered, or whose body stopped
             arriving for as long (changefeed.http_timeouts); under the same guard
             as the fast path. None: the proxy's job (docs/security.md).
+        max_head_bytes: with ``head_timeout``, a request head not ended within this
+            many bytes is answered 431 and closed (default: ``[server] header_max_bytes``).
         overrides: any other ``uvicorn.Config`` setting.
     """
     settings: dict[str, Any] = {
@@ -125,7 +128,8 @@ def server_config(
         if guard.deadlines().ok:
             from changefeed.http_timeouts import head_timeout_protocol
 
-            settings["http"] = head_timeout_protocol(head_timeout)
+            limit = {} if max_head_bytes is None else {"max_head_bytes": max_head_bytes}
+            settings["http"] = head_timeout_protocol(head_timeout, **limit)
     settings.update(overrides)
     return uvicorn.Config(app, **settings)
 

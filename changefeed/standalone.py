@@ -74,6 +74,7 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         port if port is not None else server.port,
         fast_path=True,
         head_timeout=server.header_timeout,
+        max_head_bytes=server.header_max_bytes,
         ws_ping_interval=server.ping_interval,
         ws_ping_timeout=server.ping_timeout,
     )

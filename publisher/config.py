@@ -403,6 +403,17 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             gt=0,
         ),
     ] = 15.0
+    header_max_bytes: Annotated[
+        int,
+        _doc(
+            "An HTTP request whose line and headers have not ended within this many bytes "
+            "is answered 431 and the connection closed, before the server parses more of "
+            "them (the same layer as header_timeout).",
+            "bytes",
+            ge=1024,
+            lt=1 << 31,
+        ),
+    ] = 65536
 
     def __post_init__(self) -> None:
         _check_bounds(self, "server")

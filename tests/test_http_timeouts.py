@@ -31,7 +31,12 @@ from test_deploy_support import ChangefeedServer, stopping, toml_document
 from websockets.asyncio.client import connect
 
 from changefeed.example.vmapi import create_app
-from changefeed.http_timeouts import DEFAULT_HEAD_TIMEOUT, LOG_BURST, head_timeout_protocol
+from changefeed.http_timeouts import (
+    DEFAULT_HEAD_TIMEOUT,
+    DEFAULT_MAX_HEAD_BYTES,
+    LOG_BURST,
+    head_timeout_protocol,
+)
 from changefeed.log_budget import LogBudget
 from changefeed.publisher.config import ServerConfig
 
@@ -107,6 +112,59 @@ async def test_the_next_request_on_a_kept_alive_connection_has_its_own_deadline(
         finally:
             writer.close()
         assert data.startswith(b"HTTP/1.1 408 "), data
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
+@pytest.mark.parametrize("where", ["header", "url"])
+async def test_an_endless_request_head_gets_431_and_is_closed_at_its_size_limit(
+    http: str, where: str
+) -> None:
+    """A peer sending one endless header (or request line) is answered once its head
+    passes the limit, long before its deadline: the server stops parsing it. A head
+    within the limit, and a body far larger, are served."""
+    limit = 4096
+    protocol = head_timeout_protocol(60.0, http, max_head_bytes=limit)
+    async with serve_app(APP, http=protocol) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            start = b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Pad: " if where == "header" else b"GET /"
+            writer.write(start)
+            sent = len(start)
+
+            async def flood() -> None:
+                nonlocal sent
+                with contextlib.suppress(ConnectionError):
+                    while sent < 64 << 20:
+                        writer.write(b"a" * 1024)
+                        sent += 1024
+                        await writer.drain()
+
+            flooding = asyncio.create_task(flood())
+            try:
+                data, _ = await closed_after(reader, CLOSE_BOUND)
+            except ConnectionResetError:
+                # h11's own limit on an incomplete event (16 KiB) can come first, in
+                # the same read: uvicorn then closes at once, and the peer's unread
+                # bytes reset the connection before its 400 is read.
+                assert http == "h11"
+                data = b""
+            finally:
+                flooding.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flooding
+        finally:
+            writer.close()
+        if http == "h11" and not data.startswith(b"HTTP/1.1 431 "):
+            assert data == b"" or data.startswith(b"HTTP/1.1 400 "), data
+        else:
+            assert data.startswith(b"HTTP/1.1 431 "), data
+            assert data.endswith(b"the request line and headers are too large\n"), data
+        assert sent < 16 << 20, f"{sent:,} bytes of head were read"
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            fits = await client.get("/echo", headers={"X-Pad": "a" * (limit // 2)})
+            assert fits.status_code == 200
+            body = await client.post("/echo", content=b"b" * (1 << 20))
+            assert body.text == f"POST {1 << 20}"
 
 
 @pytest.mark.parametrize("http", PROTOCOLS)
@@ -214,7 +272,7 @@ async def test_many_idle_sockets_write_a_bounded_number_of_log_lines(http: str) 
             writer.close()
 
 
-async def test_changefeed_serve_takes_the_deadline_from_its_config(
+async def test_changefeed_serve_takes_the_deadline_and_the_head_limit_from_its_config(
     feed_dsn: str, tmp_path: Path
 ) -> None:
     port = free_port()
@@ -223,7 +281,7 @@ async def test_changefeed_serve_takes_the_deadline_from_its_config(
         toml_document(
             {"dsn": feed_dsn},
             [{"name": "vm", "bootstrap_route": "/vms"}],
-            {"port": port, "header_timeout": "500ms"},
+            {"port": port, "header_timeout": "500ms", "header_max_bytes": 2048},
         )
     )
     publisher = ChangefeedServer.standalone("serve", config, port, tmp_path)
@@ -238,6 +296,15 @@ async def test_changefeed_serve_takes_the_deadline_from_its_config(
             writer.close()
         assert data.startswith(b"HTTP/1.1 408 "), data
         assert '"event":"http.head_timeout"' in publisher.log()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /readyz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 4096)
+            data, after = await closed_after(reader, CLOSE_BOUND)
+        finally:
+            writer.close()
+        assert data.startswith(b"HTTP/1.1 431 "), data
+        assert after < 0.5  # refused for its size, not at its deadline
+        assert '"event":"http.head_too_large"' in publisher.log()
 
 
 async def test_changefeed_example_api_takes_the_deadline_from_its_flag(
@@ -312,6 +379,10 @@ def test_the_protocol_class_and_its_default() -> None:
             head_timeout_protocol(bad)
     with pytest.raises(ValueError, match="unknown"):
         head_timeout_protocol(1.0, "zttp")
+    assert ServerConfig().header_max_bytes == DEFAULT_MAX_HEAD_BYTES == 65536
+    assert head_timeout_protocol(2.0).max_head_bytes == DEFAULT_MAX_HEAD_BYTES  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="at least 1024"):
+        head_timeout_protocol(1.0, max_head_bytes=100)
 
 
 def test_the_log_budget_writes_a_burst_then_counts_until_the_window_ends() -> None:
