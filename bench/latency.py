@@ -453,7 +453,7 @@ async def sweep(args: argparse.Namespace, counts: list[int], seconds: float) -> 
 
 async def main(args: argparse.Namespace) -> None:
     raise_nofile(4096)
-    seconds = args.seconds or (3.0 if args.quick else 10.0)
+    seconds = args.seconds or (1.5 if args.quick else 10.0)
     if args.sweep:
         await sweep(args, [int(n) for n in args.sweep.split(",")], seconds)
         return
@@ -502,8 +502,8 @@ async def main(args: argparse.Namespace) -> None:
                         f"({flush['count']:,} flushes)"
                     )
                 say("  per server (the publisher in a process of its own):")
-                # --quick: a second on each, enough to see that each runs.
-                each = int(args.rate) if args.quick else count
+                # --quick: a quarter of a second on each, enough to see that each runs.
+                each = int(args.rate // 4) if args.quick else count
                 servers = await measure_servers(args, fleet, dsn, each)
         finally:
             with contextlib.suppress(Exception):
@@ -534,9 +534,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="short run, under 30 s")
     parser.add_argument("--rate", type=float, default=1000.0, help="changes per second")
     parser.add_argument("--seconds", type=float, default=0.0)
-    parser.add_argument("--listeners", type=int, default=100)
+    parser.add_argument("--listeners", type=int, help="default: 100 (--quick: 20)")
     parser.add_argument(
-        "--history", type=int, default=100_000, help="older entries in the feed (analysed)"
+        "--history",
+        type=int,
+        help="older entries in the feed, analysed (default: 100,000; --quick: 10,000)",
     )
     parser.add_argument(
         "--sweep", metavar="N,N,...", help="listener counts: a sizing table instead"
@@ -547,7 +549,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--servers", default=",".join(SERVERS), help="servers to run the publisher on, in order"
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.listeners is None:
+        args.listeners = 20 if args.quick else 100
+    if args.history is None:
+        args.history = 10_000 if args.quick else 100_000
+    return args
 
 
 if __name__ == "__main__":
