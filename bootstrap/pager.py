@@ -48,6 +48,7 @@ from changefeed.backoff import Backoff, WaitBackoff, retry_after_floor
 from changefeed.collector import collector_paused
 from changefeed.logs import log_event
 from changefeed.schemas import Page, ProtocolError
+from changefeed.visible import visible
 
 from .errors import BootstrapConfigError, PagingError
 
@@ -263,6 +264,12 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:200]
 
 
+def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    """Scheme, host and port, as a browser's same-origin rule compares them."""
+    default = {"http": 80, "https": 443}.get(url.scheme)
+    return url.scheme, url.host, url.port or default
+
+
 def bearer_headers(token: str | None) -> dict[str, str]:
     """The ``Authorization`` header of a bearer ``token`` (none without one): what
     every client of a publisher sends (pager, listener handshake, CLI)."""
@@ -372,6 +379,14 @@ class Pager:
         if following == response.url:
             raise PagingError(
                 f"GET {response.url}: next link points at the same page",
+                url=str(response.url),
+                status=200,
+            )
+        if _origin(following) != _origin(response.url):
+            # The walk sends the listener's token with every page: never elsewhere.
+            raise PagingError(
+                f"GET {response.url}: next link leaves the route's origin"
+                f" ({visible(str(following)[:200])}); not followed",
                 url=str(response.url),
                 status=200,
             )

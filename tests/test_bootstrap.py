@@ -622,6 +622,32 @@ async def test_pager_gives_up_with_url_and_status(dsn: str) -> None:
         assert calls["forbidden"] == 1  # a 4xx is never retried
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+async def test_pager_never_follows_a_next_link_to_another_origin(prefetch: bool) -> None:
+    """The walk sends the listener's token with every page: a page whose ``next``
+    names another host or port is refused, and the token goes nowhere else."""
+    seen: list[str | None] = []
+
+    async def elsewhere(request: Request) -> Response:
+        seen.append(request.headers.get("authorization"))
+        return Response(b'{"items": [], "next": null}', 200, media_type="application/json")
+
+    async with serve_app(Starlette(routes=[Route("/steal", elsewhere)])) as other:
+
+        async def first_page(request: Request) -> Response:
+            body = orjson.dumps({"items": [{"id": 1}], "next": f"{other.url}/steal"})
+            return Response(body, 200, media_type="application/json")
+
+        app = Starlette(routes=[Route("/vms", first_page)])
+        async with serve_app(app) as server, httpx.AsyncClient(base_url=server.url) as client:
+            pager = Pager(client, f"{server.url}/vms", token="listener-secret", prefetch=prefetch)
+            with pytest.raises(PagingError, match="next link leaves the route's origin") as caught:
+                async for _ in pager.pages():
+                    pass
+            assert caught.value.status == 200
+    assert seen == []
+
+
 async def test_pager_reconnects_after_connection_refused(dsn: str) -> None:
     await create_items(dsn)
     async with asyncpg.create_pool(dsn, min_size=1, max_size=2) as pool:
