@@ -16,10 +16,14 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
+
+import orjson
 
 from changefeed import __version__
 from changefeed.bootstrap import bearer_headers
 from changefeed.logs import configure_logging
+from changefeed.visible import visible
 
 if TYPE_CHECKING:
     from changefeed.compaction import Progress
@@ -88,6 +92,19 @@ _positive_seconds = _checked(
 )
 _positive_rate = _checked(float, lambda x: math.isfinite(x) and x > 0, "a number above 0")
 _port = _checked(int, lambda n: 0 <= n <= 65535, "a port from 0 to 65535")
+
+
+def _parsed_base_url(text: str) -> str | None:
+    parts = urlsplit(text)  # raises ValueError on a broken IPv6 literal
+    parts.port  # noqa: B018 -- raises ValueError on a port that is not one
+    if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
+        return None
+    return text
+
+
+_base_url = _checked(
+    _parsed_base_url, lambda url: True, "an http(s):// or ws(s):// URL with a host and valid port"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -185,7 +202,9 @@ def _parser() -> argparse.ArgumentParser:
         "listen",
         "Register with a publisher and print change items as JSON lines (changefeedsnoop).",
     )
-    listen.add_argument("url", help="publisher base URL, e.g. http://127.0.0.1:8080")
+    listen.add_argument(
+        "url", type=_base_url, help="publisher base URL, e.g. http://127.0.0.1:8080"
+    )
     listen.add_argument(
         "--resource",
         action="append",
@@ -242,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     stats = command("stats", "Print a publisher's /changefeeds/stats readably.")
-    stats.add_argument("url", help="publisher base URL")
+    stats.add_argument("url", type=_base_url, help="publisher base URL")
     stats.add_argument("--json", action="store_true", help="raw JSON")
     stats.add_argument("--token", default=os.environ.get("CHANGEFEED_TOKEN"), help=_TOKEN_HELP)
 
@@ -328,14 +347,26 @@ async def _stats(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot reach {url}: {exc}") from None
     if response.status_code != 200:
         raise CommandError(f"{url} answered {response.status_code}: {response.text[:200]}")
-    doc = response.json()
+    try:
+        doc = orjson.loads(response.content)
+    except orjson.JSONDecodeError as exc:
+        raise CommandError(f"{url} answered 200 with a body that is not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CommandError(f"{url} answered 200 with JSON that is not a stats document")
     if args.json:
         print(response.text)
         return 0
     from changefeed.stats_view import render_stats
 
     width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-    print(render_stats(doc, width=width))
+    try:
+        text = render_stats(doc, width=width)
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        # Another version's document, or not a publisher's: say so, not a traceback.
+        raise CommandError(
+            f"{url} answered a stats document this version cannot show ({exc!r})"
+        ) from None
+    print(text)
     return 0
 
 
@@ -506,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             return runner.run(_ASYNC_COMMANDS[args.command](args))
     except CommandError as exc:
-        print(f"changefeed {args.command}: {exc}", file=sys.stderr)
+        _say_error(args.command, exc)
         return exc.status
     except ModuleNotFoundError as exc:
         missing = _missing_extra(args.command, exc)
@@ -522,9 +553,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from changefeed.publisher import PublisherError
 
         if isinstance(exc, PublisherError | ListenerError | BootstrapError | OSError):
-            print(f"changefeed {args.command}: {exc}", file=sys.stderr)
+            _say_error(args.command, exc)
             return 1
         raise
+
+
+def _say_error(command: str, exc: BaseException) -> None:
+    """One error on stderr. Its text may quote a server's answer or a peer's
+    name: no control or format character of theirs reaches the terminal as
+    itself (a line break stays one)."""
+    text = "\n".join(visible(line) for line in str(exc).split("\n"))
+    print(f"changefeed {command}: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

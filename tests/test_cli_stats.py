@@ -6,11 +6,14 @@ import asyncio
 import contextlib
 import os
 import sys
+from typing import Any
 
 import asyncpg
 import orjson
+import pytest
 from helpers import wait_until
 from publisher_fixtures import connect_not_reading, register, registration, running_publisher
+from servers import serve_app
 from websockets.exceptions import ConnectionClosed
 
 from changefeed.publisher import publish_many
@@ -130,3 +133,61 @@ def test_the_human_log_keeps_an_event_on_one_line_whatever_its_fields_hold() -> 
         logger.removeHandler(handler)
     (line,) = stream.getvalue().splitlines()
     assert line.endswith("instance=x\\n12:00:00.000 info forged line\\x1b[31m"), line
+
+
+async def cli(*args: str) -> tuple[int, str, str]:
+    """``changefeed ARGS``: its exit status, stdout and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "changefeed.cli", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.parametrize("command", ["stats", "listen"])
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:notaport", "http://[::1", "http://127.0.0.1:99999", "ftp://h", "h"]
+)
+async def test_a_url_that_is_not_one_is_a_usage_error(command: str, url: str) -> None:
+    extra = ["--resource", "vm"] if command == "listen" else []
+    status, _, err = await cli(command, url, *extra)
+    assert status == 2, err
+    assert "must be an http(s):// or ws(s):// URL" in err and "Traceback" not in err, err
+
+
+ANSWERS: dict[str, tuple[int, bytes]] = {
+    "not-json": (200, b"<html>hello</html>"),
+    "not-utf8": (200, b'{"listeners": "\xff\xfe"}'),
+    "a-list": (200, b"[1, 2, 3]"),
+    "null": (200, b"null"),
+    "deep": (200, b"[" * 100_000 + b"]" * 100_000),
+    "tailer-a-string": (200, b'{"tailer": "running", "listeners": 1}'),
+    "kinds-a-string": (200, b'{"registrations": [{"changeKind": "vm"}]}'),
+    "error-with-escapes": (503, b"down \x1b]0;pwned\x07\x1b[31m red"),
+}
+
+
+@pytest.mark.parametrize("answer", sorted(ANSWERS))
+async def test_a_server_answering_nonsense_gets_one_clear_line(answer: str) -> None:
+    """Whatever a server answers, ``changefeed stats`` says what it got in one line,
+    with nothing of the server's reaching the terminal as a control sequence."""
+    status_code, body = ANSWERS[answer]
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": status_code, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serve_app(app) as server:
+        for extra in ([], ["--json"]):
+            status, out, err = await cli("stats", server.url, *extra)
+            if answer in ("tailer-a-string", "kinds-a-string") and extra:
+                assert status == 0, err  # the raw document, as asked
+                continue
+            assert status == 1, (extra, out, err)
+            assert "Traceback" not in err and err.count("\n") == 1, err
+            assert "\x1b" not in err and "\x07" not in err, err
+            assert err.startswith(f"changefeed stats: {server.url}/changefeeds/stats answered")
