@@ -94,17 +94,18 @@ _positive_rate = _checked(float, lambda x: math.isfinite(x) and x > 0, "a number
 _port = _checked(int, lambda n: 0 <= n <= 65535, "a port from 0 to 65535")
 
 
-def _parsed_base_url(text: str) -> str | None:
-    parts = urlsplit(text)  # raises ValueError on a broken IPv6 literal
-    parts.port  # noqa: B018 -- raises ValueError on a port that is not one
+def _base_url(text: str) -> str:
+    """An argparse ``type``: a publisher's base URL, refused (status 2) unless it is
+    an http(s) or ws(s) URL with a host and a valid port."""
+    what = f"must be an http(s):// or ws(s):// URL with a host and a valid port, got {text!r}"
+    try:
+        parts = urlsplit(text)  # a broken IPv6 literal raises
+        parts.port  # noqa: B018 -- a port that is not one raises
+    except ValueError:
+        raise argparse.ArgumentTypeError(what) from None
     if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
-        return None
+        raise argparse.ArgumentTypeError(what)
     return text
-
-
-_base_url = _checked(
-    _parsed_base_url, lambda url: True, "an http(s):// or ws(s):// URL with a host and valid port"
-)
 
 
 def _parser() -> argparse.ArgumentParser:
