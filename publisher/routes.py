@@ -102,6 +102,11 @@ class _BadQuery(Exception):
     pass
 
 
+def _peer(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client else ""
+
+
 def _query(request: Request, allowed: Mapping[str, int]) -> dict[str, str]:
     """The query parameters of ``request``, each at most once and at most so many characters.
 
@@ -127,8 +132,9 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
 
     def refusal(request: Request, denied: AccessDenied) -> Response:
         """Count a refused request and answer it (``changefeed.schemas.access`` decided)."""
-        peer = f"{request.client.host}:{request.client.port}" if request.client else ""
-        publisher.refused(denied.code, "http", peer, f"{request.url.path}: {denied.message}")
+        publisher.refused(
+            denied.code, "http", _peer(request), f"{request.url.path}: {denied.message}"
+        )
         return error_response(
             denied.status, denied.code, denied.message, denied.headers(), denied.retry_after
         )
@@ -142,8 +148,8 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
             return refusal(request, outcome)
         return outcome.resources
 
-    def bad_request(message: str) -> Response:
-        publisher.refused("bad_request", "http", "", message)
+    def bad_request(request: Request, message: str) -> Response:
+        publisher.refused("bad_request", "http", _peer(request), f"{request.url.path}: {message}")
         return error_response(400, "bad_request", message)
 
     async def resources(request: Request) -> Response:
@@ -153,7 +159,7 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         try:
             _query(request, {})
         except _BadQuery as exc:
-            return bad_request(str(exc))
+            return bad_request(request, str(exc))
         return JSONResponse(
             {
                 "resources": [
@@ -175,17 +181,17 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         try:
             query = _query(request, {"resource": 64, "service": 256, "limit": 7})
         except _BadQuery as exc:
-            return bad_request(str(exc))
+            return bad_request(request, str(exc))
         limit: int | None = None
         if "limit" in query:
             text = query["limit"]
             if not (text.isascii() and text.isdigit()) or not 0 <= int(text) <= _STATS_LIMIT_MAX:
-                return bad_request(f"limit must be an integer from 0 to {_STATS_LIMIT_MAX}")
+                return bad_request(request, f"limit must be an integer from 0 to {_STATS_LIMIT_MAX}")
             limit = int(text)
         if "resource" in query:
             name = query["resource"]
             if publisher.config.resource(name) is None:
-                return bad_request(f"no change feed for resource {name!r}")
+                return bad_request(request, f"no change feed for resource {name!r}")
             outcome = decide(allowed, name)
             if isinstance(outcome, AccessDenied):
                 return refusal(request, outcome)
