@@ -186,7 +186,8 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         if "limit" in query:
             text = query["limit"]
             if not (text.isascii() and text.isdigit()) or not 0 <= int(text) <= _STATS_LIMIT_MAX:
-                return bad_request(request, f"limit must be an integer from 0 to {_STATS_LIMIT_MAX}")
+                message = f"limit must be an integer from 0 to {_STATS_LIMIT_MAX}"
+                return bad_request(request, message)
             limit = int(text)
         if "resource" in query:
             name = query["resource"]
