@@ -29,6 +29,7 @@ import uvicorn
 
 from changefeed import fast_path as guard
 from changefeed.collector import tune_collector
+from changefeed.file_limit import fit_file_limit
 from changefeed.logs import log_event
 from changefeed.publisher import Publisher
 from changefeed.tcp_liveness import NOTSENT_LOWAT, set_notsent_lowat
@@ -183,6 +184,25 @@ class DrainingServer(uvicorn.Server):
             )
         if self.owns_process and self.started:
             tune_collector()
+            self._fit_file_limit()
+
+    def _fit_file_limit(self) -> None:
+        """As many file descriptors as the publishers may hold connections, or a warning."""
+        connections = sum(p.config.max_connections for p in self.publishers)
+        short = fit_file_limit(connections) if connections else None
+        if short is not None:
+            soft, wanted = short
+            log_event(
+                log,
+                "serving.file_limit",
+                logging.WARNING,
+                limit=soft,
+                wanted=wanted,
+                max_connections=connections,
+                why="the process may open fewer files than max_connections asks: connections "
+                "beyond the limit are dropped by accept(); raise the hard limit "
+                "(ulimit -n, systemd LimitNOFILE) or lower max_connections",
+            )
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:

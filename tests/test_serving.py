@@ -10,13 +10,19 @@ saying why (changefeed.fast_path).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
+import orjson
 import pytest
+from helpers import free_port
 from starlette.applications import Starlette
+from test_deploy_support import ChangefeedServer, stopping, toml_document
 
 from changefeed import fast_path, serving
+from changefeed.file_limit import RESERVE
 from changefeed.http_timeouts import head_timeout_protocol
 from changefeed.uvicorn_fastpath import FanoutWebSocketProtocol
 
@@ -119,3 +125,40 @@ def test_the_deadlines_self_check_refuses_deadlines_that_never_fire(
     why = fast_path.deadlines().why_not
     assert why is not None and "half a head was not answered 408" in why
     assert serving.server_config(Starlette(), "127.0.0.1", 0, head_timeout=5).http == "auto"
+
+
+@pytest.mark.parametrize(("nofile", "raised"), [("200:20000", True), ("200:200", False)])
+async def test_a_server_process_raises_its_file_limit_or_says_it_cannot(
+    feed_dsn: str, tmp_path: Path, nofile: str, raised: bool
+) -> None:
+    """``changefeed serve`` holds up to ``max_connections`` (10,000) sockets: started
+    with a soft limit of 200 files it raises it as far as its hard limit allows, and
+    where that is too low it says so, once, at start; before, connections past the
+    limit were dropped by accept() without a word."""
+    port = free_port()
+    config = tmp_path / "changefeed.toml"
+    config.write_text(
+        toml_document(
+            {"dsn": feed_dsn}, [{"name": "vm", "bootstrap_route": "/vms"}], {"port": port}
+        )
+    )
+    server = ChangefeedServer.standalone("serve", config, port, tmp_path)
+    server.argv = ["prlimit", f"--nofile={nofile}", "--", *server.argv]
+    async with stopping(server):
+        server.start()
+        await server.wait_ready()
+        limits = await asyncio.to_thread(Path(f"/proc/{server.pid}/limits").read_text)
+        (line,) = [row for row in limits.splitlines() if row.startswith("Max open files")]
+        soft = int(line.split()[3])
+        warnings = [
+            orjson.loads(row)
+            for row in server.log().splitlines()
+            if '"event":"serving.file_limit"' in row
+        ]
+        if raised:
+            assert soft == 10_000 + RESERVE and warnings == []
+        else:
+            assert soft == 200
+            (warning,) = warnings
+            assert warning["level"] == "warning"
+            assert warning["limit"] == 200 and warning["wanted"] == 10_000 + RESERVE
