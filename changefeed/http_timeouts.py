@@ -36,7 +36,11 @@ connection closed (a whole head that came in one read, at most 256 KiB, is
 parsed as it is). uvicorn's
 httptools protocol sets none, and the time it spends on a head grows with its
 size: one peer sending an endless header would hold the event loop, and every
-listener's deliveries with it.
+listener's deliveries with it. A chunked body's trailers are header fields
+too: what a body brings besides itself (chunk sizes, extensions, trailers) may
+exceed it by ``max_head_bytes`` plus eight bytes per body byte, and is
+answered the same way past that (h11 bounds both with its own limit on an
+incomplete event).
 
 A websocket upgrade cancels the head's deadline with its headers, before the
 connection becomes a websocket: registered listeners are never touched (the
@@ -131,6 +135,9 @@ _BODY_TIMEOUT = _request_timeout(b"the request body stopped arriving\n")
 _LINGER = 2.0
 """Seconds a connection answered 431 is still read (and what it sends dropped)
 before it is closed, so that the answer is not lost to a reset."""
+_FRAMING_PER_BODY_BYTE = 8
+"""Bytes of chunk framing a body may bring per byte of its own, beyond
+``max_head_bytes``: a chunk of one byte takes five more ("1\\r\\nX\\r\\n")."""
 _HEAD_TOO_LARGE_MESSAGE = b"the request line and headers are too large\n"
 _HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
@@ -159,6 +166,11 @@ class _HeadDeadline(asyncio.Protocol):
     _head_bytes = 0
     _discarding = False
     _body_timer: asyncio.TimerHandle | None = None
+    _in_body = False
+    _body_phase_bytes = 0
+    """Bytes received since the head ended, while the body is read."""
+    _body_bytes = 0
+    """Of those, the body's own."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -168,11 +180,22 @@ class _HeadDeadline(asyncio.Protocol):
         if self._discarding:
             return
         self._note_head_bytes(len(data))
+        if self._in_body:
+            self._body_phase_bytes += len(data)
         super().data_received(data)
         # Checked once the parser has seen the data: a head that ended in it (its
         # deadline cancelled) is not refused for the body that came with it.
         if self._head_timer is not None and self._head_bytes > self.max_head_bytes:
-            self._head_too_large()
+            self._fields_too_large("head")
+        elif (
+            self._in_body
+            and self._body_phase_bytes - self._body_bytes
+            > self.max_head_bytes + _FRAMING_PER_BODY_BYTE * self._body_bytes
+        ):
+            # What came besides the body (chunk sizes, their extensions, trailers)
+            # is out of all proportion to it: a trailer section that never ends
+            # is a request head that never ends.
+            self._fields_too_large("framing")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
@@ -206,14 +229,23 @@ class _HeadDeadline(asyncio.Protocol):
         peer = f"{client[0]}:{client[1]}" if client else ""
         self.timeout_log.timed_out(self.loop, event, peer, **fields)
 
-    def _head_too_large(self) -> None:
-        """Answer 431 and close: the peer has sent more head than any client needs."""
+    def _fields_too_large(self, part: str) -> None:
+        """Answer 431 and close: the peer has sent more head (``part``: ``head``), or
+        more chunk framing and trailers (``framing``), than any client needs."""
         self._cancel_head_deadline()
+        self._cancel_body_deadline()
+        self._in_body = False
         if not self._still_ours():
             return
-        self._log_timeout("http.head_too_large", limit=self.max_head_bytes)
+        self._log_timeout("http.head_too_large", part=part, limit=self.max_head_bytes)
         transport = self.transport
-        transport.write(_HEAD_TOO_LARGE)
+        cycle = self.cycle
+        if cycle is not None:
+            # The app's next receive() is a disconnect, and what it sends goes nowhere.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if cycle is None or not cycle.response_started:
+            transport.write(_HEAD_TOO_LARGE)
         if not transport.can_write_eof():
             transport.close()
             return
@@ -275,13 +307,17 @@ class _HttpToolsHeadDeadline(_HeadDeadline, HttpToolsProtocol):
         self._cancel_head_deadline()
         super().on_headers_complete()
         self._arm_body_deadline()  # a request without a body completes at once
+        # httptools takes chunk framing and trailers without a limit: counted.
+        self._in_body, self._body_phase_bytes, self._body_bytes = True, 0, 0
 
     def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
         super().on_body(body)
         if self._body_timer is not None:
             self._arm_body_deadline()
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         self._cancel_body_deadline()
         super().on_message_complete()
 

@@ -168,6 +168,59 @@ async def test_an_endless_request_head_gets_431_and_is_closed_at_its_size_limit(
 
 
 @pytest.mark.parametrize("http", PROTOCOLS)
+@pytest.mark.parametrize("trailer", ["one-endless-value", "many-fields"])
+async def test_endless_trailers_are_an_endless_head_and_get_431(http: str, trailer: str) -> None:
+    """A chunked body's trailer section is header fields after the body: one that
+    never ends is refused as an endless head is, long before the body's deadline
+    (before, httptools parsed it for as long as the deadline allowed, and the
+    event loop stalled and the process grew by hundreds of MiB a second). A body
+    sent in one-byte chunks is served."""
+    limit = 4096
+    protocol = head_timeout_protocol(60.0, http, max_head_bytes=limit)
+    async with serve_app(APP, http=protocol) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        sent = 0
+        try:
+            writer.write(
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"5\r\nhello\r\n0\r\n" + (b"X-Trailer: " if trailer == "one-endless-value" else b"")
+            )
+
+            async def flood() -> None:
+                nonlocal sent
+                piece = b"a" * 1024 if trailer == "one-endless-value" else b"X-T: a\r\n" * 128
+                with contextlib.suppress(ConnectionError):
+                    while sent < 64 << 20:
+                        writer.write(piece)
+                        sent += len(piece)
+                        await writer.drain()
+
+            flooding = asyncio.create_task(flood())
+            try:
+                data, _ = await closed_after(reader, CLOSE_BOUND)
+            except ConnectionResetError:
+                assert http == "h11"  # its own limit, with its unread bytes: a reset
+                data = b""
+            finally:
+                flooding.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flooding
+        finally:
+            writer.close()
+        if http == "httptools":
+            assert data.startswith(b"HTTP/1.1 431 "), data
+        assert sent < 16 << 20, f"{sent:,} bytes of trailers were read"
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+
+            async def one_byte_chunks() -> AsyncIterator[bytes]:
+                for _ in range(20_000):
+                    yield b"b"
+
+            body = await client.post("/echo", content=one_byte_chunks())
+            assert body.text == "POST 20000"
+
+
+@pytest.mark.parametrize("http", PROTOCOLS)
 async def test_a_request_body_that_stops_arriving_gets_408_and_is_closed(http: str) -> None:
     async with serving(0.5, http) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
