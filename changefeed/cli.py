@@ -97,13 +97,19 @@ _port = _checked(int, lambda n: 0 <= n <= 65535, "a port from 0 to 65535")
 def _base_url(text: str) -> str:
     """An argparse ``type``: a publisher's base URL, refused (status 2) unless it is
     an http(s) or ws(s) URL with a host and a valid port."""
+    import httpx
+
     what = f"must be an http(s):// or ws(s):// URL with a host and a valid port, got {text!r}"
     try:
         parts = urlsplit(text)  # a broken IPv6 literal raises
         parts.port  # noqa: B018 -- a port that is not one raises
-    except ValueError:
+        httpx.URL(text).host  # noqa: B018 -- as the clients read it: no control characters, IDNA
+    except (ValueError, httpx.InvalidURL):  # IDNA's errors are ValueErrors
         raise argparse.ArgumentTypeError(what) from None
-    if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
+    host = parts.hostname
+    if parts.scheme not in ("http", "https", "ws", "wss") or not host or not host.isprintable():
+        raise argparse.ArgumentTypeError(what)
+    if any(c.isspace() for c in host):
         raise argparse.ArgumentTypeError(what)
     return text
 

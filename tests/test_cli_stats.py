@@ -148,7 +148,17 @@ async def cli(*args: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("command", ["stats", "listen"])
 @pytest.mark.parametrize(
-    "url", ["http://127.0.0.1:notaport", "http://[::1", "http://127.0.0.1:99999", "ftp://h", "h"]
+    "url",
+    [
+        "http://127.0.0.1:notaport",
+        "http://[::1",
+        "http://127.0.0.1:99999",
+        "ftp://h",
+        "h",
+        "http://127.0.0.1:1/\x1b",
+        "http://xn--a:1",
+        "http://ho st:1",
+    ],
 )
 async def test_a_url_that_is_not_one_is_a_usage_error(command: str, url: str) -> None:
     extra = ["--resource", "vm"] if command == "listen" else []
