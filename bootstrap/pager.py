@@ -264,10 +264,11 @@ def _error_message(response: httpx.Response) -> str:
         return response.text[:200]
 
 
-def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
-    """Scheme, host and port, as a browser's same-origin rule compares them."""
+def _origin(url: httpx.URL) -> tuple[str, str, int | None, str]:
+    """Scheme, host and port, as a browser's same-origin rule compares them, and the
+    credentials a URL carries (which httpx would send instead of the token)."""
     default = {"http": 80, "https": 443}.get(url.scheme)
-    return url.scheme, url.host, url.port or default
+    return url.scheme, url.host, url.port or default, url.userinfo.decode()
 
 
 def bearer_headers(token: str | None) -> dict[str, str]:

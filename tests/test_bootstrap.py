@@ -622,24 +622,30 @@ async def test_pager_gives_up_with_url_and_status(dsn: str) -> None:
         assert calls["forbidden"] == 1  # a 4xx is never retried
 
 
+@pytest.mark.parametrize("link", ["another-port", "credentials"])
 @pytest.mark.parametrize("prefetch", [True, False])
-async def test_pager_never_follows_a_next_link_to_another_origin(prefetch: bool) -> None:
+async def test_pager_never_follows_a_next_link_to_another_origin(prefetch: bool, link: str) -> None:
     """The walk sends the listener's token with every page: a page whose ``next``
-    names another host or port is refused, and the token goes nowhere else."""
+    names another host or port is refused, and the token goes nowhere else; so is
+    one to the same server that carries credentials of its own (httpx would send
+    them instead of the token)."""
     seen: list[str | None] = []
 
-    async def elsewhere(request: Request) -> Response:
+    async def steal(request: Request) -> Response:
         seen.append(request.headers.get("authorization"))
         return Response(b'{"items": [], "next": null}', 200, media_type="application/json")
 
-    async with serve_app(Starlette(routes=[Route("/steal", elsewhere)])) as other:
+    async with serve_app(Starlette(routes=[Route("/steal", steal)])) as other:
+        base = {"url": other.url}
 
         async def first_page(request: Request) -> Response:
-            body = orjson.dumps({"items": [{"id": 1}], "next": f"{other.url}/steal"})
+            body = orjson.dumps({"items": [{"id": 1}], "next": f"{base['url']}/steal"})
             return Response(body, 200, media_type="application/json")
 
-        app = Starlette(routes=[Route("/vms", first_page)])
+        app = Starlette(routes=[Route("/vms", first_page), Route("/steal", steal)])
         async with serve_app(app) as server, httpx.AsyncClient(base_url=server.url) as client:
+            if link == "credentials":
+                base["url"] = server.url.replace("//", "//u:p@")
             pager = Pager(client, f"{server.url}/vms", token="listener-secret", prefetch=prefetch)
             with pytest.raises(PagingError, match="next link leaves the route's origin") as caught:
                 async for _ in pager.pages():
