@@ -212,8 +212,8 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         holds: a peer flooding pings and reading nothing would make the
         publisher's memory grow without bound. Past ``_PEER_BACKLOG`` its frames
         wait in the kernel until the buffer drains (``resume_writing``); one that
-        never reads then makes no progress, and its pings' deadlines end it
-        (``keepalive_timeout``)."""
+        never reads then makes no progress, and its pings' deadlines
+        (``keepalive_timeout``) or the publisher's stall timeout end it."""
         transport = self.transport
         if transport.get_write_buffer_size() > _PEER_BACKLOG and not transport.is_closing():
             self.reading_held = True
