@@ -16,6 +16,7 @@ from publisher_fixtures import connect_not_reading, register, registration, runn
 from servers import serve_app
 from websockets.exceptions import ConnectionClosed
 
+from changefeed.cli import main
 from changefeed.publisher import publish_many
 
 TOKEN = "stats-reader-token-0123456789"
@@ -160,10 +161,16 @@ async def cli(*args: str) -> tuple[int, str, str]:
         "http://ho st:1",
     ],
 )
-async def test_a_url_that_is_not_one_is_a_usage_error(command: str, url: str) -> None:
+def test_a_url_that_is_not_one_is_a_usage_error(
+    command: str, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by the command line's parser (status 2, a usage message), before any
+    client is made: no traceback from httpx, no endless retries."""
     extra = ["--resource", "vm"] if command == "listen" else []
-    status, _, err = await cli(command, url, *extra)
-    assert status == 2, err
+    with pytest.raises(SystemExit) as exited:
+        main([command, url, *extra])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
     assert "must be an http(s):// or ws(s):// URL" in err and "Traceback" not in err, err
 
 
