@@ -181,9 +181,9 @@ async def test_an_endless_request_head_gets_431_and_is_closed_at_its_size_limit(
 async def test_endless_trailers_are_an_endless_head_and_get_431(http: str, trailer: str) -> None:
     """A chunked body's trailer section is header fields after the body: one that
     never ends is refused as an endless head is, long before the body's deadline
-    (before, httptools parsed it for as long as the deadline allowed, and the
-    event loop stalled and the process grew by hundreds of MiB a second). A body
-    sent in one-byte chunks is served."""
+    (httptools alone parses it for as long as the deadline allows, holding the
+    event loop and growing the process). A body sent in one-byte chunks is
+    served."""
     limit = 4096
     protocol = head_timeout_protocol(60.0, http, max_head_bytes=limit)
     async with serve_app(APP, http=protocol) as server:

@@ -133,8 +133,8 @@ async def test_a_server_process_raises_its_file_limit_or_says_it_cannot(
 ) -> None:
     """``changefeed serve`` holds up to ``max_connections`` (10,000) sockets: started
     with a soft limit of 200 files it raises it as far as its hard limit allows, and
-    where that is too low it says so, once, at start; before, connections past the
-    limit were dropped by accept() without a word."""
+    where that is too low it says so, once, at start (connections past the limit
+    are dropped by accept() without a word)."""
     port = free_port()
     config = tmp_path / "changefeed.toml"
     config.write_text(
