@@ -278,8 +278,7 @@ class Inbox:
         buffer: where items wait.
         cursor: the cursor to start from (a saved one).
         resources: the registered resources, in registration order.
-        multi: several change kinds (v2): each item must be of a registered
-            resource, and the dispatch cuts runs by resource.
+        multi: several change kinds (v2): the dispatch cuts runs by resource.
         high_water: the fill (fraction of the capacity) logged as ``listener.buffer.high``.
         fields: the listener's fields for log events.
     """
@@ -302,7 +301,8 @@ class Inbox:
         self._fresh = False
         """Resume from nothing: a failure called for a fresh bootstrap."""
         self._resources = resources
-        self._registered = frozenset(resources) if multi else None
+        self._registered = frozenset(resources)
+        self._multi = multi
         self._high_water = high_water
         self._fields = fields
         self._resyncs: deque[Resynced] = deque()
@@ -384,8 +384,9 @@ class Inbox:
 
         Raises:
             PublisherClosed: it is the publisher's error frame.
-            BadPublisherFrame: it breaks the wire contract, or (v2) holds an item
-                of a resource this connection did not register.
+            BadPublisherFrame: it breaks the wire contract, or holds an item of a
+                resource this connection did not register (a controller would
+                fetch its id from another resource's route).
             BufferOverflow: its items do not fit.
         """
         self.frames += 1
@@ -393,13 +394,12 @@ class Inbox:
         if isinstance(items, ErrorFrame):
             raise publisher_error(items, "publisher error")
         registered = self._registered
-        if registered is not None:
-            for item in items:
-                if item.change_kind.resource not in registered:
-                    raise BadPublisherFrame(
-                        f"an item of resource {item.change_kind.resource!r}, "
-                        "which this connection did not register"
-                    )
+        for item in items:
+            if item.change_kind.resource not in registered:
+                raise BadPublisherFrame(
+                    f"an item of resource {item.change_kind.resource!r}, "
+                    "which this connection did not register"
+                )
         self.received += len(items)
         buffer = self.buffer
         held = self.held()
@@ -551,7 +551,7 @@ class Inbox:
         its controllers have room for; the cursor follows each chunk handed over (their
         mirrors take it in the same step, so they are done with it too)."""
         generation = self._generation
-        runs = _runs(items) if self._registered is not None else [(self._resources[0], items)]
+        runs = _runs(items) if self._multi else [(self._resources[0], items)]
         for resource, run in runs:
             start, end = 0, len(run)
             while start < end:

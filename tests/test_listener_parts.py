@@ -81,6 +81,15 @@ async def test_error_and_bad_frames_end_the_session() -> None:
         await box.receive(frame(item(1, "nic")))
 
 
+async def test_a_single_resource_connection_refuses_another_resources_items() -> None:
+    """A v1 connection registers one resource: an item of another one is the
+    publisher breaking the contract, not an id to fetch from this resource's route."""
+    box = inbox(resources=("vm",))
+    with pytest.raises(BadPublisherFrame, match="'nic', which this connection did not"):
+        await box.receive(frame(item(1), item(2, "nic")))
+    assert box.held() == 0  # nothing of the bad frame was buffered
+
+
 async def test_a_reconnect_between_resynced_events_moves_no_cursor() -> None:
     """Only whole hand-outs move the cursor: a connection that ends after the first of a
     bootstrap's Resynced events leaves both readings where they were (a checkpoint of
