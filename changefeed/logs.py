@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from changefeed.visible import visible
+from changefeed.visible import json_visible, visible
 
 __all__ = ["HumanFormatter", "JsonFormatter", "configure_logging", "log_event"]
 
@@ -59,7 +59,9 @@ class JsonFormatter(logging.Formatter):
         doc.update(_fields(record))
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(doc, default=str).decode()
+        # Names, reasons and paths come from peers: a terminal tailing the log, or a
+        # viewer showing it, gets none of their control or format characters raw.
+        return json_visible(orjson.dumps(doc, default=str).decode())
 
 
 class HumanFormatter(logging.Formatter):

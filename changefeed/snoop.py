@@ -35,6 +35,7 @@ from changefeed.listener import (
     Resynced,
     SqliteCheckpointStore,
 )
+from changefeed.visible import json_visible, visible
 
 __all__ = ["UsageError", "change_kinds", "run_listen", "status_line", "websocket_url"]
 
@@ -108,12 +109,13 @@ def status_line(status: ListenerStatus, shown: int) -> str:
         line += f" checkpoint={'resumed' if checkpoint.resumed_from else 'new'}"
         line += f"/{checkpoint.saves} saves"
     if status.last_error:
-        line += f" last_error={status.last_error[:60]}"
+        line += f" last_error={visible(status.last_error[:60])}"
     return line
 
 
 def _emit(doc: dict[str, Any]) -> None:
-    sys.stdout.write(orjson.dumps(doc).decode() + "\n")
+    # Ids, names and reasons come from the publisher: a terminal shows none raw.
+    sys.stdout.write(json_visible(orjson.dumps(doc).decode()) + "\n")
     sys.stdout.flush()
 
 

@@ -136,6 +136,31 @@ def test_the_human_log_keeps_an_event_on_one_line_whatever_its_fields_hold() -> 
     assert line.endswith("instance=x\\n12:00:00.000 info forged line\\x1b[31m"), line
 
 
+def test_the_json_log_writes_no_control_or_format_character_raw() -> None:
+    """A JSON log line holds a peer's name as JSON escapes: the same value to a parser,
+    and no right-to-left override or C1 control for a terminal tailing the log."""
+    import io
+    import logging
+
+    from changefeed.logs import JsonFormatter, log_event
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("changefeed.test_json_visible")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    name = "abc\u202egnp.exe\x9b31m\u2028é"
+    try:
+        log_event(logger, "registration", instance=name)
+    finally:
+        logger.removeHandler(handler)
+    (line,) = stream.getvalue().splitlines()
+    assert orjson.loads(line)["instance"] == name
+    assert line.isprintable() and "\\u202e" in line and "\\u2028" in line and "é" in line, line
+
+
 async def cli(*args: str) -> tuple[int, str, str]:
     """``changefeed ARGS``: its exit status, stdout and stderr."""
     proc = await asyncio.create_subprocess_exec(

@@ -225,6 +225,26 @@ async def test_listen_follows_two_resources_on_one_connection(dsn: str) -> None:
     }
 
 
+async def test_listen_prints_no_character_a_terminal_would_act_on_or_hide(dsn: str) -> None:
+    """A state from the API with a right-to-left override, a C1 control (CSI) and a
+    format character beyond the Basic Multilingual Plane reaches stdout escaped: the
+    line parses to the same value, and none of them is in it raw."""
+    alias = "evil\u202egnp.exe\x9b31m\U000e0001"
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        (vm,) = await create_vms(client, 1)
+        async with listen(api.url, "--resource", "vm:alias", "--mirror") as process:
+            assert process.stdout is not None
+            await read_lines_until(process, bool)  # the bootstrap's add
+            patched = await client.patch(f"/vms/{vm}", json={"alias": alias})
+            assert patched.status_code == 200, patched.text
+            async with asyncio.timeout(60):
+                raw = await process.stdout.readline()
+    assert orjson.loads(raw)["state"]["alias"] == alias
+    text = raw.decode()
+    assert text.isascii() and text.endswith("\n") and text[:-1].isprintable(), text
+    assert "\\u202e" in text and "\\udb40\\udc01" in text
+
+
 async def test_listen_with_a_checkpoint_resumes_and_prints_only_what_changed(
     dsn: str, tmp_path: Path
 ) -> None:
