@@ -381,7 +381,7 @@ async def _example_api(args: argparse.Namespace) -> int:
     from changefeed.example.vmapi import create_app
     from changefeed.publisher.config import ServerConfig
     from changefeed.serving import DrainingServer, server_config
-    from changefeed.standalone import check_database
+    from changefeed.standalone import check_database, check_same_feed
 
     header_timeout = args.header_timeout
     if header_timeout is None:
@@ -389,10 +389,13 @@ async def _example_api(args: argparse.Namespace) -> int:
     if not header_timeout > 0:
         raise CommandError(f"--header-timeout: must be positive, got {header_timeout}", 2)
     dsn = _dsn(args)
-    await check_database(dsn, None)
+    await check_database(dsn, None, key="--dsn")
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
     if args.read_dsn:
         await check_database(args.read_dsn, None, key="--read-dsn")
+        await check_same_feed(
+            dsn, args.read_dsn, None, schema="changefeed", keys=("--dsn", "--read-dsn")
+        )
         overrides["read_dsn"] = args.read_dsn
     app = create_app(dsn, **overrides)
     config = server_config(

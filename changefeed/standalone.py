@@ -16,10 +16,10 @@ from starlette.applications import Starlette
 
 from changefeed.publisher import ConfigError, Publisher
 from changefeed.publisher.config import load_service_config
-from changefeed.schemas import schema_version
+from changefeed.schemas import quote_schema, schema_version
 from changefeed.serving import DrainingServer, server_config
 
-__all__ = ["build_app", "check_database", "run_standalone"]
+__all__ = ["build_app", "check_database", "check_same_feed", "run_standalone"]
 
 
 def build_app(publisher: Publisher) -> Starlette:
@@ -36,10 +36,7 @@ async def check_database(
     Raises:
         ConfigError: naming ``key`` (or ``publisher.create_schema``) and ``source``.
     """
-    try:
-        conn = await asyncpg.connect(dsn, timeout=10)
-    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
-        raise ConfigError(key, f"database unreachable: {exc}", source) from None
+    conn = await _connect(dsn, key, source)
     try:
         try:
             version = await schema_version(conn, schema) if schema is not None else None
@@ -57,6 +54,55 @@ async def check_database(
         await conn.close()
 
 
+async def _connect(dsn: str, key: str, source: str | None) -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(dsn, timeout=10)
+    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        raise ConfigError(key, f"database unreachable: {exc}", source) from None
+    except (asyncpg.InterfaceError, ValueError) as exc:  # asyncpg's DSN parsing: a bad port
+        raise ConfigError(key, f"not a usable PostgreSQL DSN: {exc}", source) from None
+
+
+async def check_same_feed(
+    dsn: str,
+    read_dsn: str,
+    source: str | None,
+    *,
+    schema: str,
+    keys: tuple[str, str] = ("publisher.dsn", "publisher.read_dsn"),
+) -> None:
+    """Fail fast, naming the second of ``keys``, when ``read_dsn`` serves another feed
+    than ``dsn``: a database that is no replica of the primary (another database,
+    another cluster) would be tailed as if it were, and no change written through
+    ``dsn`` would ever reach a listener. The feeds are compared by identity where both
+    already hold the schema (a feed that does not exist yet is made on the primary,
+    and a replica gets it from there).
+
+    Raises:
+        ConfigError: naming the key and ``source``.
+    """
+    key = keys[1]
+    table = f"{quote_schema(schema)}.feed_state"
+    found: list[object] = []
+    for where, target in zip(keys, (dsn, read_dsn), strict=True):
+        conn = await _connect(target, where, source)
+        try:
+            exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
+            found.append(await conn.fetchval(f"SELECT feed_id FROM {table}") if exists else None)
+        except asyncpg.PostgresError:
+            found.append(None)  # no grant on it yet, or an older schema: the tailer will say
+        finally:
+            await conn.close()
+    primary, replica = found
+    if primary is not None and replica is not None and primary != replica:
+        raise ConfigError(
+            key,
+            f"serves another feed ({replica}) than the primary's ({primary}): it must be"
+            " a hot standby of the dsn's server, or that server itself",
+            source,
+        )
+
+
 async def run_standalone(path: str, *, host: str | None = None, port: int | None = None) -> int:
     """Load ``path``, check the database, and serve until SIGTERM/SIGINT."""
     config, server = load_service_config(path)
@@ -67,6 +113,7 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
     await check_database(config.dsn, path, schema=None if config.create_schema else config.schema)
     if config.read_dsn:
         await check_database(config.read_dsn, path, key="publisher.read_dsn")
+        await check_same_feed(config.dsn, config.read_dsn, path, schema=config.schema)
     publisher = Publisher(config)
     uvicorn_config = server_config(
         publisher.listeners_first(build_app(publisher)),

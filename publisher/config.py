@@ -137,7 +137,9 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _doc(
             "PostgreSQL DSN of a hot standby of `dsn` to read the feed from: tailing, "
             "catch-up pages and resume checks go there, and `dsn` (the primary) keeps only "
-            "the doorbell (LISTEN), schema changes, retention and the writers' age. None: "
+            "the doorbell (LISTEN), schema changes, retention and the writers' age. "
+            "`changefeed serve` and `example-api` refuse at start-up one whose feed is "
+            "another than the primary's. None: "
             'everything reads `dsn` (docs/design.md, "Reading from a standby").',
             kind="string",
         ),

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 from helpers import free_port, wait_until
@@ -27,7 +28,7 @@ from test_deploy_support import ROOT, ChangefeedServer, stopping, toml_document
 from test_listener_support import api_state
 
 from changefeed.listener import BackoffPolicy, Controller, Listener, ListenerConfig
-from changefeed.schemas import ChangeKind
+from changefeed.schemas import ChangeKind, apply_schema
 
 
 async def test_standalone_publisher_with_an_absolute_bootstrap_route(
@@ -118,6 +119,20 @@ RESOURCE = {"name": "vm", "bootstrap_route": "/vms"}
             id="unknown-key",
         ),
         pytest.param(
+            {"dsn": "postgresql://x@127.0.0.1:notaport/x"},
+            RESOURCE,
+            "publisher.dsn",
+            "not a usable PostgreSQL DSN",
+            id="dsn-bad-port",
+        ),
+        pytest.param(
+            {"dsn": "not a dsn"},
+            RESOURCE,
+            "publisher.dsn",
+            "not a usable PostgreSQL DSN",
+            id="dsn-not-a-url",
+        ),
+        pytest.param(
             {"dsn": "postgresql://x@127.0.0.1/x", "queue_size": "big"},
             RESOURCE,
             "publisher.queue_size",
@@ -159,6 +174,36 @@ def test_serve_refuses_an_unreachable_database(tmp_path: Path) -> None:
     assert line.startswith(f"changefeed serve: {config}: publisher.dsn: database unreachable"), line
     assert "Traceback" not in result.stderr
     assert elapsed < 15, f"took {elapsed:.1f}s to give up"
+
+
+async def test_serve_refuses_a_read_dsn_that_serves_another_feed(
+    feed_dsn: str, pg_server: Any, tmp_path: Path
+) -> None:
+    """A read_dsn that is no replica of the dsn's server (here another database with a
+    feed of its own) would be tailed instead of the feed the API writes: refused at
+    start-up, naming the key, rather than serving a feed that never changes."""
+    name = f"other_{uuid.uuid4().hex}"
+    admin = await asyncpg.connect(pg_server.dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        other = await asyncpg.connect(pg_server.dsn_for(name))
+        try:
+            await apply_schema(other)
+        finally:
+            await other.close()
+        config = tmp_path / "changefeed.toml"
+        publisher = {"dsn": feed_dsn, "read_dsn": pg_server.dsn_for(name)}
+        config.write_text(toml_document(publisher, [RESOURCE]))
+        result = await asyncio.to_thread(run_serve, config)
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+    assert result.returncode == 1, result
+    line = result.stderr.strip()
+    assert line.startswith(
+        f"changefeed serve: {config}: publisher.read_dsn: serves another feed"
+    ), line
+    assert "Traceback" not in result.stderr and "\n" not in line
 
 
 async def test_serve_refuses_a_missing_database(pg_server: Any, tmp_path: Path) -> None:
