@@ -77,7 +77,10 @@ _GAUGE_HELP = {
     ),
     "queued_items": "Items waiting in all listener send queues",
     "lag_seconds_max": "Age of the oldest entry a listener has yet to take, over all listeners",
-    "tailer_lag_seconds": "Age of the newest entry at the time the tailer read it",
+    "tailer_lag_seconds": (
+        "Age of the newest entry at the time the tailer read it; on a standby, at least"
+        " the wait of the oldest notified transaction not yet replayed"
+    ),
     "tailer_up": "1 while the tailer is connected and running",
     "tailer_position": "Identity of the last entry the tailer read (grows while it makes progress)",
     "doorbell_up": (

@@ -20,6 +20,11 @@ rings only while the feed is quiet:
   rings for every transaction that began before its LISTEN took effect
   (``Doorbell``): nothing committed meanwhile waits for the poll.
 
+A rung transaction is also remembered, with when it rang, until a read's
+horizon has passed it (``unreplayed_for``): a standby whose replay has stalled
+delivers nothing, so the age of the newest entry read would not show it, but
+the age of the oldest ring it has not replayed does.
+
 So a publisher costs the primary a doorbell wake-up per commit only below
 ``REST_RATE`` commits a second, and the standby about ``1 / FOLLOW_EVERY``
 reads a second above it.
@@ -73,6 +78,9 @@ class StandbyPacing:
         """Since when reads have kept finding entries with no gap of FOLLOW_FOR."""
         self._rings = 0
         """Rings since ``_flowing_since``."""
+        self._unreplayed: dict[int, float] = {}
+        """Rung transactions no read's horizon has passed yet -> when they rang, in
+        the order they rang (at most MOST_AWAITED: the oldest are what count)."""
         self.replay_waits = 0
         """Reads made again because a rung transaction had not been replayed."""
         self.rests = 0
@@ -81,8 +89,12 @@ class StandbyPacing:
     def rung(self, txid: int | None, now: float) -> None:
         """The doorbell rang, naming ``txid`` (None: it named nothing)."""
         self._rings += 1
-        if txid is not None and len(self.awaited) < MOST_AWAITED:
+        if txid is None:
+            return
+        if len(self.awaited) < MOST_AWAITED:
             self.awaited[txid] = now + self._poll_interval
+        if len(self._unreplayed) < MOST_AWAITED:
+            self._unreplayed.setdefault(txid, now)
 
     def read(self, horizon: int | None, found: bool, now: float) -> bool | None:
         """A read of the standby happened: its snapshot's ``horizon`` (None: not
@@ -98,6 +110,8 @@ class StandbyPacing:
                 for t, until in self.awaited.items()
                 if (horizon is None or t >= horizon) and until > now
             }
+        if self._unreplayed and horizon is not None:
+            self._unreplayed = {t: at for t, at in self._unreplayed.items() if t >= horizon}
         if found:
             if self._found_at is None or now - self._found_at > FOLLOW_FOR:
                 self._flowing_since, self._rings = now, 0
@@ -113,6 +127,14 @@ class StandbyPacing:
             self._flowing_since = None
             return False
         return None
+
+    def unreplayed_for(self, now: float) -> float:
+        """Seconds the oldest rung transaction has waited for a read past it (0: none
+        waits): how far the standby, or a transaction still open before it, holds
+        the feed back."""
+        for rang_at in self._unreplayed.values():  # the first is the oldest ring
+            return max(0.0, now - rang_at)
+        return 0.0
 
     def delay(self) -> float:
         """Seconds until the next read, unless the doorbell rings first."""

@@ -135,7 +135,8 @@ class Tailer:
         self.reconnects_total = 0
         self.last_published: datetime | None = None
         self.last_read_at: float | None = None
-        self.lag_seconds = 0.0
+        self._entry_lag = 0.0
+        """Age of the newest entry when the last read that found any read it."""
         self.fanout_wait_seconds = 0.0
         """Time spent waiting for the fan-out between full batches (see _drain)."""
         self.replay_conflicts_total = 0
@@ -303,7 +304,7 @@ class Tailer:
             self.last_read_at = time.monotonic()
             if not entries:
                 self._unexpected = 0  # a round got through: whatever failed did not repeat
-                self.lag_seconds = 0.0
+                self._entry_lag = 0.0
                 return
             last = entries[-1]
             if log.isEnabledFor(logging.DEBUG):
@@ -323,7 +324,7 @@ class Tailer:
             self.stamp = stamp_of(last.published)
             self.entries_total += len(entries)
             self.last_published = last.published
-            self.lag_seconds = max(0.0, (datetime.now(UTC) - last.published).total_seconds())
+            self._entry_lag = max(0.0, (datetime.now(UTC) - last.published).total_seconds())
             if len(entries) < self._batch:
                 return
             # A full batch: more is waiting (a burst, a catch-up). Reading and
@@ -334,6 +335,16 @@ class Tailer:
                 waited_from = time.monotonic()
                 await self._fanned_out()
                 self.fanout_wait_seconds += time.monotonic() - waited_from
+
+    @property
+    def lag_seconds(self) -> float:
+        """How far behind the feed the tailer is: the age of the newest entry it read
+        (0 once a read finds nothing new), or on a standby, when longer, how long the
+        oldest transaction the doorbell named has waited for the standby to replay
+        it. A standby whose replay stalls delivers nothing, and shows here."""
+        if self._pacing is None:
+            return self._entry_lag
+        return max(self._entry_lag, self._pacing.unreplayed_for(time.monotonic()))
 
     def stats(self) -> dict[str, Any]:
         """The tailer's live picture for /changefeeds/stats."""

@@ -96,3 +96,21 @@ def test_awaited_transactions_are_bounded(payloads: int) -> None:
     for txid in range(payloads):
         pacing.rung(txid, now=0.0)
     assert len(pacing.awaited) == 4096
+
+
+def test_a_ring_the_standby_has_not_replayed_ages_until_a_read_passes_it() -> None:
+    """A stalled replay delivers nothing: what shows it is how long the oldest rung
+    transaction has waited, kept past the poll interval's hurry, until a horizon passes it."""
+    pacing = StandbyPacing(POLL)
+    assert pacing.unreplayed_for(now=5.0) == 0.0
+    pacing.rung(100, now=1.0)
+    pacing.rung(101, now=2.0)
+    pacing.rung(100, now=3.0)  # rung again: it has waited since the first ring
+    pacing.read(horizon=100, found=False, now=10.0)  # long past the poll's hurry
+    assert pacing.awaited == {} and pacing.unreplayed_for(now=10.0) == 9.0
+    pacing.read(horizon=None, found=False, now=11.0)  # a horizon not known passes nothing
+    assert pacing.unreplayed_for(now=11.0) == 10.0
+    pacing.read(horizon=101, found=True, now=12.0)  # 100 replayed; 101 rang at 2.0
+    assert pacing.unreplayed_for(now=12.0) == 10.0
+    pacing.read(horizon=102, found=True, now=13.0)
+    assert pacing.unreplayed_for(now=13.0) == 0.0

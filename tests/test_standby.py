@@ -23,7 +23,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-from helpers import free_port, standby_caught_up, wait_until
+from helpers import free_port, metric_value, standby_caught_up, wait_until
 from publisher_fixtures import (
     PublisherUnderTest,
     receive_items,
@@ -186,6 +186,31 @@ async def test_a_fresher_cursor_is_held_until_the_standby_replays_it_never_reset
         assert lagging.publisher.counters.registrations["vm", False] == 0
         await ws.close()
         await resumed.close()
+
+
+async def test_a_stalled_replay_shows_as_tailer_lag_and_clears_once_replayed(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """A standby that stops replaying delivers nothing, so the newest entry's age says
+    nothing: the tailer's lag (stats and metric, what ChangefeedTailerLag watches)
+    grows with the wait of the oldest transaction the doorbell named, and falls back
+    once the standby has replayed it and the entry is delivered."""
+    async with on_standby(feed_dsn, standby_dsn) as pub:
+        ws, _ = await register(pub.ws_url, registration())
+
+        def lag() -> float:
+            return float(pub.publisher.stats()["tailer"]["lagSeconds"])
+
+        async with replay_paused(standby_dsn) as standby:
+            await publish_each(feed_dsn, ["stalled"])
+            await wait_until(lambda: lag() >= 1.0, timeout=15, message="the lag grows")
+            metrics = pub.publisher.metrics.render().decode()
+            assert metric_value(metrics, "changefeed_tailer_lag_seconds") >= 1.0
+            await standby.execute("SELECT pg_wal_replay_resume()")
+            (item,) = await receive_items(ws, 1, timeout=15)
+        assert item["changedResourceId"] == "stalled"
+        await wait_until(lambda: lag() < 1.0, timeout=15, message="the lag falls back")
+        await ws.close()
 
 
 @pytest.fixture
