@@ -192,7 +192,8 @@ class Sessions:
                 undeclared=list(unknown),
             )
         if not await self.wait_ready():
-            return Refusal("unavailable", "the feed database is unreachable; retry later", 1.0)
+            why = "its database is unreachable, or its standby is behind"
+            return Refusal("unavailable", f"the feed cannot be read now ({why}); retry later", 1.0)
         generation = self._identity.generation
         since, reason = None, None
         if request.registration.since is not None:
