@@ -560,9 +560,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # the last line of defence: one clear line
         from changefeed.bootstrap import BootstrapError
         from changefeed.listener import ListenerError
-        from changefeed.publisher import PublisherError
 
-        if isinstance(exc, PublisherError | ListenerError | BootstrapError | OSError):
+        known: tuple[type[Exception], ...] = (ListenerError, BootstrapError, OSError)
+        try:
+            from changefeed.publisher import PublisherError
+        except ImportError:  # a listener-only install: no publisher ran to raise one
+            pass
+        else:
+            known += (PublisherError,)
+        if isinstance(exc, known):
             _say_error(args.command, exc)
             return 1
         raise

@@ -200,7 +200,16 @@ async def test_the_readme_listener_runs_from_a_listener_only_install(
             if follower.returncode is None:
                 follower.kill()
                 await follower.wait()
+        # A refusal reaches a listener-only install's CLI as one line, like any other
+        # install's (its error handler must not need the publisher's package).
+        refused = await asyncio.to_thread(
+            light.run, ["changefeed", "listen", served.url, "--resource", "nosuch"], cwd=tmp_path
+        )
     assert "server-side modules loaded: []" in rest.decode(), "".join(out) + rest.decode()
+    assert refused.returncode == 1, refused
+    last = refused.stderr.splitlines()[-1]  # after the JSON log lines
+    assert last.startswith("changefeed listen: registration refused"), refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_the_fast_path_asked_of_an_untested_uvicorn_is_plain_asgi_and_says_why(
