@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 
 import asyncpg
 
+from changefeed.budgeted_log import BudgetedLines
+from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
 from changefeed.schemas import (
     ERROR_CLOSE_CODES,
@@ -59,6 +61,21 @@ _READY_TIMEOUT = 5.0
 _STANDBY_RETRY = 2.0
 """retryAfter (seconds) for a cursor this publisher's standby has not caught up with:
 by then it most likely has, or the balancer sends the listener elsewhere."""
+
+
+REFUSALS_LOGGED = 20
+"""Refusals of one window logged one by one, each with its peer and reason."""
+REFUSALS_WINDOW = 10.0
+"""Seconds of a window: the refusals beyond ``REFUSALS_LOGGED`` in it go out as one
+``refusals_held`` line (counts by event and code) when it ends. Every refusal is
+counted (``changefeed_refusals_total``) and kept in ``recentRefusals`` regardless."""
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class Sessions:
@@ -117,6 +134,11 @@ class Sessions:
         """Whether connections get direct writes (known from the first one)."""
         self._empty = asyncio.Event()
         self._empty.set()
+        # Anyone can be refused at will (no token, a socket left idle): the first
+        # refusals of a window are logged one by one, the rest as one summary.
+        self._refusal_lines = BudgetedLines(
+            LogBudget(REFUSALS_LOGGED, REFUSALS_WINDOW), log, "refusals_held"
+        )
 
     @property
     def config(self) -> PublisherConfig:
@@ -129,6 +151,7 @@ class Sessions:
     async def drain(self, grace: float) -> None:
         """Refuse new registrations and close every listener with 1001 ("going away"),
         so that they re-register with another instance; wait up to ``grace`` seconds."""
+        self._refusal_lines.flush()
         if not self.draining:
             log_event(log, "publisher.draining", listeners=len(self.registry))
         self.draining = True
@@ -156,17 +179,14 @@ class Sessions:
         return outcome
 
     def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None:
-        """Count and log one refusal (bad input, auth, limits) with its error code."""
+        """Count one refusal (bad input, auth, limits) with its error code, and log it
+        within the refusals' budget."""
         self._counters.refused(code, endpoint, peer, reason)
-        log_event(
-            log,
-            "registration.refused" if endpoint == "websocket" else "request.refused",
-            logging.WARNING,
-            code=code,
-            endpoint=endpoint,
-            peer=peer,
-            reason=reason,
-        )
+        event = "registration.refused" if endpoint == "websocket" else "request.refused"
+        if self._refusal_lines.due(f"{event} {code}", _running_loop()):
+            log_event(
+                log, event, logging.WARNING, code=code, endpoint=endpoint, peer=peer, reason=reason
+            )
 
     def connection_opened(self, direct_writes: bool) -> None:
         self._counters.connections_opened += 1

@@ -63,6 +63,27 @@ async def test_the_handshake_without_a_good_token_is_refused_with_401(feed_dsn: 
         assert 'changefeed_refusals_total{code="unauthorized",endpoint="websocket"} 4.0' in text
 
 
+async def test_refusals_anyone_can_cause_do_not_set_the_log_volume(
+    feed_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """60 handshakes without a token: every one is refused and counted, but only the
+    first 20 of the window are logged one by one; the rest go out as one summary
+    (here when the publisher stops, before its window ends)."""
+    from changefeed.publisher.sessions import REFUSALS_LOGGED
+
+    caplog.set_level(logging.INFO, logger="changefeed")
+    async with running_publisher(feed_dsn, **TOKENS) as pub:
+        for _ in range(60):
+            with pytest.raises(InvalidStatus):
+                await connect(pub.ws_url)
+        assert pub.publisher.stats()["counters"]["refused"] == {"unauthorized": 60}
+    logged = [r for r in caplog.records if r.getMessage() == "registration.refused"]
+    assert len(logged) == REFUSALS_LOGGED == 20
+    (summary,) = [r for r in caplog.records if r.getMessage() == "refusals_held"]
+    held = summary.cf_fields["held"]  # type: ignore[attr-defined]
+    assert held == {"registration.refused unauthorized": 40}, held
+
+
 async def _refuse_four_bad_tokens(url: str) -> None:
     for headers in ({}, bearer("wrong"), {"Authorization": f"Basic {OPS}"}, bearer("")):
         with pytest.raises(InvalidStatus) as refused:
