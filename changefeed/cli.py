@@ -332,6 +332,8 @@ async def _db_init(args: argparse.Namespace) -> int:
         conn = await asyncpg.connect(dsn, timeout=10)
     except (OSError, asyncpg.PostgresError) as exc:
         raise CommandError(f"cannot connect to the database: {exc}") from None
+    except (asyncpg.InterfaceError, ValueError) as exc:  # asyncpg's DSN parsing
+        raise CommandError(f"--dsn: not a usable PostgreSQL DSN: {exc}", 2) from None
     try:
         applied = await apply_schema(conn, args.schema)
         version = await schema_version(conn, args.schema)
@@ -445,6 +447,12 @@ def _compact(args: argparse.Namespace) -> int:
         replay_wait = parse_duration(args.replay_wait, "--replay-wait")
     except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
+    for flag, text, seconds in (
+        ("--max-age", args.max_age, max_age),
+        ("--compaction-lag", args.compaction_lag, lag),
+    ):
+        if not seconds > 0:
+            raise CommandError(f"{flag}: must be longer than 0, got {text!r}", 2)
     dsn = _dsn(args)
     with _compaction_progress(args.progress) as progress:
         try:

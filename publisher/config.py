@@ -748,4 +748,7 @@ def load_service_config(path: str | Path) -> tuple[PublisherConfig, ServerConfig
         raise ConfigError("(file)", f"cannot read: {exc.strerror}", source) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("(file)", f"not valid TOML: {exc}", source) from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 text
+        where = f"byte {exc.start}"
+        raise ConfigError("(file)", f"not UTF-8 text ({exc.reason} at {where})", source) from None
     return config_from_dict(doc, source), server_config_from_dict(doc, source)

@@ -124,6 +124,13 @@ def test_bad_files_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     assert key in str(raised.value) and str(path) in str(raised.value)
 
 
+def test_a_file_that_is_not_utf8_text_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe[publisher]\n")
+    with pytest.raises(ConfigError, match=r"\(file\): not UTF-8 text \(.* at byte 0\)"):
+        load_service_config(path)
+
+
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_service_config(tmp_path / "nope.toml")

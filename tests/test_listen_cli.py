@@ -102,6 +102,27 @@ def test_a_usage_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[st
 
 
 @pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["compact", "--compaction-lag", "0"], "changefeed compact: --compaction-lag: must be"),
+        (["compact", "--max-age", "0s"], "changefeed compact: --max-age: must be"),
+        (["db", "init", "--dsn", "not a dsn"], "changefeed db: --dsn: not a usable PostgreSQL DSN"),
+        (
+            ["db", "init", "--dsn", "postgresql://u@127.0.0.1:port/x"],
+            "changefeed db: --dsn: not a usable PostgreSQL DSN",
+        ),
+    ],
+)
+def test_a_value_no_run_can_use_is_a_usage_error_naming_the_option(
+    capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    dsn = ["--dsn", "postgresql://u@127.0.0.1:9/x"] if args[0] == "compact" else []
+    assert main([*args, *dsn]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
     ("option", "value"),
     [
         ("--page-limit", "0"),
