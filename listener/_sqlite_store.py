@@ -47,10 +47,13 @@ store writes, is renamed aside (``<file>.corrupt-<time>``, ``<file>.v<N>-<time>`
 with its ``-wal`` and ``-shm``), logged at ERROR
 (``listener.checkpoint.moved_aside``), and a new file is started: the
 listener bootstraps once, and its saves succeed again instead of failing at
-every interval. A newer-layout file that also holds tables that are not the
-store's (the application's own) is not moved: the store refuses it with
-``CheckpointRefused`` naming the file, so that an older version never takes
-an application's tables away.
+every interval. Not while another store holds a checkpoint of another name
+in the same file (its lock file is held): moving the file would take that
+listener's checkpoints with it, and its saves would go on into the renamed
+file; the store refuses instead (``CheckpointRefused``). A newer-layout file
+that also holds tables that are not the store's (the application's own) is
+not moved either: the store refuses it with ``CheckpointRefused`` naming the
+file, so that an older version never takes an application's tables away.
 
 It must never apply an incremental save to a checkpoint it was not made
 for (another listener's, or an older one: ``CheckpointError``), never
@@ -326,7 +329,45 @@ class SqliteCheckpointStore:
                 " not moved aside; use another file, or a newer changefeed"
             )
 
+    def _held_by_others(self) -> list[str]:
+        """The lock files beside ``path`` that other stores hold now: listeners of
+        other names using the same file, in this process or another."""
+        prefix, held = f"{self.path.name}.", []
+        try:
+            entries = os.listdir(self.path.parent)
+        except OSError:
+            return []
+        for entry in sorted(entries):
+            lock_path = self.path.parent / entry
+            if not (entry.startswith(prefix) and entry.endswith(".lock")) or (
+                lock_path == self.lock_path
+            ):
+                continue
+            try:
+                with open(lock_path, encoding="utf-8") as lock:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        held.append(entry)
+            except OSError:
+                continue
+        return held
+
     def _move_aside(self, unusable: _MoveAside) -> None:
+        """Rename the file (and its log) aside, unless other listeners hold checkpoints
+        in it: moving it would take theirs too, and their next saves would go on into
+        the renamed file.
+
+        Raises:
+            CheckpointRefused: other stores hold the file.
+        """
+        others = self._held_by_others()
+        if others:
+            raise CheckpointRefused(
+                f"{self.path}: cannot be used ({unusable.why}), and other listeners hold"
+                f" checkpoints in it ({', '.join(others)}): not moved aside; give this"
+                " listener a file of its own"
+            ) from unusable
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         aside = Path(f"{self.path}.{unusable.suffix}-{stamp}")
         for suffix in ("", "-wal", "-shm"):
@@ -352,7 +393,11 @@ class SqliteCheckpointStore:
                 conn.close()
         unusable = _MoveAside("corrupt", f"{type(exc).__name__}: {exc}")
         unusable.__cause__ = exc
-        self._move_aside(unusable)
+        try:
+            self._move_aside(unusable)
+        except CheckpointRefused:
+            self._release()  # the next use claims the file again, and is refused again
+            raise
         self._conn = self._open()
 
     # -- load ----------------------------------------------------------------------

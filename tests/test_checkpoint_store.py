@@ -287,6 +287,32 @@ async def test_a_file_of_a_newer_layout_is_moved_aside_unless_it_holds_other_tab
     assert _aside(tmp_path, "app.sqlite") == []
 
 
+async def test_a_file_another_listener_holds_is_not_moved_aside_under_it(
+    tmp_path: Path,
+) -> None:
+    """Listener "b" finds the file it shares with a running listener "a" unusable (here:
+    b's rows are of a newer layout). Moving it aside used to take a's checkpoint with it,
+    and a's later saves went on into the renamed file, reported as successes; a's next
+    start bootstrapped. Now b is refused, and the file stays where a saves."""
+    path = tmp_path / "shared.sqlite"
+    a = SqliteCheckpointStore(path, name="a")
+    await a.save(Checkpoint("a1", (VM,), {"vms": MirrorCheckpoint("vm", vms(1))}, sequence=1))
+    b = SqliteCheckpointStore(path, name="b")
+    await b.save(Checkpoint("b1", (VM,), {}, sequence=1))
+    await b.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE changefeed_checkpoint SET version = 99 WHERE name = 'b'")
+    newer = SqliteCheckpointStore(path, name="b")
+    with pytest.raises(CheckpointRefused, match=r"other listeners hold checkpoints in it"):
+        await newer.load()
+    assert _aside(tmp_path, "shared.sqlite") == []
+    await a.save(Checkpoint("a2", (VM,), {"vms": MirrorCheckpoint("vm", vms(2))}, sequence=2))
+    await a.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT name, cursor FROM changefeed_checkpoint ORDER BY name")
+        assert rows.fetchall() == [("a", "a2"), ("b", "b1")]
+
+
 async def test_a_second_store_on_the_same_file_and_name_is_refused(tmp_path: Path) -> None:
     """Two writers on one checkpoint used to both run, the last whole save winning."""
     path = tmp_path / "cp.sqlite"
