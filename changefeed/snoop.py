@@ -21,6 +21,7 @@ import signal
 import sys
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -135,6 +136,8 @@ async def run_listen(args: argparse.Namespace) -> int:
     checkpoint = args.checkpoint
     if checkpoint and args.since:
         raise UsageError("give --since or --checkpoint, not both: the checkpoint keeps the cursor")
+    if checkpoint:
+        _check_checkpoint_path(Path(checkpoint))
     config = None if args.page_limit is None else ListenerConfig(page_limit=args.page_limit)
     listener = Listener(
         websocket_url(args.url),
@@ -244,6 +247,15 @@ async def run_listen(args: argparse.Namespace) -> int:
         if show_status:
             sys.stderr.write("\n")
     return _checkpoint_verdict(listener.status(), checkpoint)
+
+
+def _check_checkpoint_path(path: Path) -> None:
+    """A file no save could ever write is a usage error now, not a save failing every
+    interval for as long as the listener runs."""
+    if path.is_dir():
+        raise UsageError(f"--checkpoint: {path} is a directory; name a file in it")
+    if not path.parent.is_dir():
+        raise UsageError(f"--checkpoint: {path.parent} is not a directory that exists")
 
 
 def _checkpoint_verdict(status: ListenerStatus, path: str | None) -> int:

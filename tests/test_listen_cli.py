@@ -111,6 +111,15 @@ def test_a_usage_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[st
             ["db", "init", "--dsn", "postgresql://u@127.0.0.1:port/x"],
             "changefeed db: --dsn: not a usable PostgreSQL DSN",
         ),
+        # A checkpoint no save could write: refused at once, not failing every interval.
+        (
+            ["listen", "http://127.0.0.1:9", "--resource", "vm", "--checkpoint", "/no/such/cp"],
+            "changefeed listen: --checkpoint: /no/such is not a directory that exists",
+        ),
+        (
+            ["listen", "http://127.0.0.1:9", "--resource", "vm", "--checkpoint", "/"],
+            "changefeed listen: --checkpoint: / is a directory",
+        ),
     ],
 )
 def test_a_value_no_run_can_use_is_a_usage_error_naming_the_option(
