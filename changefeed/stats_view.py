@@ -193,8 +193,11 @@ def _refusals(rows: Sequence[dict[str, Any]]) -> list[str]:
 def _table(
     head: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: int | None = None
 ) -> list[str]:
-    """Columns aligned; those from index ``numeric`` on (numbers) to the right."""
-    rows = list(rows)
+    """Columns aligned; those from index ``numeric`` on (numbers) to the right. Cells
+    are escaped (``visible``) before they are measured: an escape is wider than the
+    character it stands for."""
+    head = [visible(c) for c in head]
+    rows = [[visible(c) for c in r] for r in rows]
     widths = [max(len(c) for c in column) for column in zip(head, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:

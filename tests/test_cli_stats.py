@@ -115,6 +115,20 @@ async def test_names_from_listeners_reach_the_terminal_escaped(feed_dsn: str) ->
         await ws.close()
 
 
+def test_a_name_shown_escaped_keeps_the_listeners_table_aligned() -> None:
+    from changefeed.stats_view import render_stats
+
+    kind = {"resource": "vm", "subResources": []}
+    rows = [
+        {"service": "dns", "instance": "plain", "changeKind": kind, "delivered": 1},
+        {"service": "a\u202eb", "instance": "x\x1by", "changeKind": kind, "delivered": 22},
+    ]
+    text = render_stats({"registrations": rows})
+    table = text[text.index("SERVICE") :].splitlines()[:3]
+    # Every row's change kind starts in the header's column, escaped names or not.
+    assert len({line.index("vm[*]") for line in table[1:]} | {table[0].index("CHANGE")}) == 1, table
+
+
 def test_the_human_log_keeps_an_event_on_one_line_whatever_its_fields_hold() -> None:
     import io
     import logging
