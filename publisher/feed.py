@@ -107,10 +107,6 @@ class FeedState:
     """The newest entry compaction merged away into a later one."""
     rewrites: Rewrites = NO_REWRITES
     """What the compaction job has announced it rewrites."""
-    previous_feed_id: uuid.UUID | None = None
-    """The identity before the last rewind (schema migration 8), if any."""
-    previous_cursor_key: bytes | None = None
-    """The key cursors of ``previous_feed_id`` were signed with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,8 +283,6 @@ def _state(row: asyncpg.Record) -> FeedState:
         low_water=Position(row["lw_txid"], row["lw_id"]),
         compacted_through=Position(row["ct_txid"], row["ct_id"]),
         rewrites=_rewrites(row),
-        previous_feed_id=row["previous_feed_id"],
-        previous_cursor_key=None if row["previous_key"] is None else bytes(row["previous_key"]),
     )
 
 
@@ -391,7 +385,7 @@ class FeedReader:
             f"SELECT low_water_txid::text::bigint AS txid, low_water_id AS id FROM {q}.feed_state"
         )
         state = (
-            "s.feed_id, s.cursor_key, s.previous_feed_id, s.previous_cursor_key AS previous_key,"
+            "s.feed_id, s.cursor_key,"
             " s.low_water_txid::text::bigint AS lw_txid, s.low_water_id AS lw_id,"
             " s.compacted_through_txid::text::bigint AS ct_txid,"
             f" s.compacted_through_id AS ct_id, {rewrites}"
@@ -426,8 +420,7 @@ class FeedReader:
         # A new identity and key, once: a second publisher that noticed the same
         # restore finds the identity already changed and takes the new one.
         self._rotate = (
-            f"UPDATE {q}.feed_state SET previous_feed_id = feed_id,"
-            " previous_cursor_key = cursor_key, feed_id = gen_random_uuid(),"
+            f"UPDATE {q}.feed_state SET feed_id = gen_random_uuid(),"
             " cursor_key = uuid_send(gen_random_uuid()) || uuid_send(gen_random_uuid()),"
             " updated = now() WHERE feed_id = $1"
         )

@@ -7,10 +7,6 @@ database. Every instance of one feed therefore issues and accepts the same
 cursors with no shared secret in any configuration file, and no two feeds
 accept each other's. An operator may configure a key instead
 (``cursor_key``); the identity always comes from the feed.
-
-A feed whose history went back (``join_feed``) gets a new identity; cursors
-of the one before (``previous``) are still read, and resume only where the
-feed holds the very entry they name (``registration.plan_resume``).
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import uuid
 from collections.abc import Callable
 
 from changefeed.logs import log_event
-from changefeed.schemas import Cursor, CursorCodec, ForeignCursor, PgConnection, Position
+from changefeed.schemas import Cursor, CursorCodec, PgConnection, Position
 
 from .feed import FeedReader, FeedState, ReplicaBehind, ResumeFacts
 from .pages import FeedPages
@@ -44,8 +40,6 @@ class FeedIdentity:
         self._configured_key = configured_key
         self.feed_id: uuid.UUID | None = None
         self._codec: CursorCodec | None = None
-        self._previous: tuple[uuid.UUID, CursorCodec] | None = None
-        """The identity before the feed's last rewind, and its codec."""
         self.generation = 0
         """Grows each time the identity changes: a registration decided across a
         change is told to retry."""
@@ -63,31 +57,7 @@ class FeedIdentity:
             self.generation += 1
         self.feed_id = state.feed_id
         self._codec = CursorCodec(self._configured_key or state.cursor_key, state.feed_id.bytes)
-        previous, key = state.previous_feed_id, state.previous_cursor_key
-        self._previous = None
-        if previous is not None and key is not None:
-            self._previous = (previous, CursorCodec(self._configured_key or key, previous.bytes))
         return changed
-
-    def decode(self, text: str) -> tuple[Cursor, uuid.UUID]:
-        """What a registration's cursor says, and the identity it is of: this feed's,
-        or the one before its last rewind.
-
-        Raises:
-            ForeignCursor: a cursor of neither (another feed, or an older identity).
-            CursorError: garbage, or not signed with the identity's key.
-        """
-        try:
-            return self.codec.decode(text), self._feed_id()
-        except ForeignCursor:
-            if self._previous is None:
-                raise
-            previous, codec = self._previous
-            return codec.decode(text), previous
-
-    def _feed_id(self) -> uuid.UUID:
-        assert self.feed_id is not None, "the feed's identity is not known yet"
-        return self.feed_id
 
 
 async def join_feed(
@@ -107,20 +77,14 @@ async def join_feed(
     take the feed's identity and cursor key, and check that the feed still holds
     the tailer's position, all from one snapshot.
 
-    A feed restored from a backup, or a standby promoted without the primary's
-    last commits (its transaction and entry ids went back), or one trimmed past
-    the position while the tailer was away, cannot be followed from there: the
-    feed gets a new identity (restored; whichever publisher notices first, and
-    the identity before it is kept as the previous one), the window and the
-    kept pages are let go, every listener is closed (``feed_changed``: 4011;
-    each registers again, and a cursor of an entry the feed still holds
-    resumes), and the tailer starts again from the head. A publisher whose
-    identity became the previous one while it ran takes the new one here when
-    the feed holds its position exactly, and carries on.
-
-    A window ahead of the tailer (its last batch failed to reach the listeners, a
-    bug) is let go too, and every listener is told to resume (``resume_all``:
-    4010), so that none keeps a gap.
+    A feed restored from a backup (its transaction and entry ids went back), or
+    trimmed past the position while the tailer was away, cannot be followed from
+    there: the feed gets a new identity (restored; whichever publisher notices
+    first), the window and the kept pages are let go, every listener is closed
+    (``feed_changed``: 4011, they bootstrap), and the tailer starts again from the
+    head. A window ahead of the tailer (its last batch failed to reach the
+    listeners, a bug) is let go too, and every listener is told to resume
+    (``resume_all``: 4010), so that none keeps a gap.
 
     On a standby (``standby``), a position the standby does not hold may only
     mean it has not replayed it yet (it restarted, or the address now leads to
@@ -158,10 +122,7 @@ async def join_feed(
             resume_all("the publisher recovered from an internal error; resume")
         return position, stamp
     state = facts.state
-    # A new identity only from the first publisher to notice; one that still signs
-    # with the identity before it takes the new one (and its position is checked
-    # as a cursor of the previous identity: exactly).
-    if reason in ("cursor_ahead", "unknown_position") and state.feed_id == known:
+    if reason in ("cursor_ahead", "unknown_position"):
         if standby is None or not facts.in_recovery:
             state = await reader.rotate_identity(conn, state.feed_id)
         else:

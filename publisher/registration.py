@@ -21,13 +21,13 @@ A registration is decided in three steps, and only the middle one awaits:
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from changefeed.schemas import (
     ORIGIN,
     AccessDenied,
     Cursor,
+    CursorCodec,
     CursorError,
     ForeignCursor,
     Position,
@@ -145,14 +145,11 @@ def check_registration(
     return Request(registration, Interest(kinds), tuple(routes), tuple(undeclared))
 
 
-def read_cursor(
-    since: str, decode: Callable[[str], tuple[Cursor, uuid.UUID]]
-) -> tuple[Cursor, uuid.UUID] | Refusal | None:
-    """The resume cursor of a registration and the feed identity it is of (``decode``:
-    ``FeedIdentity.decode``); None for a cursor of another feed (not resumed, reason
-    ``other_feed``); a ``bad_cursor`` refusal for garbage."""
+def read_cursor(since: str, codec: CursorCodec) -> Cursor | Refusal | None:
+    """The resume cursor of a registration; None for a cursor of another feed (not
+    resumed, reason ``other_feed``); a ``bad_cursor`` refusal for garbage."""
     try:
-        return decode(since)
+        return codec.decode(since)
     except ForeignCursor:
         return None
     except CursorError as exc:
@@ -172,20 +169,16 @@ def plan_resume(
     Args:
         since: the resume cursor (of this feed's codec).
         facts: the feed's answer about its position, read just now.
-        feed_id: the identity the cursor is of (this feed's, or the one before
-            its last rewind).
+        feed_id: the identity the cursor was checked against.
         head: the fan-out's position now.
         replay_limit: the most entries a resume may be behind (estimated from
             the entries' identities: ids the feed gave out between the two).
     """
     position = since.position
     state = facts.state
-    # A cursor of the identity before the feed's last rewind (or of the one this
-    # publisher still signs with, when another publisher noticed the rewind first)
-    # may name an entry that was lost, at a position the feed has since given to
-    # another: only the very entry it names, position and stamp, proves it was not.
-    exact = state.feed_id != feed_id
-    if exact and state.previous_feed_id != feed_id:
+    if state.feed_id != feed_id:
+        # Another publisher gave the feed a new identity (a restore) since this
+        # one read it: the cursor belongs to what the feed was before.
         return False, "other_feed"
     if position < state.low_water:
         return False, "cursor_expired"
@@ -194,8 +187,7 @@ def plan_resume(
     if facts.stamp is None:
         # No entry there: trimmed (at the low-water mark), merged away by
         # compaction, or the cursor's entry was lost with the feed's history.
-        lenient = position in (ORIGIN, state.low_water) or position <= state.compacted_through
-        if exact or not lenient:
+        if position not in (ORIGIN, state.low_water) and position > state.compacted_through:
             return False, "unknown_position"
     elif facts.stamp != since.stamp:
         return False, "unknown_position"  # another entry at the same (txid, id)

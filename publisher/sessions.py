@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Callable, Mapping
 
 import asyncpg
@@ -20,14 +19,7 @@ import asyncpg
 from changefeed.budgeted_log import BudgetedLines
 from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
-from changefeed.schemas import (
-    ERROR_CLOSE_CODES,
-    ORIGIN,
-    AccessDenied,
-    AccessGranted,
-    Ack,
-    Cursor,
-)
+from changefeed.schemas import ERROR_CLOSE_CODES, AccessDenied, AccessGranted, Ack, Cursor
 
 from .auth import BearerAuth
 from .catchup import Catchup
@@ -35,7 +27,7 @@ from .config import PublisherConfig
 from .counters import Counters, timestamp
 from .delivery import Closing, Delivery
 from .fanout import Fanout
-from .feed import DB_ERRORS, FeedReader, ResumeFacts
+from .feed import DB_ERRORS, FeedReader
 from .host import Admitted
 from .identity import FeedIdentity
 from .registration import (
@@ -126,7 +118,7 @@ class Sessions:
             pool,
             _READY_TIMEOUT,
             standby=standby,
-            on_facts=self._observe,
+            on_facts=lambda facts: catchup.observe(facts.state.rewrites),
         )
         self.registry = Registry()
         self.draining = False
@@ -225,16 +217,13 @@ class Sessions:
         generation = self._identity.generation
         since, reason = None, None
         if request.registration.since is not None:
-            read = read_cursor(request.registration.since, self._identity.decode)
-            if isinstance(read, Refusal):
-                return read
-            if read is None:
-                stale = await self._identity_stale(peer)
-                if stale is not None:
-                    return stale
+            cursor = read_cursor(request.registration.since, self._identity.codec)
+            if isinstance(cursor, Refusal):
+                return cursor
+            if cursor is None:
                 reason = "other_feed"
             else:
-                decided = await self._plan_resume(*read, peer)
+                decided = await self._plan_resume(cursor, peer)
                 if isinstance(decided, Refusal):
                     return decided
                 since, reason = decided
@@ -246,35 +235,15 @@ class Sessions:
             return Refusal("unavailable", "the feed changed meanwhile; retry", 1.0)
         return self._admit(request, since, reason, peer)
 
-    def _observe(self, facts: ResumeFacts) -> None:
-        """What an answer about a cursor tells beyond it: a compaction run elsewhere,
-        or a new identity another publisher gave the feed (take it: join again)."""
-        self._catchup.observe(facts.state.rewrites)
-        if facts.state.feed_id != self._identity.feed_id:
-            self._tailer.rejoin()
-
-    async def _identity_stale(self, peer: str) -> Refusal | None:
-        """For a cursor of no identity this publisher knows: a refusal to retry when
-        the feed's identity has changed under this publisher (the cursor may be of the
-        new one, which it takes now), None when the cursor is another feed's."""
-        try:
-            facts = await self._resume_queries.facts(ORIGIN)
-        except DB_ERRORS as exc:
-            log_event(log, "resume.unavailable", logging.WARNING, exc=exc, peer=peer)
-            return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
-        if facts.state.feed_id == self._identity.feed_id:
-            return None
-        self._tailer.rejoin()
-        return Refusal("unavailable", "the feed changed meanwhile; retry", 1.0)
-
     async def _plan_resume(
-        self, cursor: Cursor, feed_id: uuid.UUID, peer: str
+        self, cursor: Cursor, peer: str
     ) -> tuple[Cursor | None, str | None] | Refusal:
         """Ask the feed about a resume cursor: the cursor to start from, or None and
         why not; a refusal (4010, retry) while the database cannot be asked, or while
         this publisher's standby is behind the cursor, never a ``resumed: false``
-        that would cost the listener a bootstrap. ``feed_id``: the identity the
-        cursor is of."""
+        that would cost the listener a bootstrap."""
+        feed_id = self._identity.feed_id
+        assert feed_id is not None
         try:
             resumed, reason = await self._resume_queries.plan(
                 cursor,

@@ -10,7 +10,6 @@ import pytest
 
 from changefeed.publisher import PublisherConfig, ResourceConfig
 from changefeed.publisher.feed import FeedState, ResumeFacts
-from changefeed.publisher.identity import FeedIdentity
 from changefeed.publisher.registration import (
     Refusal,
     Request,
@@ -32,9 +31,6 @@ CONFIG = PublisherConfig(
 )
 FEED = uuid.uuid4()
 CODEC = CursorCodec(b"the feed's own key", FEED.bytes)
-PREVIOUS = uuid.uuid4()
-"""The feed's identity before its last rewind."""
-PREVIOUS_CODEC = CursorCodec(b"the key before the rewind", PREVIOUS.bytes)
 
 
 def frame(**doc: object) -> str:
@@ -92,29 +88,12 @@ def test_a_valid_registration_names_its_interest_routes_and_undeclared_sub_resou
 
 
 def test_a_cursor_of_another_feed_is_not_garbage_but_one_with_a_wrong_digest_is() -> None:
-    identity = FeedIdentity()
-    identity.adopt(
-        FeedState(
-            FEED,
-            b"the feed's own key",
-            ORIGIN,
-            ORIGIN,
-            previous_feed_id=PREVIOUS,
-            previous_cursor_key=b"the key before the rewind",
-        )
-    )
-    decode = identity.decode
     other = CursorCodec(b"another key", uuid.uuid4().bytes).encode(Position(5, 6), 1)
-    assert read_cursor(other, decode) is None
-    for forged_id in (FEED, PREVIOUS):
-        forged = CursorCodec(b"another key", forged_id.bytes).encode(Position(5, 6), 1)
-        refusal = read_cursor(forged, decode)
-        assert isinstance(refusal, Refusal) and refusal.code == "bad_cursor"
-    expected = (Cursor(Position(5, 6), 7), FEED)
-    assert read_cursor(CODEC.encode(Position(5, 6), 7), decode) == expected
-    # A cursor of the identity before the last rewind is read, and said to be of it.
-    expected = (Cursor(Position(5, 6), 7), PREVIOUS)
-    assert read_cursor(PREVIOUS_CODEC.encode(Position(5, 6), 7), decode) == expected
+    assert read_cursor(other, CODEC) is None
+    forged = CursorCodec(b"another key", FEED.bytes).encode(Position(5, 6), 1)
+    refusal = read_cursor(forged, CODEC)
+    assert isinstance(refusal, Refusal) and refusal.code == "bad_cursor"
+    assert read_cursor(CODEC.encode(Position(5, 6), 7), CODEC) == Cursor(Position(5, 6), 7)
 
 
 HEAD = Position(100, 100)
@@ -128,9 +107,8 @@ def facts(
     compacted: Position = ORIGIN,
     feed_id: uuid.UUID = FEED,
     next_txid: int = 200,
-    previous: uuid.UUID | None = None,
 ) -> ResumeFacts:
-    state = FeedState(feed_id, b"key", low_water, compacted, previous_feed_id=previous)
+    state = FeedState(feed_id, b"key", low_water, compacted)
     return ResumeFacts(state=state, newest=newest, next_txid=next_txid, stamp=stamp)
 
 
@@ -154,40 +132,6 @@ def test_plan_resume_says_whether_and_why_not(
     since: Cursor, told: ResumeFacts, decision: tuple[bool, str | None]
 ) -> None:
     assert plan_resume(since, told, feed_id=FEED, head=HEAD, replay_limit=80) == decision
-
-
-@pytest.mark.parametrize(
-    ("since", "told", "decision"),
-    [
-        # The feed holds the very entry: not a lost one, whatever happened since.
-        (Cursor(Position(50, 50), 7), facts(feed_id=FEED, previous=PREVIOUS), (True, None)),
-        # No entry there, or another one: it may have been lost in the rewind, and the
-        # marks that let a cursor of this identity through say nothing about it.
-        (
-            Cursor(Position(50, 50), 7),
-            facts(stamp=None, compacted=Position(60, 60), previous=PREVIOUS),
-            (False, "unknown_position"),
-        ),
-        (
-            Cursor(Position(60, 60), 7),
-            facts(stamp=None, low_water=Position(60, 60), previous=PREVIOUS),
-            (False, "unknown_position"),
-        ),
-        (
-            Cursor(Position(50, 50), 7),
-            facts(stamp=8, previous=PREVIOUS),
-            (False, "unknown_position"),
-        ),
-        (Cursor(Position(150, 150), 7), facts(previous=PREVIOUS), (False, "cursor_ahead")),
-        # Two rewinds back: another feed's.
-        (Cursor(Position(50, 50), 7), facts(previous=uuid.uuid4()), (False, "other_feed")),
-    ],
-)
-def test_a_cursor_of_the_identity_before_a_rewind_resumes_only_at_an_entry_held(
-    since: Cursor, told: ResumeFacts, decision: tuple[bool, str | None]
-) -> None:
-    decided = plan_resume(since, told, feed_id=PREVIOUS, head=HEAD, replay_limit=80)
-    assert decided == decision
 
 
 def test_the_origin_of_a_feed_never_trimmed_is_resumable() -> None:

@@ -33,7 +33,6 @@ from publisher_fixtures import (
 )
 from test_deploy_support import ChangefeedServer, stopping
 from websockets.asyncio.client import ClientConnection
-from websockets.exceptions import ConnectionClosed
 
 from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
 from changefeed.publisher import publish
@@ -284,100 +283,6 @@ async def test_every_cursor_resumes_on_the_promoted_standby(
         await publish_each(standby.dsn, ["c1"])
         assert ids_of(await receive_items(through_standby, 1, timeout=10)) == ["c1"]
         await through_standby.close()
-
-
-async def _cut_off(standby: EmbeddedPostgres) -> None:
-    """The standby stops receiving WAL (as an asynchronous standby falls behind)."""
-    conn = await asyncpg.connect(standby.dsn)
-    try:
-        await conn.execute("ALTER SYSTEM SET primary_conninfo = ''")
-        await conn.execute("SELECT pg_reload_conf()")
-
-        async def stopped() -> bool:
-            return not await conn.fetchval("SELECT count(*) FROM pg_stat_wal_receiver")
-
-        await wait_until(stopped, timeout=30, message="the WAL receiver stopped")
-    finally:
-        await conn.close()
-
-
-async def _resume_at(pub: PublisherUnderTest, cursor: str) -> tuple[ClientConnection, Any]:
-    """Register with ``cursor``, again while answered 4010 (bounded); the ack."""
-    async with asyncio.timeout(30):
-        while True:
-            ws, first = await register(pub.ws_url, registration(since=cursor))
-            if "error" not in first:
-                return ws, first
-            error, _ = await refusal(ws, first)
-            assert error["code"] == "unavailable", error
-            await asyncio.sleep(error.get("retryAfter", 0.2))
-
-
-async def test_a_failover_that_loses_commits_costs_only_the_lost_cursors(
-    replicated: tuple[EmbeddedPostgres, EmbeddedPostgres],
-) -> None:
-    """The standby is cut off, the primary commits two more entries that a publisher
-    on it delivers, the primary dies and the standby is promoted without them. That
-    publisher notices (its listener is closed with 4011) and the feed gets a new
-    identity. Still, every cursor of an entry the promoted server holds resumes on
-    both publishers, with nothing missed: those the primary's publisher issued
-    before the cut, those the standby's publisher issued (it served on through the
-    promotion), and those issued under the new identity. Only the lost entries'
-    cursors are refused, and they are never resumed."""
-    primary, standby = replicated
-    conn = await asyncpg.connect(primary.dsn)
-    try:
-        await apply_schema(conn)
-    finally:
-        await conn.close()
-    await standby_caught_up(primary.dsn, standby.dsn)
-    both = f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/postgres"
-    writer = f"{both}?target_session_attrs=read-write"
-    async with (
-        on_standby(writer, standby.dsn, create_schema=False) as reads_standby,
-        running_publisher(writer, create_schema=False, poll_interval=0.05) as reads_primary,
-    ):
-        on_primary, _ = await register(reads_primary.ws_url, registration())
-        on_standby_, _ = await register(reads_standby.ws_url, registration())
-        await publish_each(primary.dsn, ["a1", "a2"])
-        kept = [(await receive_items(ws, 2))[0]["cursor"] for ws in (on_primary, on_standby_)]
-        await standby_caught_up(primary.dsn, standby.dsn)
-        await _cut_off(standby)
-        await publish_each(primary.dsn, ["lost1", "lost2"])
-        lost = await receive_items(on_primary, 2)
-        primary.crash()
-        standby.promote()
-        with pytest.raises(ConnectionClosed) as closed:
-            async with asyncio.timeout(60):
-                while True:
-                    await on_primary.recv()
-        assert closed.value.rcvd is not None and closed.value.rcvd.code == 4011
-        old_identity = reads_standby.publisher.identity.feed_id
-        assert reads_primary.publisher.identity.feed_id != old_identity
-
-        fresh, _ = await register(reads_primary.ws_url, registration())  # new identity
-        await publish_each(standby.dsn, ["b1", "b2"])
-        assert ids_of(await receive_items(on_standby_, 2, timeout=30)) == ["b1", "b2"]
-        renewed = (await receive_items(fresh, 2, timeout=30))[0]["cursor"]
-        for pub in (reads_primary, reads_standby):
-            for cursor in kept:  # a1, as each publisher issued it
-                ws, ack = await _resume_at(pub, cursor)
-                assert ack["resumed"] is True, ack
-                assert ids_of(await receive_items(ws, 3, timeout=30)) == ["a2", "b1", "b2"]
-                await ws.close()
-            ws, ack = await _resume_at(pub, renewed)  # b1, under the new identity
-            assert ack["resumed"] is True, ack
-            assert ids_of(await receive_items(ws, 1, timeout=30)) == ["b2"]
-            await ws.close()
-            for gone in lost:
-                ws, ack = await _resume_at(pub, gone["cursor"])
-                assert ack["resumed"] is False, ack
-                assert ack["reason"] in ("cursor_ahead", "unknown_position"), ack
-                await ws.close()
-        # The standby's publisher took the new identity and serves on.
-        assert reads_standby.publisher.identity.feed_id == reads_primary.publisher.identity.feed_id
-        await on_standby_.close()
-        await fresh.close()
 
 
 async def test_a_page_a_standby_has_not_replayed_is_refused_not_taken_for_an_empty_one(
