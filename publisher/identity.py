@@ -77,14 +77,19 @@ async def join_feed(
     take the feed's identity and cursor key, and check that the feed still holds
     the tailer's position, all from one snapshot.
 
-    A feed restored from a backup (its transaction and entry ids went back), or
-    trimmed past the position while the tailer was away, cannot be followed from
-    there: the feed gets a new identity (restored; whichever publisher notices
-    first), the window and the kept pages are let go, every listener is closed
-    (``feed_changed``: 4011, they bootstrap), and the tailer starts again from the
-    head. A window ahead of the tailer (its last batch failed to reach the
-    listeners, a bug) is let go too, and every listener is told to resume
-    (``resume_all``: 4010), so that none keeps a gap.
+    A feed restored from a backup, or a standby promoted without the primary's
+    last commits (its transaction and entry ids went back), or one trimmed past
+    the position while the tailer was away, cannot be followed from there: the
+    feed gets a new identity (restored; whichever publisher notices first), the
+    window and the kept pages are let go, every listener is closed
+    (``feed_changed``: 4011, they bootstrap), and the tailer starts again from
+    the head. A publisher that finds the identity changed by another (its join
+    was asked for by a registration that saw it: ``Tailer.rejoin``) does the
+    same without giving another one.
+
+    A window ahead of the tailer (its last batch failed to reach the listeners, a
+    bug) is let go too, and every listener is told to resume (``resume_all``:
+    4010), so that none keeps a gap.
 
     On a standby (``standby``), a position the standby does not hold may only
     mean it has not replayed it yet (it restarted, or the address now leads to
@@ -122,7 +127,9 @@ async def join_feed(
             resume_all("the publisher recovered from an internal error; resume")
         return position, stamp
     state = facts.state
-    if reason in ("cursor_ahead", "unknown_position"):
+    # A new identity only from the first publisher to notice: one that finds the
+    # identity already changed takes it as it is.
+    if reason in ("cursor_ahead", "unknown_position") and state.feed_id == known:
         if standby is None or not facts.in_recovery:
             state = await reader.rotate_identity(conn, state.feed_id)
         else:

@@ -128,6 +128,12 @@ class StandbyPacing:
             return False
         return None
 
+    def forget(self) -> None:
+        """Drop every awaited ring: the tailer joins the feed again (after a reconnect,
+        on a server that may since have been promoted without those transactions)."""
+        self.awaited.clear()
+        self._unreplayed.clear()
+
     def unreplayed_for(self, now: float) -> float:
         """Seconds the oldest rung transaction has waited for a read past it (0: none
         waits): how far the standby, or a transaction still open before it, holds

@@ -19,7 +19,14 @@ import asyncpg
 from changefeed.budgeted_log import BudgetedLines
 from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
-from changefeed.schemas import ERROR_CLOSE_CODES, AccessDenied, AccessGranted, Ack, Cursor
+from changefeed.schemas import (
+    ERROR_CLOSE_CODES,
+    ORIGIN,
+    AccessDenied,
+    AccessGranted,
+    Ack,
+    Cursor,
+)
 
 from .auth import BearerAuth
 from .catchup import Catchup
@@ -27,7 +34,7 @@ from .config import PublisherConfig
 from .counters import Counters, timestamp
 from .delivery import Closing, Delivery
 from .fanout import Fanout
-from .feed import DB_ERRORS, FeedReader
+from .feed import DB_ERRORS, FeedReader, ResumeFacts
 from .host import Admitted
 from .identity import FeedIdentity
 from .registration import (
@@ -118,7 +125,7 @@ class Sessions:
             pool,
             _READY_TIMEOUT,
             standby=standby,
-            on_facts=lambda facts: catchup.observe(facts.state.rewrites),
+            on_facts=self._observe,
         )
         self.registry = Registry()
         self.draining = False
@@ -221,6 +228,9 @@ class Sessions:
             if isinstance(cursor, Refusal):
                 return cursor
             if cursor is None:
+                stale = await self._identity_stale(peer)
+                if stale is not None:
+                    return stale
                 reason = "other_feed"
             else:
                 decided = await self._plan_resume(cursor, peer)
@@ -234,6 +244,28 @@ class Sessions:
             # decided: what was decided may be about another feed.
             return Refusal("unavailable", "the feed changed meanwhile; retry", 1.0)
         return self._admit(request, since, reason, peer)
+
+    def _observe(self, facts: ResumeFacts) -> None:
+        """What an answer about a cursor tells beyond it: a compaction run elsewhere,
+        or a new identity another publisher gave the feed (join it again: its
+        listeners' cursors are another feed's, and so would be its own)."""
+        self._catchup.observe(facts.state.rewrites)
+        if facts.state.feed_id != self._identity.feed_id:
+            self._tailer.rejoin()  # nothing changes if it is only this server lagging
+
+    async def _identity_stale(self, peer: str) -> Refusal | None:
+        """For a cursor of another identity: a refusal to retry when the feed's identity
+        changed under this publisher (the cursor may be of the new one, which it joins
+        now), None when the cursor is another feed's."""
+        try:
+            facts = await self._resume_queries.facts(ORIGIN)
+        except DB_ERRORS as exc:
+            log_event(log, "resume.unavailable", logging.WARNING, exc=exc, peer=peer)
+            return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)
+        if facts.state.feed_id == self._identity.feed_id:
+            return None
+        self._tailer.rejoin()
+        return Refusal("unavailable", "the feed changed meanwhile; retry", 1.0)
 
     async def _plan_resume(
         self, cursor: Cursor, peer: str

@@ -122,6 +122,8 @@ class Tailer:
         must ring again (``Doorbell.rest``)."""
         self._unexpected = 0
         self._wake = asyncio.Event()
+        self._rejoin = False
+        """Join the feed again before the next read (``rejoin``)."""
         self.ready = asyncio.Event()
         self.position: Position | None = None
         self.stamp = 0
@@ -148,6 +150,13 @@ class Tailer:
         self.doorbells_total += 1
         if self._pacing is not None:
             self._pacing.rung(_txid(args[-1]) if args else None, time.monotonic())
+        self._wake.set()
+
+    def rejoin(self) -> None:
+        """Join the feed again before the next read: another publisher gave the feed a
+        new identity while this one's connection stayed up (it reads a standby that
+        was promoted), and this one would otherwise go on signing with the old one."""
+        self._rejoin = True
         self._wake.set()
 
     async def run(self) -> None:
@@ -227,6 +236,10 @@ class Tailer:
             self.ready.set()
             conflicts = 0
             while True:
+                if self._rejoin:
+                    self.ready.clear()
+                    await self._join_feed(conn)
+                    self.ready.set()
                 self._wake.clear()
                 try:
                     await self._drain(conn)
@@ -264,6 +277,9 @@ class Tailer:
 
     async def _join_feed(self, conn: asyncpg.Connection) -> None:
         """Where to read from on ``conn``: ``join``'s answer, or the head the first time."""
+        self._rejoin = False
+        if self._pacing is not None:
+            self._pacing.forget()  # rings before this join say nothing about the feed now
         if self._join is not None:
             self.position, self.stamp = await self._join(conn, self.position, self.stamp)
         elif self.position is None:

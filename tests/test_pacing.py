@@ -114,3 +114,13 @@ def test_a_ring_the_standby_has_not_replayed_ages_until_a_read_passes_it() -> No
     assert pacing.unreplayed_for(now=12.0) == 10.0
     pacing.read(horizon=102, found=True, now=13.0)
     assert pacing.unreplayed_for(now=13.0) == 0.0
+
+
+def test_a_join_forgets_rings_from_before_it() -> None:
+    """Rings of transactions a promoted server never had (lost in a failover) must not
+    age into a lag that grows for as long as the feed is quiet."""
+    pacing = StandbyPacing(POLL)
+    pacing.rung(100, now=1.0)
+    pacing.forget()
+    assert pacing.awaited == {} and pacing.unreplayed_for(now=60.0) == 0.0
+    assert pacing.delay() == POLL

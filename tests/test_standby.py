@@ -33,6 +33,7 @@ from publisher_fixtures import (
 )
 from test_deploy_support import ChangefeedServer, stopping
 from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
 
 from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
 from changefeed.publisher import publish
@@ -283,6 +284,113 @@ async def test_every_cursor_resumes_on_the_promoted_standby(
         await publish_each(standby.dsn, ["c1"])
         assert ids_of(await receive_items(through_standby, 1, timeout=10)) == ["c1"]
         await through_standby.close()
+
+
+async def _cut_off(standby: EmbeddedPostgres) -> None:
+    """The standby stops receiving WAL (as an asynchronous standby falls behind)."""
+    conn = await asyncpg.connect(standby.dsn)
+    try:
+        await conn.execute("ALTER SYSTEM SET primary_conninfo = ''")
+        await conn.execute("SELECT pg_reload_conf()")
+
+        async def stopped() -> bool:
+            return not await conn.fetchval("SELECT count(*) FROM pg_stat_wal_receiver")
+
+        await wait_until(stopped, timeout=30, message="the WAL receiver stopped")
+    finally:
+        await conn.close()
+
+
+async def _register_until_answered(
+    pub: PublisherUnderTest, cursor: str
+) -> tuple[ClientConnection, Any]:
+    """Register with ``cursor``, again while answered 4010 (bounded); the ack."""
+    async with asyncio.timeout(30):
+        while True:
+            ws, first = await register(pub.ws_url, registration(since=cursor))
+            if "error" not in first:
+                return ws, first
+            error, _ = await refusal(ws, first)
+            assert error["code"] == "unavailable", error
+            await asyncio.sleep(error.get("retryAfter", 0.2))
+
+
+async def _closed_with(ws: ClientConnection) -> int | None:
+    """The close code ``ws`` ends with (items before it are read and dropped)."""
+    with pytest.raises(ConnectionClosed) as closed:
+        async with asyncio.timeout(60):
+            while True:
+                await ws.recv()
+    return None if closed.value.rcvd is None else closed.value.rcvd.code
+
+
+async def test_a_failover_that_loses_commits_gives_the_feed_a_new_identity_everywhere(
+    replicated: tuple[EmbeddedPostgres, EmbeddedPostgres],
+) -> None:
+    """The standby is cut off, the primary commits two entries a publisher on it
+    delivers, the primary dies and the standby is promoted without them. That
+    publisher notices and gives the feed a new identity (its listeners bootstrap: with
+    commits out of transaction-id order, a kept entry can follow a lost one, so no
+    cursor of the old history can be trusted). The publisher that read the standby
+    kept its connection through the promotion: it takes the new identity as soon as a
+    registration shows it (not signing old cursors, which every other publisher refuses,
+    for as long as its connection lasts), and from then on both publishers resume each
+    other's cursors."""
+    primary, standby = replicated
+    conn = await asyncpg.connect(primary.dsn)
+    try:
+        await apply_schema(conn)
+    finally:
+        await conn.close()
+    await standby_caught_up(primary.dsn, standby.dsn)
+    both = f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/postgres"
+    writer = f"{both}?target_session_attrs=read-write"
+    async with (
+        on_standby(writer, standby.dsn, create_schema=False) as reads_standby,
+        running_publisher(writer, create_schema=False, poll_interval=0.05) as reads_primary,
+    ):
+        on_primary, _ = await register(reads_primary.ws_url, registration())
+        on_standby_, _ = await register(reads_standby.ws_url, registration())
+        await publish_each(primary.dsn, ["a1"])
+        old_cursor = (await receive_items(on_standby_, 1))[0]["cursor"]
+        await receive_items(on_primary, 1)
+        await standby_caught_up(primary.dsn, standby.dsn)
+        await _cut_off(standby)
+        await publish_each(primary.dsn, ["lost1", "lost2"])
+        lost = await receive_items(on_primary, 2)
+        primary.crash()
+        standby.promote()
+        assert await _closed_with(on_primary) == 4011
+        new_identity = reads_primary.publisher.identity.feed_id
+        assert new_identity != reads_standby.publisher.identity.feed_id  # not told yet
+
+        fresh, _ = await register(reads_primary.ws_url, registration())
+        await publish_each(standby.dsn, ["b1", "b2"])
+        renewed = (await receive_items(fresh, 2, timeout=30))[0]["cursor"]
+        # A cursor of the new identity: the standby's publisher finds out, joins the
+        # feed again (closing its own listener, whose cursors are of the old history),
+        # and resumes it.
+        ws, ack = await _register_until_answered(reads_standby, renewed)
+        assert ack["resumed"] is True, ack
+        assert ids_of(await receive_items(ws, 1, timeout=30)) == ["b2"]
+        await ws.close()
+        assert reads_standby.publisher.identity.feed_id == new_identity
+        assert await _closed_with(on_standby_) == 4011
+        for pub in (reads_primary, reads_standby):
+            for cursor in (old_cursor, lost[-1]["cursor"]):
+                ws, ack = await _register_until_answered(pub, cursor)
+                assert (ack["resumed"], ack["reason"]) == (False, "other_feed"), ack
+                await ws.close()
+            # What either issues now, the other resumes.
+            ws, ack = await register(pub.ws_url, registration())
+            await publish_each(standby.dsn, [f"c-{pub is reads_primary}"])
+            (item,) = await receive_items(ws, 1, timeout=30)
+            await ws.close()
+            other = reads_standby if pub is reads_primary else reads_primary
+            ws, ack = await _register_until_answered(other, item["cursor"])
+            assert ack["resumed"] is True, ack
+            await ws.close()
+        await fresh.close()
 
 
 async def test_a_page_a_standby_has_not_replayed_is_refused_not_taken_for_an_empty_one(
