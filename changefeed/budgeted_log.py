@@ -28,12 +28,21 @@ class BudgetedLines:
     Not thread-safe: every ``due`` of one instance comes from one event loop.
     """
 
-    __slots__ = ("_budget", "_log", "_summary_event", "_timer")
+    __slots__ = ("_budget", "_level", "_log", "_summary_event", "_timer")
 
-    def __init__(self, budget: LogBudget, log: logging.Logger, summary_event: str) -> None:
+    def __init__(
+        self,
+        budget: LogBudget,
+        log: logging.Logger,
+        summary_event: str,
+        level: int = logging.INFO,
+    ) -> None:
         self._budget = budget
         self._log = log
         self._summary_event = summary_event
+        self._level = level
+        """The summary's level: that of the lines it stands for, so that a log that
+        shows them shows it too."""
         self._timer: asyncio.TimerHandle | None = None
 
     def due(self, kind: str, loop: asyncio.AbstractEventLoop | None) -> bool:
@@ -80,7 +89,7 @@ class BudgetedLines:
         log_event(
             self._log,
             self._summary_event,
-            logging.INFO,
+            self._level,
             window=self._budget.window,
             logged=self._budget.burst,
             held=dict(sorted(held.items())),

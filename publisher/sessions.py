@@ -63,7 +63,7 @@ by then it most likely has, or the balancer sends the listener elsewhere."""
 
 
 REFUSALS_LOGGED = 20
-"""Refusals of one window logged one by one, each with its peer and reason."""
+"""Refusals of one code in one window logged one by one, each with its peer and reason."""
 REFUSALS_WINDOW = 10.0
 """Seconds of a window: the refusals beyond ``REFUSALS_LOGGED`` in it go out as one
 ``refusals_held`` line (counts by event and code) when it ends. Every refusal is
@@ -134,10 +134,9 @@ class Sessions:
         self._empty = asyncio.Event()
         self._empty.set()
         # Anyone can be refused at will (no token, a socket left idle): the first
-        # refusals of a window are logged one by one, the rest as one summary.
-        self._refusal_lines = BudgetedLines(
-            LogBudget(REFUSALS_LOGGED, REFUSALS_WINDOW), log, "refusals_held"
-        )
+        # refusals of a window are logged one by one, the rest as one summary. One
+        # budget per code, so that a flood of one kind hides none of another.
+        self._refusal_lines: dict[str, BudgetedLines] = {}
 
     @property
     def config(self) -> PublisherConfig:
@@ -150,7 +149,8 @@ class Sessions:
     async def drain(self, grace: float) -> None:
         """Refuse new registrations and close every listener with 1001 ("going away"),
         so that they re-register with another instance; wait up to ``grace`` seconds."""
-        self._refusal_lines.flush()
+        for lines in self._refusal_lines.values():
+            lines.flush()
         if not self.draining:
             log_event(log, "publisher.draining", listeners=len(self.registry))
         self.draining = True
@@ -182,7 +182,12 @@ class Sessions:
         within the refusals' budget."""
         self._counters.refused(code, endpoint, peer, reason)
         event = "registration.refused" if endpoint == "websocket" else "request.refused"
-        if self._refusal_lines.due(f"{event} {code}", _running_loop()):
+        lines = self._refusal_lines.get(code)
+        if lines is None:  # codes are the publisher's own: a few dozen at most
+            budget = LogBudget(REFUSALS_LOGGED, REFUSALS_WINDOW)
+            lines = BudgetedLines(budget, log, "refusals_held", logging.WARNING)
+            self._refusal_lines[code] = lines
+        if lines.due(f"{event} {code}", _running_loop()):
             log_event(
                 log, event, logging.WARNING, code=code, endpoint=endpoint, peer=peer, reason=reason
             )

@@ -64,24 +64,34 @@ async def test_the_handshake_without_a_good_token_is_refused_with_401(feed_dsn: 
 
 
 async def test_refusals_anyone_can_cause_do_not_set_the_log_volume(
-    feed_dsn: str, caplog: pytest.LogCaptureFixture
+    feed_dsn: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """60 handshakes without a token: every one is refused and counted, but only the
-    first 20 of the window are logged one by one; the rest go out as one summary
-    (here when the publisher stops, before its window ends)."""
-    from changefeed.publisher.sessions import REFUSALS_LOGGED
+    first 20 of the window are logged one by one; the rest go out as one summary at
+    the same level (here when the publisher stops, before its window ends). A refusal
+    of another code in the same window is still logged: each code has its budget."""
+    from changefeed.publisher import sessions
 
-    caplog.set_level(logging.INFO, logger="changefeed")
+    assert sessions.REFUSALS_LOGGED == 20
+    monkeypatch.setattr(sessions, "REFUSALS_WINDOW", 3600.0)  # one window, however slow
+    caplog.set_level(logging.WARNING, logger="changefeed")
     async with running_publisher(feed_dsn, **TOKENS) as pub:
         for _ in range(60):
             with pytest.raises(InvalidStatus):
                 await connect(pub.ws_url)
-        assert pub.publisher.stats()["counters"]["refused"] == {"unauthorized": 60}
-    logged = [r for r in caplog.records if r.getMessage() == "registration.refused"]
-    assert len(logged) == REFUSALS_LOGGED == 20
+        ws, first = await register(pub.ws_url, "not json", additional_headers=bearer(OPS))
+        assert first["error"]["code"] == "bad_frame", first
+        await ws.close()
+        assert pub.publisher.stats()["counters"]["refused"] == {"unauthorized": 60, "bad_frame": 1}
+    logged = [
+        r.cf_fields["code"]  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.getMessage() == "registration.refused"
+    ]
+    assert logged == ["unauthorized"] * 20 + ["bad_frame"], logged
     (summary,) = [r for r in caplog.records if r.getMessage() == "refusals_held"]
     held = summary.cf_fields["held"]  # type: ignore[attr-defined]
-    assert held == {"registration.refused unauthorized": 40}, held
+    assert held == {"registration.refused unauthorized": 40} and summary.levelno == logging.WARNING
 
 
 async def _refuse_four_bad_tokens(url: str) -> None:
