@@ -159,6 +159,29 @@ class _MoveAside(Exception):
         self.why = why
 
 
+_CLAIM_TRIES = 5
+_CLAIM_PAUSE = 0.02
+"""Seconds between two tries to lock: another store's look at whether the file is
+held (``_held_by_others``) takes a shared lock for an instant; only a lock still
+held after the tries is another listener's."""
+
+
+def _flock_soon(lock: IO[str]) -> None:
+    """An exclusive lock on ``lock``, tried a few times over about 0.1 s.
+
+    Raises:
+        BlockingIOError: another store holds it.
+    """
+    for attempt in range(_CLAIM_TRIES):
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == _CLAIM_TRIES - 1:
+                raise
+            time.sleep(_CLAIM_PAUSE)  # in the store's worker thread, never the loop's
+
+
 def _unusable(exc: sqlite3.DatabaseError) -> bool:
     return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _UNUSABLE
 
@@ -249,7 +272,7 @@ class SqliteCheckpointStore:
     def _claim(self) -> None:
         lock = open(self.lock_path, "a+", encoding="utf-8")  # noqa: SIM115 - held until close
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_soon(lock)
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "unknown"
