@@ -395,9 +395,7 @@ async def _example_api(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
     if args.read_dsn:
         await check_database(args.read_dsn, None, key="--read-dsn")
-        await check_same_feed(
-            dsn, args.read_dsn, None, schema="changefeed", keys=("--dsn", "--read-dsn")
-        )
+        await check_same_feed(dsn, args.read_dsn, None, keys=("--dsn", "--read-dsn"))
         overrides["read_dsn"] = args.read_dsn
     app = create_app(dsn, **overrides)
     config = server_config(

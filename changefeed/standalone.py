@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 
 from changefeed.publisher import ConfigError, Publisher
 from changefeed.publisher.config import load_service_config
-from changefeed.schemas import quote_schema, schema_version
+from changefeed.schemas import schema_version
 from changefeed.serving import DrainingServer, server_config
 
 __all__ = ["build_app", "check_database", "check_same_feed", "run_standalone"]
@@ -68,37 +68,44 @@ async def check_same_feed(
     read_dsn: str,
     source: str | None,
     *,
-    schema: str,
     keys: tuple[str, str] = ("publisher.dsn", "publisher.read_dsn"),
 ) -> None:
-    """Fail fast, naming the second of ``keys``, when ``read_dsn`` serves another feed
-    than ``dsn``: a database that is no replica of the primary (another database,
-    another cluster) would be tailed as if it were, and no change written through
-    ``dsn`` would ever reach a listener. The feeds are compared by identity where both
-    already hold the schema (a feed that does not exist yet is made on the primary,
-    and a replica gets it from there).
+    """Fail fast, naming the second of ``keys``, when ``read_dsn`` is not the database
+    ``dsn`` writes, on a hot standby of its server (or that server itself): another
+    database or another cluster would be tailed as if it were, and no change written
+    through ``dsn`` would ever reach a listener. A physical standby has its primary's
+    system identifier (``pg_control_system()``; not compared where it may not be
+    read) and the same databases; a standby that has not yet replayed the latest
+    changes is no mistake, so nothing of the feed's content is compared.
 
     Raises:
         ConfigError: naming the key and ``source``.
     """
-    key = keys[1]
-    table = f"{quote_schema(schema)}.feed_state"
-    found: list[object] = []
+    found: list[tuple[str, int | None]] = []
     for where, target in zip(keys, (dsn, read_dsn), strict=True):
         conn = await _connect(target, where, source)
         try:
-            exists = await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
-            found.append(await conn.fetchval(f"SELECT feed_id FROM {table}") if exists else None)
-        except asyncpg.PostgresError:
-            found.append(None)  # no grant on it yet, or an older schema: the tailer will say
+            database = str(await conn.fetchval("SELECT current_database()"))
+            try:
+                system = await conn.fetchval("SELECT system_identifier FROM pg_control_system()")
+            except asyncpg.PostgresError:  # EXECUTE revoked: a hardened server
+                system = None
+            found.append((database, None if system is None else int(system)))
         finally:
             await conn.close()
-    primary, replica = found
-    if primary is not None and replica is not None and primary != replica:
+    (database, system), (read_database, read_system) = found
+    if system is not None and read_system is not None and system != read_system:
         raise ConfigError(
-            key,
-            f"serves another feed ({replica}) than the primary's ({primary}): it must be"
-            " a hot standby of the dsn's server, or that server itself",
+            keys[1],
+            f"is not a hot standby of the server {keys[0]} names (system identifier"
+            f" {read_system}, not {system}): no change written there would reach it",
+            source,
+        )
+    if read_database != database:
+        raise ConfigError(
+            keys[1],
+            f"reads database {read_database!r}, not {database!r} that {keys[0]} writes:"
+            " name the same database on the standby",
             source,
         )
 
@@ -113,7 +120,7 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
     await check_database(config.dsn, path, schema=None if config.create_schema else config.schema)
     if config.read_dsn:
         await check_database(config.read_dsn, path, key="publisher.read_dsn")
-        await check_same_feed(config.dsn, config.read_dsn, path, schema=config.schema)
+        await check_same_feed(config.dsn, config.read_dsn, path)
     publisher = Publisher(config)
     uvicorn_config = server_config(
         publisher.listeners_first(build_app(publisher)),

@@ -138,8 +138,8 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "PostgreSQL DSN of a hot standby of `dsn` to read the feed from: tailing, "
             "catch-up pages and resume checks go there, and `dsn` (the primary) keeps only "
             "the doorbell (LISTEN), schema changes, retention and the writers' age. "
-            "`changefeed serve` and `example-api` refuse at start-up one whose feed is "
-            "another than the primary's. None: "
+            "`changefeed serve` and `example-api` refuse at start-up one that is not the "
+            "same database on a hot standby of `dsn`'s server (or that server). None: "
             'everything reads `dsn` (docs/design.md, "Reading from a standby").',
             kind="string",
         ),

@@ -179,9 +179,10 @@ def test_serve_refuses_an_unreachable_database(tmp_path: Path) -> None:
 async def test_serve_refuses_a_read_dsn_that_serves_another_feed(
     feed_dsn: str, pg_server: Any, tmp_path: Path
 ) -> None:
-    """A read_dsn that is no replica of the dsn's server (here another database with a
-    feed of its own) would be tailed instead of the feed the API writes: refused at
-    start-up, naming the key, rather than serving a feed that never changes."""
+    """A read_dsn that is not the dsn's database on a replica of its server (here another
+    database with a feed of its own) would be tailed instead of the feed the API
+    writes: refused at start-up, naming the key, rather than serving a feed that
+    never changes."""
     name = f"other_{uuid.uuid4().hex}"
     admin = await asyncpg.connect(pg_server.dsn)
     try:
@@ -201,9 +202,36 @@ async def test_serve_refuses_a_read_dsn_that_serves_another_feed(
     assert result.returncode == 1, result
     line = result.stderr.strip()
     assert line.startswith(
-        f"changefeed serve: {config}: publisher.read_dsn: serves another feed"
+        f"changefeed serve: {config}: publisher.read_dsn: reads database {name!r}, not"
     ), line
     assert "Traceback" not in result.stderr and "\n" not in line
+
+
+async def test_serve_refuses_a_read_dsn_on_another_cluster(feed_dsn: str, tmp_path: Path) -> None:
+    """A server that is no standby of the dsn's (another cluster, here with a database
+    of the same name): refused by its system identifier, naming the key."""
+    from changefeed.embedded import temporary
+
+    name = feed_dsn.rsplit("/", 1)[1]
+    other = temporary()
+    other.start()
+    try:
+        admin = await asyncpg.connect(other.dsn)
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await admin.close()
+        config = tmp_path / "changefeed.toml"
+        publisher = {"dsn": feed_dsn, "read_dsn": other.dsn_for(name)}
+        config.write_text(toml_document(publisher, [RESOURCE]))
+        result = await asyncio.to_thread(run_serve, config)
+    finally:
+        other.close()
+    assert result.returncode == 1, result
+    line = result.stderr.strip()
+    assert line.startswith(
+        f"changefeed serve: {config}: publisher.read_dsn: is not a hot standby of the server"
+    ), line
 
 
 async def test_serve_refuses_a_missing_database(pg_server: Any, tmp_path: Path) -> None:
