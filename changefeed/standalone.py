@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 
 from changefeed.publisher import ConfigError, Publisher
 from changefeed.publisher.config import load_service_config
-from changefeed.schemas import schema_version
+from changefeed.schemas import outdated, schema_version
 from changefeed.serving import DrainingServer, server_config
 
 __all__ = ["build_app", "check_database", "check_same_feed", "run_standalone"]
@@ -43,13 +43,8 @@ async def check_database(
         except asyncpg.PostgresError as exc:  # e.g. a role without the grants of roles.sql
             why = f"cannot read the feed schema's version: {exc}"
             raise ConfigError(key, why, source) from None
-        if version == 0:
-            raise ConfigError(
-                "publisher.create_schema",
-                f"is false and the feed schema {schema!r} does not exist: run "
-                "'changefeed db init --dsn DSN' first",
-                source,
-            )
+        if version is not None and (stale := outdated(schema or "", version)) is not None:
+            raise ConfigError("publisher.create_schema", f"is false and {stale}", source)
     finally:
         await conn.close()
 

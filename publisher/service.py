@@ -31,7 +31,15 @@ from starlette.routing import BaseRoute
 
 from changefeed import lost_writes
 from changefeed.logs import log_event
-from changefeed.schemas import AccessDenied, AccessGranted, Position, apply_schema, notify_channel
+from changefeed.schemas import (
+    AccessDenied,
+    AccessGranted,
+    Position,
+    apply_schema,
+    notify_channel,
+    outdated,
+    schema_version,
+)
 
 from .auth import Authorizer, BearerAuth, resources_served_at
 from .broadcast import Broadcast
@@ -208,9 +216,18 @@ class Publisher:
                 command_timeout=30.0,
                 server_settings={"application_name": "changefeed-reads"},
             )
-        if self.config.create_schema:
-            async with self._pool.acquire() as conn:
+        why: str | None = None
+        async with self._pool.acquire() as conn:
+            if self.config.create_schema:
                 await apply_schema(conn, self.config.schema)
+            else:
+                # Otherwise the tailer would retry a query on a missing column forever,
+                # taken for a database away, and never say why.
+                version = await schema_version(conn, self.config.schema)
+                why = outdated(self.config.schema, version)
+        if not self.config.create_schema and why is not None:
+            await self.stop(grace=0)  # the pools it opened
+            raise ConfigError("publisher.create_schema", f"is false and {why}")
         if not self._holds_lost_writes:
             lost_writes.hold()
             self._holds_lost_writes = True

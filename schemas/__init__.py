@@ -10,7 +10,14 @@ from .access import AccessDenied, AccessGranted, allows, decide
 from .closecodes import ERROR_CLOSE_CODES, CloseCode
 from .cursor import ORIGIN, Cursor, CursorCodec, ForeignCursor, Position, stamp_of
 from .errors import CursorError, ProtocolError
-from .migrations import PgConnection, apply_schema, notify_channel, quote_schema, schema_version
+from .migrations import (
+    PgConnection,
+    apply_schema,
+    notify_channel,
+    outdated,
+    quote_schema,
+    schema_version,
+)
 from .models import (
     RESUME_REASONS,
     Ack,
@@ -53,6 +60,7 @@ __all__ = [
     "dumps",
     "load_schema",
     "notify_channel",
+    "outdated",
     "quote_schema",
     "schema_version",
     "stamp_of",

@@ -23,7 +23,9 @@ __all__ = [
     "PgConnection",
     "apply_schema",
     "load_migrations",
+    "needed_version",
     "notify_channel",
+    "outdated",
     "quote_schema",
     "schema_version",
 ]
@@ -105,6 +107,24 @@ async def apply_schema(conn: PgConnection, schema: str = "changefeed") -> list[i
             )
             applied_now.append(migration.version)
     return applied_now
+
+
+def needed_version() -> int:
+    """The version this code reads and writes the feed at: its newest migration."""
+    return load_migrations()[-1].version
+
+
+def outdated(schema: str, version: int) -> str | None:
+    """Why a feed schema at ``version`` cannot be served by this code, or None."""
+    needed = needed_version()
+    if version == 0:
+        return f"the feed schema {schema!r} does not exist: run 'changefeed db init --dsn DSN'"
+    if version < needed:
+        return (
+            f"the feed schema {schema!r} is at version {version}, this changefeed needs"
+            f" {needed}: run 'changefeed db init --dsn DSN' to migrate it"
+        )
+    return None
 
 
 async def schema_version(conn: PgConnection, schema: str = "changefeed") -> int:

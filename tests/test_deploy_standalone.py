@@ -234,6 +234,43 @@ async def test_serve_refuses_a_read_dsn_on_another_cluster(feed_dsn: str, tmp_pa
     ), line
 
 
+async def test_a_schema_older_than_the_code_is_a_clear_error_not_a_tailer_retrying(
+    feed_dsn: str, tmp_path: Path
+) -> None:
+    """With create_schema off, a feed schema one migration behind (code upgraded before
+    'changefeed db init' ran): 'serve' refuses at start-up, and an embedded publisher's
+    start raises, both saying which version and what to run. The tailer used to retry
+    its query on a missing column forever, as if the database were away."""
+    from starlette.applications import Starlette
+
+    from changefeed.publisher import ConfigError, Publisher, PublisherConfig, ResourceConfig
+    from changefeed.schemas.migrations import needed_version
+
+    needed = needed_version()
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        await conn.execute("DELETE FROM changefeed.schema_migrations WHERE version = $1", needed)
+    finally:
+        await conn.close()
+    words = f"is at version {needed - 1}, this changefeed needs {needed}: run 'changefeed db init"
+    config = tmp_path / "changefeed.toml"
+    config.write_text(toml_document({"dsn": feed_dsn, "create_schema": False}, [RESOURCE]))
+    result = await asyncio.to_thread(run_serve, config)
+    assert result.returncode == 1, result
+    line = result.stderr.strip()
+    assert line.startswith(f"changefeed serve: {config}: publisher.create_schema: is false"), line
+    assert words in line, line
+    publisher = Publisher(
+        PublisherConfig(
+            dsn=feed_dsn, resources=(ResourceConfig("vm", "/vms"),), create_schema=False
+        )
+    )
+    app = Starlette(routes=publisher.routes)
+    with pytest.raises(ConfigError, match=words):
+        async with publisher.lifespan(app):
+            pass
+
+
 async def test_serve_refuses_a_missing_database(pg_server: Any, tmp_path: Path) -> None:
     config = tmp_path / "changefeed.toml"
     dsn = pg_server.dsn_for(f"missing_{uuid.uuid4().hex}")
