@@ -332,7 +332,7 @@ async def _db_init(args: argparse.Namespace) -> int:
         conn = await asyncpg.connect(dsn, timeout=10)
     except (OSError, asyncpg.PostgresError) as exc:
         raise CommandError(f"cannot connect to the database: {exc}") from None
-    except (asyncpg.InterfaceError, ValueError) as exc:  # asyncpg's DSN parsing
+    except ValueError as exc:  # a DSN asyncpg cannot parse (ClientConfigurationError is one)
         raise CommandError(f"--dsn: not a usable PostgreSQL DSN: {exc}", 2) from None
     try:
         applied = await apply_schema(conn, args.schema)

@@ -54,7 +54,7 @@ async def _connect(dsn: str, key: str, source: str | None) -> asyncpg.Connection
         return await asyncpg.connect(dsn, timeout=10)
     except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
         raise ConfigError(key, f"database unreachable: {exc}", source) from None
-    except (asyncpg.InterfaceError, ValueError) as exc:  # asyncpg's DSN parsing: a bad port
+    except ValueError as exc:  # a DSN asyncpg cannot parse (ClientConfigurationError is one)
         raise ConfigError(key, f"not a usable PostgreSQL DSN: {exc}", source) from None
 
 
