@@ -222,7 +222,9 @@ class ConnectionLoop:
         )
         if verdict is Disposition.STOP:
             code = error_code or (f"http_{http_status}" if http_status else f"close_{close_code}")
-            raise RegistrationRefused(code, str(ending), close_code)
+            # The publisher's own words: the code is already in the refusal's text.
+            explanation = getattr(ending, "explanation", None) or str(ending)
+            raise RegistrationRefused(code, explanation, close_code)
         if verdict is Disposition.RETRY_FRESH or (
             isinstance(ending, BufferOverflow) and self._config.resync_on_overflow
         ):

@@ -148,6 +148,7 @@ class PublisherClosed(SessionError):
         status: the HTTP status of a refused websocket handshake, if that is how it ended.
         retry_after: the error frame's ``retryAfter``: seconds before trying again
             may succeed (with ``unavailable``).
+        explanation: the error frame's own message, when there was one.
     """
 
     def __init__(
@@ -158,12 +159,14 @@ class PublisherClosed(SessionError):
         *,
         status: int | None = None,
         retry_after: float | None = None,
+        explanation: str | None = None,
     ) -> None:
         super().__init__(message)
         self.close_code = close_code
         self.error_code = error_code
         self.status = status
         self.retry_after = retry_after
+        self.explanation = explanation
 
 
 class BootstrapFailed(SessionError):

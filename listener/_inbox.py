@@ -102,7 +102,11 @@ def error_frame(raw: str | bytes) -> ErrorFrame | None:
 def publisher_error(error: ErrorFrame, what: str) -> PublisherClosed:
     """The session's end an error frame means (its code, and ``retryAfter`` when given)."""
     return PublisherClosed(
-        f"{what} {error.code}: {error.message}", None, error.code, retry_after=error.retry_after
+        f"{what} {error.code}: {error.message}",
+        None,
+        error.code,
+        retry_after=error.retry_after,
+        explanation=error.message,
     )
 
 

@@ -208,7 +208,10 @@ async def test_the_readme_listener_runs_from_a_listener_only_install(
     assert "server-side modules loaded: []" in rest.decode(), "".join(out) + rest.decode()
     assert refused.returncode == 1, refused
     last = refused.stderr.splitlines()[-1]  # after the JSON log lines
-    assert last.startswith("changefeed listen: registration refused"), refused.stderr
+    assert last == (
+        "changefeed listen: registration refused (unknown_resource):"
+        " no change feed for resource 'nosuch'"
+    ), refused.stderr
     assert "Traceback" not in refused.stderr
 
 
