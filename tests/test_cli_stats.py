@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import logging
 import os
 import sys
 from typing import Any
@@ -129,48 +131,39 @@ def test_a_name_shown_escaped_keeps_the_listeners_table_aligned() -> None:
     assert len({line.index("vm[*]") for line in table[1:]} | {table[0].index("CHANGE")}) == 1, table
 
 
-def test_the_human_log_keeps_an_event_on_one_line_whatever_its_fields_hold() -> None:
-    import io
-    import logging
-
-    from changefeed.logs import HumanFormatter, log_event
+def _logged(formatter: logging.Formatter, **fields: Any) -> str:
+    """The one line ``formatter`` writes for a ``registration`` event with ``fields``."""
+    from changefeed.logs import log_event
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(HumanFormatter())
+    handler.setFormatter(formatter)
     logger = logging.getLogger("changefeed.test_visible")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
     try:
-        log_event(logger, "registration", instance="x\n12:00:00.000 info forged line\x1b[31m")
+        log_event(logger, "registration", **fields)
     finally:
         logger.removeHandler(handler)
     (line,) = stream.getvalue().splitlines()
+    return line
+
+
+def test_the_human_log_keeps_an_event_on_one_line_whatever_its_fields_hold() -> None:
+    from changefeed.logs import HumanFormatter
+
+    line = _logged(HumanFormatter(), instance="x\n12:00:00.000 info forged line\x1b[31m")
     assert line.endswith("instance=x\\n12:00:00.000 info forged line\\x1b[31m"), line
 
 
 def test_the_json_log_writes_no_control_or_format_character_raw() -> None:
     """A JSON log line holds a peer's name as JSON escapes: the same value to a parser,
     and no right-to-left override or C1 control for a terminal tailing the log."""
-    import io
-    import logging
+    from changefeed.logs import JsonFormatter
 
-    from changefeed.logs import JsonFormatter, log_event
-
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("changefeed.test_json_visible")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
     name = "abc\u202egnp.exe\x9b31m\u2028é"
-    try:
-        log_event(logger, "registration", instance=name)
-    finally:
-        logger.removeHandler(handler)
-    (line,) = stream.getvalue().splitlines()
+    line = _logged(JsonFormatter(), instance=name)
     assert orjson.loads(line)["instance"] == name
     assert line.isprintable() and "\\u202e" in line and "\\u2028" in line and "é" in line, line
 

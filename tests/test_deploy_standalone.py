@@ -23,12 +23,12 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-from helpers import free_port, wait_until
+from helpers import free_port, fresh_database, wait_until
 from test_deploy_support import ROOT, ChangefeedServer, stopping, toml_document
 from test_listener_support import api_state
 
 from changefeed.listener import BackoffPolicy, Controller, Listener, ListenerConfig
-from changefeed.schemas import ChangeKind, apply_schema
+from changefeed.schemas import ChangeKind
 
 
 async def test_standalone_publisher_with_an_absolute_bootstrap_route(
@@ -183,22 +183,11 @@ async def test_serve_refuses_a_read_dsn_that_serves_another_feed(
     database with a feed of its own) would be tailed instead of the feed the API
     writes: refused at start-up, naming the key, rather than serving a feed that
     never changes."""
-    name = f"other_{uuid.uuid4().hex}"
-    admin = await asyncpg.connect(pg_server.dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        other = await asyncpg.connect(pg_server.dsn_for(name))
-        try:
-            await apply_schema(other)
-        finally:
-            await other.close()
+    async with fresh_database(pg_server, feed_schema=True, prefix="other") as other:
         config = tmp_path / "changefeed.toml"
-        publisher = {"dsn": feed_dsn, "read_dsn": pg_server.dsn_for(name)}
-        config.write_text(toml_document(publisher, [RESOURCE]))
+        config.write_text(toml_document({"dsn": feed_dsn, "read_dsn": other}, [RESOURCE]))
         result = await asyncio.to_thread(run_serve, config)
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
+    name = other.rsplit("/", 1)[1]
     assert result.returncode == 1, result
     line = result.stderr.strip()
     assert line.startswith(
@@ -208,25 +197,19 @@ async def test_serve_refuses_a_read_dsn_that_serves_another_feed(
 
 
 async def test_serve_refuses_a_read_dsn_on_another_cluster(feed_dsn: str, tmp_path: Path) -> None:
-    """A server that is no standby of the dsn's (another cluster, here with a database
-    of the same name): refused by its system identifier, naming the key."""
+    """A server that is no standby of the dsn's (another cluster): refused by its system
+    identifier, naming the key."""
     from changefeed.embedded import temporary
 
-    name = feed_dsn.rsplit("/", 1)[1]
-    other = temporary()
-    other.start()
+    server = temporary()
+    server.start()
     try:
-        admin = await asyncpg.connect(other.dsn)
-        try:
-            await admin.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await admin.close()
-        config = tmp_path / "changefeed.toml"
-        publisher = {"dsn": feed_dsn, "read_dsn": other.dsn_for(name)}
-        config.write_text(toml_document(publisher, [RESOURCE]))
-        result = await asyncio.to_thread(run_serve, config)
+        async with fresh_database(server) as other:
+            config = tmp_path / "changefeed.toml"
+            config.write_text(toml_document({"dsn": feed_dsn, "read_dsn": other}, [RESOURCE]))
+            result = await asyncio.to_thread(run_serve, config)
     finally:
-        other.close()
+        server.close()
     assert result.returncode == 1, result
     line = result.stderr.strip()
     assert line.startswith(

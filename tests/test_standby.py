@@ -231,6 +231,17 @@ def replicated(pg_standby: EmbeddedPostgres) -> Iterator[tuple[EmbeddedPostgres,
         primary.close()
 
 
+async def _feed_on_both(primary: EmbeddedPostgres, standby: EmbeddedPostgres) -> str:
+    """The feed schema on ``primary``, replayed by ``standby``; a DSN naming both."""
+    conn = await asyncpg.connect(primary.dsn)
+    try:
+        await apply_schema(conn)
+    finally:
+        await conn.close()
+    await standby_caught_up(primary.dsn, standby.dsn)
+    return f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/postgres"
+
+
 @pytest.mark.parametrize("how", ["switchover", "failover"])
 async def test_every_cursor_resumes_on_the_promoted_standby(
     replicated: tuple[EmbeddedPostgres, EmbeddedPostgres], how: str
@@ -242,13 +253,7 @@ async def test_every_cursor_resumes_on_the_promoted_standby(
     its listener through the promotion (its doorbell finds the new primary through a
     multi-host ``dsn``). The feed's identity lives in the database, so it is the same."""
     primary, standby = replicated
-    conn = await asyncpg.connect(primary.dsn)
-    try:
-        await apply_schema(conn)
-    finally:
-        await conn.close()
-    await standby_caught_up(primary.dsn, standby.dsn)
-    both = f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/postgres"
+    both = await _feed_on_both(primary, standby)
     async with on_standby(
         f"{both}?target_session_attrs=read-write", standby.dsn, create_schema=False
     ) as reading_standby:
@@ -337,13 +342,7 @@ async def test_a_failover_that_loses_commits_gives_the_feed_a_new_identity_every
     for as long as its connection lasts), and from then on both publishers resume each
     other's cursors."""
     primary, standby = replicated
-    conn = await asyncpg.connect(primary.dsn)
-    try:
-        await apply_schema(conn)
-    finally:
-        await conn.close()
-    await standby_caught_up(primary.dsn, standby.dsn)
-    both = f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{standby.port}/postgres"
+    both = await _feed_on_both(primary, standby)
     writer = f"{both}?target_session_attrs=read-write"
     async with (
         on_standby(writer, standby.dsn, create_schema=False) as reads_standby,
