@@ -437,20 +437,23 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _compact(args: argparse.Namespace) -> int:
-    from changefeed.compaction import CompactionError, parse_duration, run_compaction
+    from changefeed.compaction import (
+        CompactionError,
+        check_durations,
+        parse_duration,
+        run_compaction,
+    )
 
     try:
         max_age = parse_duration(args.max_age, "--max-age")
         lag = parse_duration(args.compaction_lag, "--compaction-lag")
         replay_wait = parse_duration(args.replay_wait, "--replay-wait")
+        # The job's own rules, said with the flags' names: a usage error, before Spark.
+        check_durations(
+            max_age, lag, args.batch_size, names=("--max-age", "--compaction-lag", "--batch-size")
+        )
     except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
-    for flag, text, seconds in (
-        ("--max-age", args.max_age, max_age),
-        ("--compaction-lag", args.compaction_lag, lag),
-    ):
-        if not seconds > 0:
-            raise CommandError(f"{flag}: must be longer than 0, got {text!r}", 2)
     dsn = _dsn(args)
     with _compaction_progress(args.progress) as progress:
         try:

@@ -23,7 +23,7 @@ from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
 from .durations import parse_duration
 from .errors import CompactionError
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .job import run_compaction
+from .job import check_durations, run_compaction
 from .plan import (
     GcRegion,
     Notification,
@@ -61,6 +61,7 @@ __all__ = [
     "Progress",
     "RunLog",
     "Scope",
+    "check_durations",
     "choose_scope",
     "covers",
     "find_jdbc_jar",

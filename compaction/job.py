@@ -123,19 +123,32 @@ class _Clock:
             yield
 
 
-def _check_durations(max_age: float, compaction_lag: float, batch_size: int) -> None:
-    for name, value in (("max_age", max_age), ("compaction_lag", compaction_lag)):
+def check_durations(
+    max_age: float,
+    compaction_lag: float,
+    batch_size: int,
+    *,
+    names: tuple[str, str, str] = ("max_age", "compaction_lag", "batch_size"),
+) -> None:
+    """The job's rules for its arguments, each error naming the argument as ``names``
+    does (the CLI passes its flags).
+
+    Raises:
+        CompactionError: an argument breaks a rule.
+    """
+    age_name, lag_name, batch_name = names
+    for name, value in ((age_name, max_age), (lag_name, compaction_lag)):
         if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
             raise CompactionError(f"{name} must be a positive number of seconds, got {value!r}")
         if (why := too_long(value)) is not None:
             raise CompactionError(f"{name} {why}")
     if max_age < compaction_lag:
         raise CompactionError(
-            f"max_age ({max_age:g}s) must not be shorter than compaction_lag "
+            f"{age_name} ({max_age:g}s) must not be shorter than {lag_name} "
             f"({compaction_lag:g}s): both keep the job away from the live head"
         )
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise CompactionError(f"batch_size must be a positive integer, got {batch_size!r}")
+        raise CompactionError(f"{batch_name} must be a positive integer, got {batch_size!r}")
 
 
 def _spark_errors() -> tuple[type[BaseException], ...]:
@@ -217,7 +230,7 @@ def run_compaction(
         CompactionError: bad arguments, another job running, or a failure on
             the way (the feed is consistent; run again to finish).
     """
-    _check_durations(max_age, compaction_lag, batch_size)
+    check_durations(max_age, compaction_lag, batch_size)
     if not replay_wait >= 0:
         raise CompactionError(f"replay_wait must not be negative, got {replay_wait!r}")
     try:

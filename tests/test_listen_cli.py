@@ -104,8 +104,12 @@ def test_a_usage_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[st
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["compact", "--compaction-lag", "0"], "changefeed compact: --compaction-lag: must be"),
-        (["compact", "--max-age", "0s"], "changefeed compact: --max-age: must be"),
+        (["compact", "--compaction-lag", "0"], "changefeed compact: --compaction-lag must be"),
+        (["compact", "--max-age", "0s"], "changefeed compact: --max-age must be"),
+        (
+            ["compact", "--max-age", "1m", "--compaction-lag", "10m"],
+            "changefeed compact: --max-age (60s) must not be shorter than --compaction-lag",
+        ),
         (["db", "init", "--dsn", "not a dsn"], "changefeed db: --dsn: not a usable PostgreSQL DSN"),
         (
             ["db", "init", "--dsn", "postgresql://u@127.0.0.1:port/x"],
