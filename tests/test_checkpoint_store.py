@@ -291,9 +291,9 @@ async def test_a_file_another_listener_holds_is_not_moved_aside_under_it(
     tmp_path: Path,
 ) -> None:
     """Listener "b" finds the file it shares with a running listener "a" unusable (here:
-    b's rows are of a newer layout). Moving it aside used to take a's checkpoint with it,
-    and a's later saves went on into the renamed file, reported as successes; a's next
-    start bootstrapped. Now b is refused, and the file stays where a saves."""
+    b's rows are of a newer layout). Moving it aside would take a's checkpoint with it,
+    a's later saves would go on into the renamed file as successes, and a's next start
+    would bootstrap: b is refused, and the file stays where a saves."""
     path = tmp_path / "shared.sqlite"
     a = SqliteCheckpointStore(path, name="a")
     await a.save(Checkpoint("a1", (VM,), {"vms": MirrorCheckpoint("vm", vms(1))}, sequence=1))

@@ -222,8 +222,8 @@ async def test_a_schema_older_than_the_code_is_a_clear_error_not_a_tailer_retryi
 ) -> None:
     """With create_schema off, a feed schema one migration behind (code upgraded before
     'changefeed db init' ran): 'serve' refuses at start-up, and an embedded publisher's
-    start raises, both saying which version and what to run. The tailer used to retry
-    its query on a missing column forever, as if the database were away."""
+    start raises, both saying which version and what to run, rather than a tailer
+    retrying its query on a missing column forever, as if the database were away."""
     from starlette.applications import Starlette
 
     from changefeed.publisher import ConfigError, Publisher, PublisherConfig, ResourceConfig
