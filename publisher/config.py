@@ -27,7 +27,7 @@ import functools
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, get_args, get_origin
 
 import msgspec
 import msgspec.inspect as mi
@@ -330,7 +330,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = {}
 
     def __post_init__(self) -> None:
-        _check_bounds(self, "publisher")
+        _check_fields(self, "publisher")
         _check(self, source=None)
 
     def resource(self, name: str) -> ResourceConfig | None:
@@ -418,7 +418,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 65536
 
     def __post_init__(self) -> None:
-        _check_bounds(self, "server")
+        _check_fields(self, "server")
 
 
 # -- the declarations, read ------------------------------------------------------------
@@ -466,8 +466,23 @@ def _bound_error(meta: Meta, value: Any) -> str | None:
     return f"must be at most {high}"
 
 
-def _check_bounds(config: msgspec.Struct, prefix: str) -> None:
-    """The declared bounds, for a config built in Python (msgspec checks them in a file)."""
+def _check_fields(config: msgspec.Struct, prefix: str) -> None:
+    """Each key's type, then its declared bounds, for a config built in Python
+    (msgspec checks both when it parses a file, but not when a Struct is built).
+
+    A value msgspec would convert is stored converted, as from a file: a list
+    for a tuple, a table for a ``ResourceConfig``, an integer for a number.
+    """
+    for f in msgspec.structs.fields(type(config)):
+        value = getattr(config, f.name)
+        try:
+            converted = msgspec.convert(value, _bare(f.type))
+        except msgspec.ValidationError as exc:
+            raise _explained(
+                exc, value, under=f".{f.name}", cls=type(config), prefix=prefix, source=None
+            ) from None
+        if converted is not value:
+            msgspec.structs.force_setattr(config, f.name, converted)
     for name, (_, meta) in _keys(type(config)).items():
         value = getattr(config, name)
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -476,6 +491,11 @@ def _check_bounds(config: msgspec.Struct, prefix: str) -> None:
                 problem = too_long(value)
             if problem is not None:
                 raise ConfigError(f"{prefix}.{name}", problem)
+
+
+def _bare(annotation: Any) -> Any:
+    """An ``Annotated[T, ...]`` as ``T`` (its bounds are checked with our own words)."""
+    return get_args(annotation)[0] if get_origin(annotation) is Annotated else annotation
 
 
 def _check(config: PublisherConfig, source: str | None) -> None:
@@ -600,30 +620,43 @@ def _convert(cls: type[_S], doc: dict[str, Any], prefix: str, source: str | None
     except ConfigError as exc:  # a check of the model's own, in __post_init__
         raise ConfigError(exc.key, exc.message, source) from None
     except msgspec.ValidationError as exc:
-        failure = _FAILURE.match(str(exc))
-        assert failure is not None
-        what, path = failure.group("what"), failure.group("path") or ""
-        key = _key(prefix, path)
-        struct = ResourceConfig if key.startswith("resources[") else cls
-        if unknown := re.match(r"Object contains unknown field `(\w+)`", what):
-            known = ", ".join(sorted(n for n in _keys(struct) if n != "resources"))
-            raise ConfigError(
-                f"{key}.{unknown.group(1)}", f"unknown key (known: {known})", source
-            ) from None
-        if missing := re.match(r"Object missing required field `(\w+)`", what):
-            raise ConfigError(f"{key}.{missing.group(1)}", "is required", source) from None
-        value = _at(doc, path)
-        expected = _EXPECTED.match(what)
-        if expected is not None and expected.group("bound"):
-            name = key.rsplit(".", 1)[-1]
-            problem = _bound_error(_keys(struct)[name][1], value)
-            raise ConfigError(key, problem or what, source) from None
-        if expected is not None:
-            words = _TYPE_WORDS.get(expected.group("type"), f"`{expected.group('type')}`")
-            if "[...]" in path or expected.group("type") == "object":
-                words = 'a table such as {"<token>" = ["vm"]}' if "token" in key else words
-            raise ConfigError(key, f"expected {words}, got {value!r}", source) from None
-        raise ConfigError(key, what, source) from None
+        raise _explained(exc, doc, under="", cls=cls, prefix=prefix, source=source) from None
+
+
+def _explained(
+    exc: msgspec.ValidationError,
+    doc: Any,
+    *,
+    under: str,
+    cls: type[msgspec.Struct],
+    prefix: str,
+    source: str | None,
+) -> ConfigError:
+    """msgspec's complaint about ``doc`` (found at the msgspec path ``under`` of a
+    ``cls``) as a ``ConfigError`` naming the key, in the words a file's reader knows."""
+    failure = _FAILURE.match(str(exc))
+    assert failure is not None
+    what, inner = failure.group("what"), failure.group("path") or ""
+    path = under + inner
+    key = _key(prefix, path)
+    struct = ResourceConfig if key.startswith("resources[") else cls
+    if unknown := re.match(r"Object contains unknown field `(\w+)`", what):
+        known = ", ".join(sorted(n for n in _keys(struct) if n != "resources"))
+        return ConfigError(f"{key}.{unknown.group(1)}", f"unknown key (known: {known})", source)
+    if missing := re.match(r"Object missing required field `(\w+)`", what):
+        return ConfigError(f"{key}.{missing.group(1)}", "is required", source)
+    value = _at(doc, inner)
+    expected = _EXPECTED.match(what)
+    if expected is not None and expected.group("bound"):
+        name = key.rsplit(".", 1)[-1]
+        problem = _bound_error(_keys(struct)[name][1], value)
+        return ConfigError(key, problem or what, source)
+    if expected is not None:
+        words = _TYPE_WORDS.get(expected.group("type"), f"`{expected.group('type')}`")
+        if "[...]" in path or expected.group("type") == "object":
+            words = 'a table such as {"<token>" = ["vm"]}' if "token" in key else words
+        return ConfigError(key, f"expected {words}, got {value!r}", source)
+    return ConfigError(key, what, source)
 
 
 def _table(doc: dict[str, Any], name: str, source: str | None) -> dict[str, Any]:

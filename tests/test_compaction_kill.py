@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -147,7 +148,9 @@ def resumes(
     }
 
 
-async def run_child(dsn: str, failpoint: dict[str, Any]) -> str:
+async def run_child(dsn: str, failpoint: dict[str, Any], scratch: Path) -> str:
+    """Run the job in a child killed at ``failpoint``; its temporary files go under
+    ``scratch`` (a SIGKILL leaves the session's scratch space behind)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -160,6 +163,7 @@ async def run_child(dsn: str, failpoint: dict[str, Any]) -> str:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 240)
@@ -187,7 +191,7 @@ FAILPOINTS = [
 
 @pytest.mark.parametrize("failpoint", FAILPOINTS)
 async def test_killed_job_then_rerun_equals_one_clean_run(
-    feed_dsn: str, second_feed_dsn: str, spark: Any, failpoint: dict[str, Any]
+    feed_dsn: str, second_feed_dsn: str, spark: Any, failpoint: dict[str, Any], tmp_path: Path
 ) -> None:
     conn = await asyncpg.connect(feed_dsn)
     try:
@@ -211,7 +215,7 @@ async def test_killed_job_then_rerun_equals_one_clean_run(
     # databases holding the same feed, side by side.
     clean_run = asyncio.ensure_future(asyncio.to_thread(clean))
     try:
-        await run_child(second_feed_dsn, failpoint)
+        await run_child(second_feed_dsn, failpoint, tmp_path)
     finally:
         clean_summary = await asyncio.wait_for(clean_run, 240)
     assert clean_summary.collected > 3 * BATCH and clean_summary.merged > 2 * BATCH

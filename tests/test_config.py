@@ -97,6 +97,32 @@ def test_every_key_refuses_a_wrong_value_naming_file_and_key(
     assert str(path) in message and key in message, message
 
 
+@pytest.mark.parametrize(("table", "name", "cls"), _keys())
+def test_every_key_refuses_a_wrong_value_built_in_python(
+    table: str, name: str, cls: type[Any]
+) -> None:
+    """A config built in Python is checked as a file is: ``PublisherConfig(queue_size="12")``
+    used to be taken, then fail later as a ``TypeError`` comparing it."""
+    wrong = _wrong_value(table, name, cls)
+    with pytest.raises(ConfigError) as raised:
+        if table == "resources":
+            PublisherConfig(resources=({"name": "vm", "bootstrap_route": "/vms", name: wrong},))  # type: ignore[arg-type]
+        else:
+            cls(**{name: wrong})
+    key = f"resources[0].{name}" if table == "resources" else f"{table}.{name}"
+    assert str(raised.value).startswith(f"{key}: expected "), str(raised.value)
+
+
+def test_python_values_are_stored_as_a_file_would_give_them() -> None:
+    config = PublisherConfig(
+        resources=[{"name": "vm", "bootstrap_route": "/vms", "sub_resources": ["nic"]}],  # type: ignore[arg-type, list-item]
+        max_age=60,
+    )
+    assert config.resources == (ResourceConfig("vm", "/vms", ("nic",)),)
+    assert config.resource("vm") is config.resources[0]
+    assert isinstance(config.max_age, float)
+
+
 @pytest.mark.parametrize(
     ("text", "key"),
     [
