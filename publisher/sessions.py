@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Final
 
 import asyncpg
 
@@ -57,10 +59,24 @@ __all__ = ["Sessions"]
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT = 5.0
+_DECISIONS = 3
+"""Decisions on one registration at most, each made again because the feed changed
+(or the tailer began to join it again) meanwhile; then it is refused with 4010."""
 _STANDBY_RETRY = 2.0
 """retryAfter (seconds) for a cursor this publisher's standby has not caught up with:
 by then it most likely has, or the balancer sends the listener elsewhere."""
 
+
+_CHANGED = Refusal("unavailable", "the feed changed meanwhile; retry", 1.0)
+
+
+class _Again(enum.Enum):
+    """A registration to decide again (``Sessions._decide``)."""
+
+    AGAIN = enum.auto()
+
+
+_AGAIN: Final = _Again.AGAIN
 
 REFUSALS_LOGGED = 20
 """Refusals of one code in one window logged one by one, each with its peer and reason."""
@@ -223,6 +239,16 @@ class Sessions:
                 resource=resource,
                 undeclared=list(unknown),
             )
+        for _ in range(_DECISIONS):
+            decided = await self._decide(request, peer)
+            if decided is not _AGAIN:
+                return decided
+        return _CHANGED
+
+    async def _decide(self, request: Request, peer: str) -> Admitted | Refusal | _Again:
+        """Admit or refuse ``request`` once the tailer is ready; ``_AGAIN`` when the feed
+        changed (or the tailer began to join it again) while this was decided: what
+        was decided may be about another feed, and a moment later it is not."""
         if not await self.wait_ready():
             why = "its database is unreachable, or its standby is behind"
             return Refusal("unavailable", f"the feed cannot be read now ({why}); retry later", 1.0)
@@ -245,9 +271,7 @@ class Sessions:
         if self.draining:
             return Refusal("unavailable", "publisher is shutting down; register elsewhere", 1.0)
         if self._identity.generation != generation or not self._tailer.ready.is_set():
-            # The feed changed (or the tailer is joining it again) while this was
-            # decided: what was decided may be about another feed.
-            return Refusal("unavailable", "the feed changed meanwhile; retry", 1.0)
+            return _AGAIN
         return self._admit(request, since, reason, peer)
 
     def _observe(self, facts: ResumeFacts) -> None:
@@ -258,10 +282,10 @@ class Sessions:
         if facts.state.feed_id != self._identity.feed_id:
             self._tailer.rejoin()  # nothing changes if it is only this server lagging
 
-    async def _identity_stale(self, peer: str) -> Refusal | None:
-        """For a cursor of another identity: a refusal to retry when the feed's identity
-        changed under this publisher (the cursor may be of the new one, which it joins
-        now), None when the cursor is another feed's."""
+    async def _identity_stale(self, peer: str) -> Refusal | _Again | None:
+        """For a cursor of another identity: ``_AGAIN`` when the feed's identity changed
+        under this publisher (the cursor may be of the new one, which it joins now),
+        None when the cursor is another feed's."""
         try:
             facts = await self._resume_queries.facts(ORIGIN)
         except DB_ERRORS as exc:
@@ -270,7 +294,7 @@ class Sessions:
         if facts.state.feed_id == self._identity.feed_id:
             return None
         self._tailer.rejoin()
-        return Refusal("unavailable", "the feed changed meanwhile; retry", 1.0)
+        return _AGAIN
 
     async def _plan_resume(
         self, cursor: Cursor, peer: str

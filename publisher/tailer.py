@@ -155,8 +155,10 @@ class Tailer:
     def rejoin(self) -> None:
         """Join the feed again before the next read: another publisher gave the feed a
         new identity while this one's connection stayed up (it reads a standby that
-        was promoted), and this one would otherwise go on signing with the old one."""
+        was promoted), and this one would otherwise go on signing with the old one.
+        Not ready until then: registrations wait for the feed as it is now."""
         self._rejoin = True
+        self.ready.clear()
         self._wake.set()
 
     async def run(self) -> None:
