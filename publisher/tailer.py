@@ -343,8 +343,8 @@ class Tailer:
             self.entries_total += len(entries)
             self.last_published = last.published
             self._entry_lag = max(0.0, (datetime.now(UTC) - last.published).total_seconds())
-            if len(entries) < self._batch:
-                return
+            if len(entries) < self._batch or self._rejoin:
+                return  # (a rejoin asked for is done before the next read)
             # A full batch: more is waiting (a burst, a catch-up). Reading and
             # encoding the next batch now would hold back the listeners that
             # this batch's flush has not reached yet, and fill every queue
