@@ -542,14 +542,6 @@ _SHA256 = re.compile(r"^sha256:[0-9a-fA-F]{64}$")
 
 
 def _check_tokens(config: PublisherConfig, source: str | None) -> None:
-    if not isinstance(config.token_resources, dict):
-        raise ConfigError("publisher.token_resources", "expected a table", source)
-    # Python callers may pass lists; the model keeps tuples.
-    msgspec.structs.force_setattr(
-        config,
-        "token_resources",
-        {token: tuple(resources) for token, resources in config.token_resources.items()},
-    )
     known = {resource.name for resource in config.resources}
     for key, tokens in (
         ("publisher.auth_tokens", list(config.auth_tokens)),
