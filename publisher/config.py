@@ -712,7 +712,9 @@ def config_reference() -> str:
         "",
         'Durations are seconds as a number, or a string such as `"500ms"`, `"30s"`, `"10m"`,',
         '`"24h"`, `"7d"`, of at most 100 years (`"36500d"`). Unknown keys and wrong types',
-        "are refused with an error naming the file and the key.",
+        "are refused with an error naming the file and the key. The same keys built in",
+        "Python (`PublisherConfig(...)`, `ServerConfig(...)`; durations as seconds) are",
+        "checked the same way, with a `ConfigError` naming the key.",
         "",
     ]
     sections: list[tuple[str, type[msgspec.Struct], set[str]]] = [
