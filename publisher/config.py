@@ -24,10 +24,11 @@ TOML layout::
 from __future__ import annotations
 
 import functools
+import math
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, get_args, get_origin
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
@@ -446,6 +447,8 @@ def _durations(cls: type[msgspec.Struct]) -> set[str]:
 def _bound_error(meta: Meta, value: Any) -> str | None:
     """What is wrong with ``value`` under the bounds ``meta`` declares (None: nothing)."""
     seconds = " seconds" if (meta.extra or {}).get("duration") else ""
+    if isinstance(value, float) and math.isnan(value):
+        return "must be a number, not NaN"
     low, high = meta.ge if meta.ge is not None else meta.gt, meta.le
     if high is None and meta.lt is not None:
         high = meta.lt - 1
@@ -467,35 +470,36 @@ def _bound_error(meta: Meta, value: Any) -> str | None:
 
 
 def _check_fields(config: msgspec.Struct, prefix: str) -> None:
-    """Each key's type, then its declared bounds, for a config built in Python
-    (msgspec checks both when it parses a file, but not when a Struct is built).
+    """Each key's type and declared bounds, for a config built in Python (msgspec
+    checks them when it parses a file, not when a Struct is built), and durations
+    of at most 100 years.
 
     A value msgspec would convert is stored converted, as from a file: a list
     for a tuple, a table for a ``ResourceConfig``, an integer for a number.
     """
+    keys = _keys(type(config))
     for f in msgspec.structs.fields(type(config)):
-        value = getattr(config, f.name)
+        given = getattr(config, f.name)
+        value = _as_tables(given)
         try:
-            converted = msgspec.convert(value, _bare(f.type))
+            converted = msgspec.convert(value, f.type)
         except msgspec.ValidationError as exc:
             raise _explained(
                 exc, value, under=f".{f.name}", cls=type(config), prefix=prefix, source=None
             ) from None
-        if converted is not value:
+        if converted is not given:
             msgspec.structs.force_setattr(config, f.name, converted)
-    for name, (_, meta) in _keys(type(config)).items():
-        value = getattr(config, name)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            problem = _bound_error(meta, value)
-            if problem is None and (meta.extra or {}).get("duration"):
-                problem = too_long(value)
-            if problem is not None:
-                raise ConfigError(f"{prefix}.{name}", problem)
+        duration = (keys[f.name][1].extra or {}).get("duration")
+        if duration and isinstance(converted, float) and (problem := too_long(converted)):
+            raise ConfigError(f"{prefix}.{f.name}", problem)
 
 
-def _bare(annotation: Any) -> Any:
-    """An ``Annotated[T, ...]`` as ``T`` (its bounds are checked with our own words)."""
-    return get_args(annotation)[0] if get_origin(annotation) is Annotated else annotation
+def _as_tables(value: Any) -> Any:
+    """A list of Structs (``ResourceConfig``s) as a list of tables, so that converting
+    it checks each one's keys too (msgspec takes a Struct instance as it is)."""
+    if isinstance(value, list | tuple) and any(isinstance(v, msgspec.Struct) for v in value):
+        return [msgspec.structs.asdict(v) if isinstance(v, msgspec.Struct) else v for v in value]
+    return value
 
 
 def _check(config: PublisherConfig, source: str | None) -> None:
@@ -647,6 +651,8 @@ def _explained(
         words = _TYPE_WORDS.get(expected.group("type"), f"`{expected.group('type')}`")
         if "[...]" in path or expected.group("type") == "object":
             words = 'a table such as {"<token>" = ["vm"]}' if "token" in key else words
+        if key == "resources":
+            words = "a list of [[resources]] tables"
         return ConfigError(key, f"expected {words}, got {value!r}", source)
     return ConfigError(key, what, source)
 

@@ -101,8 +101,8 @@ def test_every_key_refuses_a_wrong_value_naming_file_and_key(
 def test_every_key_refuses_a_wrong_value_built_in_python(
     table: str, name: str, cls: type[Any]
 ) -> None:
-    """A config built in Python is checked as a file is: ``PublisherConfig(queue_size="12")``
-    used to be taken, then fail later as a ``TypeError`` comparing it."""
+    """A config built in Python is checked as a file is, with a ``ConfigError`` naming
+    the key (not a ``TypeError`` later, where the value is first used)."""
     wrong = _wrong_value(table, name, cls)
     with pytest.raises(ConfigError) as raised:
         if table == "resources":
@@ -113,13 +113,49 @@ def test_every_key_refuses_a_wrong_value_built_in_python(
     assert str(raised.value).startswith(f"{key}: expected "), str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"poll_interval": float("nan")}, "publisher.poll_interval: must be a number, not NaN"),
+        ({"queue_size": 0}, "publisher.queue_size: must be at least 1"),
+        ({"max_age": 1e15}, "publisher.max_age: must be at most 100 years"),
+        ({"resources": "vm"}, "resources: expected a list of [[resources]] tables"),
+        (
+            {"resources": (ResourceConfig(name=1, bootstrap_route="/vms"),)},  # type: ignore[arg-type]
+            "resources[0].name: expected a string, got 1",
+        ),
+    ],
+)
+def test_python_values_out_of_bounds_are_refused_as_in_a_file(
+    settings: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        PublisherConfig(**settings)
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
+def test_nan_is_refused_in_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "nan.toml"
+    path.write_text("[publisher]\npoll_interval = nan\n")
+    with pytest.raises(ConfigError, match=r"publisher\.poll_interval: must be a number, not NaN"):
+        load_service_config(path)
+
+
 def test_python_values_are_stored_as_a_file_would_give_them() -> None:
     config = PublisherConfig(
-        resources=[{"name": "vm", "bootstrap_route": "/vms", "sub_resources": ["nic"]}],  # type: ignore[arg-type, list-item]
+        resources=[  # type: ignore[arg-type]
+            {"name": "vm", "bootstrap_route": "/vms", "sub_resources": ["nic"]},
+            ResourceConfig("server", "/servers", ["cpu"]),  # type: ignore[arg-type]
+        ],
+        token_resources={"t" * 20: ["vm"]},  # type: ignore[dict-item]
         max_age=60,
     )
-    assert config.resources == (ResourceConfig("vm", "/vms", ("nic",)),)
+    assert config.resources == (
+        ResourceConfig("vm", "/vms", ("nic",)),
+        ResourceConfig("server", "/servers", ("cpu",)),
+    )
     assert config.resource("vm") is config.resources[0]
+    assert config.token_resources == {"t" * 20: ("vm",)}
     assert isinstance(config.max_age, float)
 
 
