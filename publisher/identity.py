@@ -42,7 +42,7 @@ class FeedIdentity:
         self._codec: CursorCodec | None = None
         self.generation = 0
         """Grows each time the identity changes: a registration decided across a
-        change is told to retry."""
+        change is decided again."""
 
     @property
     def codec(self) -> CursorCodec:

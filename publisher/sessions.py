@@ -239,23 +239,26 @@ class Sessions:
                 resource=resource,
                 undeclared=list(unknown),
             )
-        # One wait for the tailer in all, however many decisions: the listener waits
-        # for its answer only so long (its ack_timeout, 10 s by default).
-        ready_by = time.monotonic() + _READY_TIMEOUT
+        # One deadline for every decision: the listener waits for its answer only so
+        # long (its ack_timeout, 10 s by default). A decision is made again only
+        # while it has not passed.
+        ready_by = asyncio.get_running_loop().time() + _READY_TIMEOUT
         for _ in range(_DECISIONS):
             decided = await self._decide(request, peer, ready_by)
             if decided is not _AGAIN:
                 return decided
+            if asyncio.get_running_loop().time() >= ready_by:
+                break
         return _CHANGED
 
     async def _decide(
         self, request: Request, peer: str, ready_by: float
     ) -> Admitted | Refusal | _Again:
         """Admit or refuse ``request`` once the tailer is ready (by ``ready_by``, on the
-        monotonic clock); ``_AGAIN`` when the feed changed (or the tailer began to join
-        it again) while this was decided: what was decided may be about another feed,
-        and a moment later it is not."""
-        if not await self.wait_ready(ready_by - time.monotonic()):
+        event loop's clock); ``_AGAIN`` when the feed changed (or the tailer began to
+        join it again) while this was decided: what was decided may be about another
+        feed, and a moment later it is not."""
+        if not await self.wait_ready(ready_by):
             why = "its database is unreachable, or its standby is behind"
             return Refusal("unavailable", f"the feed cannot be read now ({why}); retry later", 1.0)
         generation = self._identity.generation
@@ -444,11 +447,15 @@ class Sessions:
         if not len(self.registry):
             self._empty.set()
 
-    async def wait_ready(self, timeout: float = _READY_TIMEOUT) -> bool:  # noqa: ASYNC109
+    async def wait_ready(self, until: float | None = None) -> bool:
         """True once the tailer knows its position (it may be briefly reconnecting),
-        waiting ``timeout`` seconds at most."""
+        waiting until ``until`` at most (the event loop's clock; None: 5 s)."""
+        if self._tailer.status == "failed":
+            return False  # it gave up: nothing to wait for
+        if until is None:
+            until = asyncio.get_running_loop().time() + _READY_TIMEOUT
         try:
-            async with asyncio.timeout(max(timeout, 0.0)):
+            async with asyncio.timeout_at(until):
                 await self._tailer.ready.wait()
         except TimeoutError:
             return False

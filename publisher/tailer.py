@@ -240,7 +240,8 @@ class Tailer:
             while True:
                 if self._rejoin:
                     self.ready.clear()
-                    await self._join_feed(conn)
+                    while self._rejoin:  # asked again while joining: join again
+                        await self._join_feed(conn)
                     self.ready.set()
                 self._wake.clear()
                 try:
@@ -316,7 +317,8 @@ class Tailer:
 
     async def _drain(self, conn: asyncpg.Connection) -> None:
         assert self.position is not None
-        while True:
+        # A rejoin asked for is done before the next read: registrations wait for it.
+        while not self._rejoin:
             read_from = time.monotonic()
             entries = await self._read(conn, self.position)
             self.last_read_at = time.monotonic()
@@ -343,8 +345,8 @@ class Tailer:
             self.entries_total += len(entries)
             self.last_published = last.published
             self._entry_lag = max(0.0, (datetime.now(UTC) - last.published).total_seconds())
-            if len(entries) < self._batch or self._rejoin:
-                return  # (a rejoin asked for is done before the next read)
+            if len(entries) < self._batch:
+                return
             # A full batch: more is waiting (a burst, a catch-up). Reading and
             # encoding the next batch now would hold back the listeners that
             # this batch's flush has not reached yet, and fill every queue

@@ -205,6 +205,41 @@ async def test_resume_replays_exactly_what_was_missed(feed_dsn: str) -> None:
         await ws.close()
 
 
+@pytest.mark.parametrize("rejoins", [1, 1000])
+async def test_a_registration_the_tailer_rejoin_overtook_is_decided_again(
+    feed_dsn: str, monkeypatch: pytest.MonkeyPatch, rejoins: int
+) -> None:
+    """The tailer begins to join the feed again while a resume is decided (what a
+    standby's restart or a feed identity change does): the registration is decided
+    again once it has joined, and resumes. Only a feed that keeps changing under
+    every decision gets the 4010 to retry, within the listener's wait for its ack."""
+    async with running_publisher(feed_dsn) as pub:
+        since = await cursor_before(pub, [("vm", ["nic"], "missed")])
+        queries = pub.publisher.sessions._resume_queries
+        plan, left = queries.plan, [rejoins]
+
+        async def overtaken(*args: Any, **kwargs: Any) -> Any:
+            decided = await plan(*args, **kwargs)
+            if left[0]:
+                left[0] -= 1
+                pub.publisher.tailer.rejoin()
+                pub.publisher.tailer.ready.clear()  # joining: as after a reconnect
+            return decided
+
+        monkeypatch.setattr(queries, "plan", overtaken)
+        asked = time.monotonic()
+        ws, first = await register(pub.ws_url, registration(since=since))
+        if rejoins == 1:
+            assert first.get("resumed") is True, first
+            (item,) = await receive_items(ws, 1)
+            assert item["changedResourceId"] == "missed"
+        else:
+            assert first["error"]["code"] == "unavailable", first
+            assert first["error"]["message"] == "the feed changed meanwhile; retry"
+            assert time.monotonic() - asked < 10  # changefeed.listener's ack_timeout
+        await ws.close()
+
+
 async def test_a_resume_from_the_feed_table_stops_once_its_listener_is_closing(
     feed_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
