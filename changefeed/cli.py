@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import orjson
@@ -114,8 +115,31 @@ def _base_url(text: str) -> str:
     return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a hint where it reads a value for an option as an option of its
+    own: ``--compaction-lag -1s`` leaves ``--compaction-lag`` seemingly without one."""
+
+    _given: list[str]
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        missing = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+        given = getattr(self, "_given", [])
+        if missing and missing.group(1) in given:
+            after = given[given.index(missing.group(1)) + 1 :]
+            if after and after[0].startswith("-"):
+                flag = missing.group(1)
+                message += f" (a value that begins with '-' goes after '=': {flag}={after[0]})"
+        super().error(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="changefeed",
         description="Change-feed publish/subscribe middleware (after Joyent RFD 5).",
         epilog="Run 'changefeed COMMAND --help' for a command's options and an example.",

@@ -101,6 +101,27 @@ def test_a_usage_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().err.strip() == "changefeed listen: --resource vm given twice"
 
 
+def test_a_value_that_begins_with_a_dash_is_shown_where_it_goes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """argparse reads ``-1s`` after ``--compaction-lag`` as an option of its own and
+    says only that a value is missing; the error shows how to give it."""
+    with pytest.raises(SystemExit) as exited:
+        main(["compact", "--compaction-lag", "-1s"])
+    assert exited.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "argument --compaction-lag: expected one argument"
+            " (a value that begins with '-' goes after '=': --compaction-lag=-1s)"
+        )
+    )
+    with pytest.raises(SystemExit):
+        main(["listen", "http://127.0.0.1:9", "--resource"])
+    assert capsys.readouterr().err.strip().endswith("argument --resource: expected one argument")
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [
