@@ -653,7 +653,9 @@ def _explained(
             words = 'a table such as {"<token>" = ["vm"]}' if "token" in key else words
         if key == "resources":
             words = "a list of [[resources]] tables"
-        return ConfigError(key, f"expected {words}, got {value!r}", source)
+        # Under a table's keys ([...]) msgspec does not say which key: no value to show.
+        got = "" if "[...]" in inner else f", got {value!r}"
+        return ConfigError(key, f"expected {words}{got}", source)
     return ConfigError(key, what, source)
 
 
