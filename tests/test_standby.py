@@ -497,8 +497,10 @@ async def test_a_standby_restart_reaches_no_listener_as_an_error(
         await leaving.close()
         await asyncio.to_thread(pg_standby.stop)
         await publish_each(feed_dsn, ["r2"])
+        tailer = pub.publisher.tailer
+        await wait_until(lambda: not tailer.ready.is_set(), timeout=30, message="tailer away")
+        # Registered while the tailer is away: held until it has joined the feed again.
         back = asyncio.create_task(_register_until_answered(pub, r1["cursor"]))
-        await asyncio.sleep(0.5)
         await asyncio.to_thread(pg_standby.start)
         assert pg_standby.dsn_for(standby_dsn.rsplit("/", 1)[1]) == standby_dsn
         again, ack = await back
