@@ -119,17 +119,18 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a hint where it reads a value for an option as an option of its
     own: ``--compaction-lag -1s`` leaves ``--compaction-lag`` seemingly without one."""
 
-    _given: list[str]
+    _given: Sequence[str] = ()
+    """The arguments this parser was given (each subcommand's parser gets its own)."""
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: Any = None
     ) -> tuple[argparse.Namespace, list[str]]:
-        self._given = list(sys.argv[1:] if args is None else args)
+        self._given = tuple(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         missing = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
-        given = getattr(self, "_given", [])
+        given = list(self._given)
         if missing and missing.group(1) in given:
             after = given[given.index(missing.group(1)) + 1 :]
             if after and after[0].startswith("-"):
