@@ -1,22 +1,25 @@
 """The merge as Spark DataFrames: members in, staging rows out, in one shuffle.
 
-Each member becomes a slim row (``slim``): its position as one number
-(``txid * 2^63 + id``, a 38-digit decimal, whose maximum is an ordinary
-aggregate, where a maximum of a ``(txid, id)`` struct sorts every group),
-"whole resource", and its sub-resources as bitmasks over the names the run
-found (``vocabulary``; 63 a word, built with ``array_contains``). No per-row
-set arrays: a union is a ``bit_or``.
+Each member becomes a slim row (``slim``): its position, "whole resource",
+and its sub-resources as bitmasks over the names the run found
+(``vocabulary``; 63 a word, built with ``array_contains``). No per-row set
+arrays: a union is a ``bit_or``.
 
 * **Ordinary ids** go through one shuffle by ``(resource,
-  changed_resource_id)`` and a window of scalar aggregates over each group
-  (size, keeper = the latest position, "any member is the whole resource",
-  union): every member learns its group's verdict where it stands.
+  changed_resource_id)`` and a window over each group, ordered newest first:
+  the sort that brings a group together also puts its keeper (the latest
+  position) first, so the window's scalar aggregates (size, keeper = the first
+  row's position, "any member is the whole resource", union) cost no
+  arithmetic per member, and every member learns its group's verdict where it
+  stands.
 * **Hot ids** -- at most ``HOT_KEYS`` groups of ``HOT_MIN`` members or more,
   found beforehand (bounded metadata) -- are not shuffled at all: a
   ``groupBy`` aggregates them on the map side (one partial row per task and
   id), and the totals, a few rows, are broadcast back to their members, in
   every task that read some. A hot id costs every task a share of it instead
-  of one task all of it.
+  of one task all of it. Their keeper is the maximum of the position as one
+  number (``txid * 2^63 + id``, a 38-digit decimal): an ordinary aggregate,
+  where a maximum of a ``(txid, id)`` struct would sort the members.
 
 Each member then yields its rows (``merge_rows``): a group's keeper a
 ``KIND_KEY`` row (the index of kept entries), and a ``KIND_KEEP`` row when its
@@ -106,14 +109,10 @@ def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list
             )
         return value
 
-    span = F.lit(_POSITION_SPAN).cast("decimal(38,0)")
     slim = members.select(
         *KEY,
         "txid",
         "id",
-        (F.col("txid").cast("decimal(38,0)") * span + F.col("id"))
-        .cast("decimal(38,0)")
-        .alias("pos"),
         (F.size("sub_resources") == 0).cast("int").alias("whole"),
         *(mask(chunk).alias(c) for chunk, c in zip(words, masks, strict=True)),
     )
@@ -132,18 +131,33 @@ def merge_rows(cold: Any, hot: Any | None, names: Sequence[str]) -> Any:
     from pyspark.sql import functions as F
 
     slim, masks, words = _slim(cold, names)
-    group = Window.partitionBy(*KEY)
-    totals = {
+    group = (
+        Window.partitionBy(*KEY)
+        .orderBy(F.col("txid").desc(), F.col("id").desc())
+        .rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    )
+    shared = {
         "n": F.count(F.lit(1)),
-        "keep": F.max("pos"),
         "any_whole": F.max("whole"),
         **{f"u{c}": F.bit_or(c) for c in masks},
     }
-    windowed = slim.select("*", *(t.over(group).alias(n) for n, t in totals.items()))
+    keeper = {"keep_txid": F.first("txid"), "keep_id": F.first("id")}
+    windowed = slim.select("*", *(t.over(group).alias(n) for n, t in {**shared, **keeper}.items()))
     rows = _rows(windowed, masks, words)
     if hot is not None:
+        span = F.lit(_POSITION_SPAN).cast("decimal(38,0)")
         hot_slim = _slim(hot, names)[0]
-        summed = hot_slim.groupBy(*KEY).agg(*(t.alias(n) for n, t in totals.items()))
+        position = (F.col("txid").cast("decimal(38,0)") * span + F.col("id")).cast("decimal(38,0)")
+        summed = (
+            hot_slim.groupBy(*KEY)
+            .agg(F.max(position).alias("keep"), *(t.alias(n) for n, t in shared.items()))
+            .select(
+                "*",
+                F.floor(F.col("keep") / span).cast("long").alias("keep_txid"),
+                F.pmod(F.col("keep"), span).cast("long").alias("keep_id"),
+            )
+            .drop("keep")
+        )
         rows = rows.unionByName(_rows(hot_slim.join(F.broadcast(summed), list(KEY)), masks, words))
     return rows
 
@@ -152,8 +166,7 @@ def _rows(verdicts: Any, masks: list[str], words: list[list[str]]) -> Any:
     """Each member with its group's verdict, as its staging rows."""
     from pyspark.sql import functions as F
 
-    span = F.lit(_POSITION_SPAN).cast("decimal(38,0)")
-    kept = F.col("pos") == F.col("keep")
+    kept = (F.col("txid") == F.col("keep_txid")) & (F.col("id") == F.col("keep_id"))
     whole = F.col("any_whole") == 1
     differs = F.lit(False)
     for c in masks:
@@ -196,11 +209,7 @@ def _rows(verdicts: Any, masks: list[str], words: list[list[str]]) -> Any:
         changed_resource_id=F.col("changed_resource_id"),
         members=F.col("n"),
     )
-    drop_row = row(
-        KIND_DROP,
-        keep_txid=F.floor(F.col("keep") / span).cast("long"),
-        keep_id=F.pmod(F.col("keep"), span).cast("long"),
-    )
+    drop_row = row(KIND_DROP, keep_txid=F.col("keep_txid"), keep_id=F.col("keep_id"))
     keep_row = row(KIND_KEEP, sub_resources=union)
     first = F.when(kept, key_row).otherwise(drop_row)
     second = F.when(widened, keep_row)
