@@ -68,11 +68,13 @@ COMPACTION_LOCK_KEY = 0x6366_636D_7000  # "cfcmp": one compaction job per databa
 """Session-level advisory lock held for the whole run."""
 
 KIND_KEEP = 2
-"""Staging row kind: a keeper whose sub-resources become the union."""
+"""Staging row kind: a keeper whose sub-resources become the union (and, like a
+``KIND_KEY`` row, its group's keeper after this run)."""
 KIND_DROP = 3
 """Staging row kind: an entry merged into its keeper and then deleted."""
 KIND_KEY = 4
-"""Staging row kind: a group's keeper after this run, for the index of kept entries."""
+"""Staging row kind: a group's keeper after this run whose sub-resources stay as they
+are, for the index of kept entries."""
 
 KEEPER_HASH = (
     "hashtextextended(length({table}.resource) || ':' || {table}.resource"
@@ -670,8 +672,8 @@ class CompactionStore:
     async def apply_keys(
         self, run_id: int, *, full: bool, batch_size: int, report: BatchReport | None = None
     ) -> int:
-        """Record the run's groups' keepers (its ``KIND_KEY`` rows) in the index of
-        kept entries, a batch at a time (a full run empties it first), then mark the
+        """Record the run's groups' keepers (its ``KIND_KEY`` and ``KIND_KEEP`` rows) in
+        the index of kept entries, a batch at a time (a full run empties it first), then mark the
         index as this run's. Returns the rows recorded.
 
         The unique index is in place while they go in. (Building it afterwards
@@ -694,9 +696,12 @@ class CompactionStore:
             RETURNING 1
         """
         sql = self._walk_sql(run_id, "txid, id, resource, changed_resource_id", action)
-        return await self._walk(
-            KIND_KEY, run_id=run_id, sql=sql, batch_size=batch_size, report=report
-        )
+        recorded = 0
+        for kind in (KIND_KEY, KIND_KEEP):
+            recorded += await self._walk(
+                kind, run_id=run_id, sql=sql, batch_size=batch_size, report=report
+            )
+        return recorded
 
 
 PageRange = tuple[tuple[int, int], tuple[int, int]]

@@ -21,12 +21,13 @@ arrays: a union is a ``bit_or``.
   number (``txid * 2^63 + id``, a 38-digit decimal): an ordinary aggregate,
   where a maximum of a ``(txid, id)`` struct would sort the members.
 
-Each member then yields its rows (``merge_rows``): a group's keeper a
-``KIND_KEY`` row (the index of kept entries), and a ``KIND_KEEP`` row when its
-sub-resources change (its mask differs from the union's; only then is the
-union turned back into names); every other member a ``KIND_DROP`` row naming
-its keeper. ``write_merge`` writes them to the staging table in one pass,
-counting them as they go (``Observation``). The rules are the ones in ``plan``.
+Each member then yields one staging row (``merge_rows``): a group's keeper a
+``KIND_KEEP`` row when its sub-resources change (its mask differs from the
+union's; only then is the union turned back into names), a ``KIND_KEY`` row
+when they do not (either names its group, for the index of kept entries);
+every other member a ``KIND_DROP`` row naming its keeper. ``write_merge``
+writes them to the staging table in one pass, counting them as they go
+(``Observation``). The rules are the ones in ``plan``.
 """
 
 from __future__ import annotations
@@ -121,11 +122,11 @@ def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list
 
 def merge_rows(cold: Any, hot: Any | None, names: Sequence[str]) -> Any:
     """The staging rows of a merge of ``cold`` (ordinary ids) and ``hot`` (the hot
-    ids' members, or None), whose sub-resources are among ``names``.
+    ids' members, or None), whose sub-resources are among ``names``: one per member.
 
     Both are ``txid, id, resource, changed_resource_id, sub_resources``, no two
     rows at one position, and no group in both. Returns ``STAGING_COLUMNS`` plus
-    ``members`` (a keeper's group size on its key row, 0 elsewhere).
+    ``members`` (a keeper's group size on its row, 0 on a drop).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -163,7 +164,7 @@ def merge_rows(cold: Any, hot: Any | None, names: Sequence[str]) -> Any:
 
 
 def _rows(verdicts: Any, masks: list[str], words: list[list[str]]) -> Any:
-    """Each member with its group's verdict, as its staging rows."""
+    """Each member with its group's verdict, as its staging row."""
     from pyspark.sql import functions as F
 
     kept = (F.col("txid") == F.col("keep_txid")) & (F.col("id") == F.col("keep_id"))
@@ -203,21 +204,17 @@ def _rows(verdicts: Any, masks: list[str], words: list[list[str]]) -> Any:
         }
         return F.struct(*(fields[c].alias(c) for c in (*STAGING_COLUMNS, "members")))
 
-    key_row = row(
-        KIND_KEY,
-        resource=F.col("resource"),
-        changed_resource_id=F.col("changed_resource_id"),
-        members=F.col("n"),
+    group = {
+        "resource": F.col("resource"),
+        "changed_resource_id": F.col("changed_resource_id"),
+        "members": F.col("n"),
+    }
+    verdict = (
+        F.when(~kept, row(KIND_DROP, keep_txid=F.col("keep_txid"), keep_id=F.col("keep_id")))
+        .when(widened, row(KIND_KEEP, sub_resources=union, **group))
+        .otherwise(row(KIND_KEY, **group))
     )
-    drop_row = row(KIND_DROP, keep_txid=F.col("keep_txid"), keep_id=F.col("keep_id"))
-    keep_row = row(KIND_KEEP, sub_resources=union)
-    first = F.when(kept, key_row).otherwise(drop_row)
-    second = F.when(widened, keep_row)
-    return (
-        verdicts.select(F.explode(F.array(first, second)).alias("r"))
-        .where(F.col("r").isNotNull())
-        .select("r.*")
-    )
+    return verdicts.select(verdict.alias("r")).select("r.*")
 
 
 def write_merge(
@@ -234,11 +231,12 @@ def write_merge(
     from pyspark.sql import functions as F
 
     kind = F.col("kind")
+    keeper = kind.isin(KIND_KEY, KIND_KEEP)
     observed = Observation("merge")
     counted = rows.observe(
         observed,
-        F.count(F.when((kind == KIND_KEY) & (F.col("members") > 1), 1)).alias("groups"),
-        F.count(F.when(kind == KIND_KEY, 1)).alias("keys"),
+        F.count(F.when(keeper & (F.col("members") > 1), 1)).alias("groups"),
+        F.count(F.when(keeper, 1)).alias("keys"),
         F.coalesce(F.sum("members"), F.lit(0)).alias("members"),
         F.count(F.when(kind == KIND_KEEP, 1)).alias("updates"),
         F.count(F.when(kind == KIND_DROP, 1)).alias("drops"),

@@ -437,7 +437,7 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
         else:
             rows = merge_rows(members, None, ["alias", "nic"])
         rows = rows.withColumn("task", F.spark_partition_id())
-        (keeper,) = rows.where("kind = 4 AND changed_resource_id = 'hot'").collect()
+        (keeper,) = rows.where("kind IN (2, 4) AND changed_resource_id = 'hot'").collect()
         hot = rows.where(
             (F.col("kind") == 3)
             & (F.col("keep_txid") == keeper["txid"])
