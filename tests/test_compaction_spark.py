@@ -412,7 +412,7 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
     """The members of a hot id are aggregated where they were read and the totals
     broadcast back: its drops come out of every read partition, where the one
     shuffle the other ids go through puts them all in one task; both plan the
-    same rows."""
+    same rows, one per member."""
     from pyspark.sql import functions as F
 
     from changefeed.compaction.merge import group_sizes, hot_groups, merge_rows
@@ -451,6 +451,8 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
     assert split_drops == plain_drops == 10_000 - 1
     assert (split_tasks, plain_tasks) == (4, 1)
     assert split_plan == plain_plan
+    # One staging row per member: a widened keeper's row names its group too.
+    assert len({(r["txid"], r["id"]) for r in split_plan}) == len(split_plan) == 40_000
 
 
 # --------------------------------------------------------------------------- beside live writers
