@@ -129,12 +129,14 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        missing = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+        missing = re.fullmatch(r"argument (\S+): expected one argument", message)
         given = list(self._given)
-        if missing and missing.group(1) in given:
-            after = given[given.index(missing.group(1)) + 1 :]
+        # argparse names every spelling of the option ("-r/--resource"): the one typed.
+        typed = [f for f in (missing.group(1).split("/") if missing else ()) if f in given]
+        if typed:
+            flag = typed[0]
+            after = given[given.index(flag) + 1 :]
             if after and after[0].startswith("-"):
-                flag = missing.group(1)
                 message += f" (a value that begins with '-' goes after '=': {flag}={after[0]})"
         super().error(message)
 

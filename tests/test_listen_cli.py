@@ -122,6 +122,26 @@ def test_a_value_that_begins_with_a_dash_is_shown_where_it_goes(
     assert capsys.readouterr().err.strip().endswith("argument --resource: expected one argument")
 
 
+def test_the_dash_hint_names_the_spelling_of_an_option_that_was_typed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An option with two spellings: argparse names both, the hint the one given."""
+    from changefeed.cli import _Parser
+
+    parser = _Parser(prog="p")
+    parser.add_argument("-l", "--lag")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lag", "-2s"])
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "argument -l/--lag: expected one argument"
+            " (a value that begins with '-' goes after '=': --lag=-2s)"
+        )
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [
