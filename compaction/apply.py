@@ -48,6 +48,7 @@ from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema, sch
 
 from .errors import CompactionError
 from .plan import GcRegion
+from .scope import Cutoffs, Scope
 
 __all__ = [
     "COMPACTION_LOCK_KEY",
@@ -330,6 +331,72 @@ class CompactionStore:
             " changed_resource_id text NOT NULL)"
         )
         return table
+
+    async def delta_garbage(self, scope: Scope, now: Cutoffs) -> list[GcRegion]:
+        """The stretches holding the garbage an incremental run finds (``scope``): at
+        or before the previous head, what aged into garbage since (a range of the
+        ``published`` index); after it, what is already older than the cutoff (a
+        range of the primary key). Two stretches, not one: they may be far apart,
+        and a walk over the gap would look at every entry in it.
+
+        Each stretch is ``[(lowest txid, 0), (highest txid, highest id)]`` (it holds
+        all of its garbage; the walk takes the few others at its ends in its
+        stride), ended no later than the bound of its side.
+        """
+        assert scope.since is not None
+        bounds = (
+            "SELECT min(txid::text::bigint) AS lo, max(txid::text::bigint) AS hi,"
+            f" max(id) AS top, count(*) AS n FROM {self.q}.feed WHERE "
+        )
+        reads: list[tuple[str, tuple[Any, ...], Position]] = [
+            (
+                "(txid, id) > ($1::bigint::text::xid8, $2::bigint)"
+                " AND (txid, id) <= ($3::bigint::text::xid8, $4::bigint) AND published < $5",
+                (*scope.since, *now.head, now.gc),
+                now.head,
+            )
+        ]
+        if scope.gc_band is not None:
+            reads.append(
+                (
+                    "published >= $1 AND published < $2"
+                    " AND (txid, id) <= ($3::bigint::text::xid8, $4::bigint)",
+                    (*scope.gc_band, *scope.since),
+                    scope.since,
+                )
+            )
+        regions = []
+        for where, args, end in reads:
+            row = await self.conn.fetchrow(bounds + where, *args)
+            if row is not None and row["n"]:
+                last = min(Position(int(row["hi"]), int(row["top"])), end)
+                regions.append(GcRegion(Position(int(row["lo"]), 0), last, int(row["n"])))
+        return sorted(regions, key=lambda r: r.first)
+
+    async def delta_names(self, scope: Scope, now: Cutoffs) -> list[str]:
+        """The sub-resource names among the entries an incremental run merges as its
+        changes (see ``frames.delta_predicates``), sorted: after the previous head,
+        and at or before it those that aged into the merge."""
+        assert scope.since is not None
+        changed = [
+            f"SELECT sub_resources FROM {self.q}.feed"
+            " WHERE (txid, id) > ($1::bigint::text::xid8, $2::bigint)"
+            " AND (txid, id) <= ($3::bigint::text::xid8, $4::bigint)"
+            " AND published >= $5 AND published < $6"
+        ]
+        args: list[Any] = [*scope.since, *now.head, now.gc, now.lag]
+        if scope.lag_band is not None:
+            changed.append(
+                f"SELECT sub_resources FROM {self.q}.feed WHERE published >= $7"
+                " AND published < $8 AND (txid, id) <= ($1::bigint::text::xid8, $2::bigint)"
+            )
+            args += scope.lag_band
+        rows = await self.conn.fetch(
+            f"SELECT DISTINCT u.s FROM ({' UNION ALL '.join(changed)}) AS c,"
+            " unnest(c.sub_resources) AS u(s) ORDER BY 1",
+            *args,
+        )
+        return [str(r["s"]) for r in rows]
 
     async def table_pages(self, table: str) -> int:
         """A table's size in pages (to split its reads)."""

@@ -8,11 +8,12 @@ What a run reads (``scope``):
   (``survey_feed``, a row each); then the candidates themselves, split into
   the ordinary ids and the hot ones (``read_feed`` with ``hot_filter``);
 * an **incremental** run reads what changed (``delta_predicates``): the
-  entries after the previous head by primary-key ranges, and those that aged
-  into garbage or into the merge by ranges of the ``published`` index
-  (``garbage_regions`` bounds the new garbage); then the previous keeper of
-  every ``(resource, id)`` they touch (``write_touched``, ``old_keepers``),
-  looked up in the index of kept entries.
+  merge candidates after the previous head by primary-key ranges, and those
+  that aged into the merge by ranges of the ``published`` index (PostgreSQL
+  itself returns the new garbage's bounds and the changes' sub-resource
+  names: ``CompactionStore.delta_garbage``, ``delta_names``); then the
+  previous keeper of every ``(resource, id)`` they touch (``write_touched``,
+  ``old_keepers``), looked up in the index of kept entries.
 
 Nothing comes back to the driver but those few rows. What is done with the
 members is in ``merge``; the PostgreSQL side is in ``apply``.
@@ -34,7 +35,6 @@ from .scope import Cutoffs, Scope
 __all__ = [
     "block_ranges",
     "delta_predicates",
-    "garbage_regions",
     "head_bound",
     "hot_filter",
     "old_keepers",
@@ -114,12 +114,14 @@ def _time_slices(band: tuple[datetime, datetime], parts: int) -> list[tuple[date
 
 
 def delta_predicates(scope: Scope, now: Cutoffs, parts: int) -> list[str]:
-    """One ``WHERE`` clause per partition of an incremental run's read (see ``scope``).
+    """One ``WHERE`` clause per partition of an incremental run's read of its
+    changes (see ``scope``): the merge candidates among what changed, garbage
+    left out (``CompactionStore.delta_garbage`` bounds it).
 
     After the previous head: ``parts`` ranges of transaction ids, each a range of
-    the primary key, every entry older than the lag. At or before it: ``parts``
-    slices of each band of publication times, each a range of the ``published``
-    index.
+    the primary key, every entry published in ``[gc, lag)``. At or before it:
+    ``parts`` slices of the band of publication times that aged into the
+    merge, each a range of the ``published`` index.
     """
     assert not scope.full and scope.since is not None
     since, head = scope.since, now.head
@@ -129,12 +131,10 @@ def delta_predicates(scope: Scope, now: Cutoffs, parts: int) -> list[str]:
             out.append(
                 f"(txid, id) > {_pos(since)} AND (txid, id) <= {_pos(head)}"
                 f" AND txid >= '{int(lo)}'::xid8 AND txid < '{int(hi)}'::xid8"
-                f" AND published < {_ts(now.lag)}"
+                f" AND published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
             )
-    for band in (scope.gc_band, scope.lag_band):
-        if band is None:
-            continue
-        for start, end in _time_slices(band, parts):
+    if scope.lag_band is not None:
+        for start, end in _time_slices(scope.lag_band, parts):
             out.append(
                 f"published >= {_ts(start)} AND published < {_ts(end)}"
                 f" AND (txid, id) <= {_pos(since)}"
@@ -205,38 +205,6 @@ def survey_feed(
         sum(int(r["n"]) for r in counted),
     )
     return [region], names
-
-
-def garbage_regions(garbage: Any, since: Position | None = None) -> list[GcRegion]:
-    """The stretches of the feed that hold ``garbage`` (rows with ``txid``, ``id``):
-    one, or with ``since`` two -- at or before it, and after it (they may be far
-    apart, and the walk between them would look at every entry in the gap).
-    One row per stretch comes back to the driver."""
-    from pyspark.sql import functions as F
-
-    pos = F.struct("txid", "id")
-    txid, id_ = F.col("txid"), F.col("id")
-    side = (
-        F.lit(False)
-        if since is None
-        else (txid > since.txid) | ((txid == since.txid) & (id_ > since.id))
-    )
-    rows = (
-        garbage.groupBy(side.alias("after"))
-        .agg(F.min(pos).alias("first"), F.max(pos).alias("last"), F.count(F.lit(1)).alias("rows"))
-        .collect()
-    )
-    return sorted(
-        (
-            GcRegion(
-                Position(int(r["first"]["txid"]), int(r["first"]["id"])),
-                Position(int(r["last"]["txid"]), int(r["last"]["id"])),
-                int(r["rows"]),
-            )
-            for r in rows
-        ),
-        key=lambda r: r.first,
-    )
 
 
 def old_keepers(

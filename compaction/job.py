@@ -56,7 +56,6 @@ from .frames import (
     _ts,
     block_ranges,
     delta_predicates,
-    garbage_regions,
     hot_filter,
     old_keepers,
     read_feed,
@@ -72,7 +71,6 @@ from .merge import (
     group_sizes,
     hot_groups,
     merge_rows,
-    vocabulary,
     write_merge,
 )
 from .plan import GcRegion
@@ -383,7 +381,11 @@ def _run(
             summary.run_id = run.run_id
             stack.callback(run.drop_staging)
             run.staging = runner.run(store.create_staging(run.run_id))
-        regions, cold, hot = run.scan_full() if scope.full else run.scan_delta()
+        if scope.full:
+            regions, cold, hot = run.scan_full()
+        else:
+            assert previous is not None and previous.names is not None  # choose_scope
+            regions, cold, hot = run.scan_delta(previous.names)
         counts, through = run.merge(cold, hot)
         garbage = sum(r.rows for r in regions)
         summary.scanned = garbage + counts["members"]
@@ -406,7 +408,11 @@ def _run(
             return
         run.apply(regions, counts, through)
         summary.seconds = time.monotonic() - clock.started
-        runner.run(runs.finish(run.run_id, json.dumps(summary.to_dict()), kept=counts["keys"]))
+        runner.run(
+            runs.finish(
+                run.run_id, json.dumps(summary.to_dict()), kept=counts["keys"], names=run.names
+            )
+        )
         runner.run(store.unlock())
 
 
@@ -444,6 +450,8 @@ class _Run:
         self.staging: str | None = None
         self.names: list[str] = []
         """Every sub-resource name among the members (found while scanning)."""
+        self.cached: list[Any] = []
+        """DataFrames persisted for the merge, unpersisted after it."""
 
     def drop_staging(self) -> None:
         if self.run_id is not None:
@@ -490,54 +498,52 @@ class _Run:
 
         return regions, split(False), split(True)
 
-    def scan_delta(self) -> tuple[list[GcRegion], Any, Any | None]:
+    def scan_delta(self, known: tuple[str, ...]) -> tuple[list[GcRegion], Any, Any | None]:
         """What changed since the previous run: the new garbage's bounds, and the merge
         members (the changes that are candidates, and the previous keepers of the
-        ids they touch), the ordinary ids' and the hot ones'."""
+        ids they touch), the ordinary ids' and the hot ones'. ``known``: the
+        sub-resource names the previous run recorded (its keepers name no other)."""
         from pyspark import StorageLevel
         from pyspark.sql import functions as F
 
-        spark, store, scope, now = self.spark, self.store, self.scope, self.now
+        spark, store, scope, now, runner = self.spark, self.store, self.scope, self.now, self.runner
         assert self.run_id is not None
         parts = self.settings.partitions or self.parallelism
         predicates = delta_predicates(scope, now, parts)
         self.summary.partitions = len(predicates)
-        touched = self.runner.run(store.create_touched(self.run_id))
         with self.clock.spark_phase("scan-delta", spark):
+            # Bounds and names, PostgreSQL's answers: nothing the merge does not need
+            # crosses to Spark.
+            regions = runner.run(store.delta_garbage(scope, now))
+            self.names = sorted(set(known).union(runner.run(store.delta_names(scope, now))))
             if not predicates:
-                return [], spark.createDataFrame([], _MEMBER_SCHEMA), None
-            delta = read_feed(spark, self.target, f"{store.q}.feed", predicates).persist(
-                StorageLevel.MEMORY_AND_DISK
-            )
-            sizes = None
+                return regions, spark.createDataFrame([], _MEMBER_SCHEMA), None
+            touched = runner.run(store.create_touched(self.run_id))
+            # Read once, by the count below and then by the merge (unpersisted after it).
+            changed = read_feed(spark, self.target, f"{store.q}.feed", predicates).select(*_MEMBERS)
+            changed = changed.persist(StorageLevel.MEMORY_AND_DISK)
+            self.cached.append(changed)
+            # One count per touched group gives the touched table and the hot groups
+            # (by the changes alone: a group's keeper adds one member, and which
+            # groups are hot decides only how they are merged).
+            sizes = group_sizes(changed).persist(StorageLevel.MEMORY_AND_DISK)
             try:
-                aged = F.col("published") < F.lit(now.gc)
-                regions = garbage_regions(delta.where(aged).select("txid", "id"), scope.since)
-                changed = delta.where(~aged).select(*_MEMBERS)
-                # One count per touched group gives the touched table and the hot
-                # groups (by the changes alone: a group's keeper adds one member, and
-                # which groups are hot decides only how they are merged).
-                sizes = group_sizes(changed).persist(StorageLevel.MEMORY_AND_DISK)
                 write_touched(sizes, self.target, touched)
                 hot = hot_groups(sizes)
-                kept = old_keepers(
-                    spark,
-                    self.target,
-                    feed=f"{store.q}.feed",
-                    keys=f"{store.q}.compaction_keys",
-                    touched=touched,
-                    pages=self.runner.run(store.table_pages(touched)),
-                    parts=parts,
-                    scope=scope,
-                    now=now,
-                )
-                # Materialized now, while the delta is cached: the merge reads it twice.
-                members = changed.unionByName(kept.select(*_MEMBERS)).localCheckpoint()
-                self.names = vocabulary(members)
             finally:
-                delta.unpersist()
-                if sizes is not None:
-                    sizes.unpersist()
+                sizes.unpersist()
+            kept = old_keepers(
+                spark,
+                self.target,
+                feed=f"{store.q}.feed",
+                keys=f"{store.q}.compaction_keys",
+                touched=touched,
+                pages=runner.run(store.table_pages(touched)),
+                parts=parts,
+                scope=scope,
+                now=now,
+            )
+            members = changed.unionByName(kept.select(*_MEMBERS))
         self.summary.hot = len(hot)
         if not hot:
             return regions, members, None
@@ -551,7 +557,17 @@ class _Run:
         """Plan the merge into the staging table (a dry run: count it)."""
         name = "scan-merge" if self.summary.dry_run else "scan-merge+stage"
         with self.clock.spark_phase(name, self.spark):
-            counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
+            try:
+                counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
+            finally:
+                for frame in self.cached:
+                    frame.unpersist()
+        if counted[0]["unnamed"]:
+            raise CompactionError(
+                f"{counted[0]['unnamed']} entries name sub-resources the merge was not given"
+                " (the run log's names are incomplete); nothing was applied, and the next"
+                " run reads the whole feed"
+            )
         if self.run_id is not None:
             with self.clock.phase("survey" if self.store.page_walk else "index"):
                 self.runner.run(self.store.index_staging(self.run_id))

@@ -1,9 +1,10 @@
 """The merge as Spark DataFrames: members in, staging rows out, in one shuffle.
 
 Each member becomes a slim row (``slim``): its position, "whole resource",
-and its sub-resources as bitmasks over the names the run found
-(``vocabulary``; 63 a word, built with ``array_contains``). No per-row set
-arrays: a union is a ``bit_or``.
+and its sub-resources as bitmasks over the names the run was given (63 a
+word, built with ``array_contains``). No per-row set arrays: a union is a
+``bit_or``. A member naming a sub-resource outside them is counted
+(``unnamed``), never silently left out of a union.
 
 * **Ordinary ids** go through one shuffle by ``(resource,
   changed_resource_id)`` and a window over each group, ordered newest first:
@@ -49,7 +50,6 @@ __all__ = [
     "group_sizes",
     "hot_groups",
     "merge_rows",
-    "vocabulary",
     "write_merge",
 ]
 
@@ -59,21 +59,15 @@ HOT_KEYS = 256
 """The largest groups taken as hot, at most."""
 KEY = ("resource", "changed_resource_id")
 """What a group is."""
-MERGE_COUNTS = ("groups", "keys", "members", "updates", "drops")
-"""What ``write_merge`` counts (``groups``: groups of two or more)."""
+MERGE_COUNTS = ("groups", "keys", "members", "updates", "drops", "unnamed")
+"""What ``write_merge`` counts (``groups``: groups of two or more; ``unnamed``:
+members with a sub-resource missing from the names the merge was given, which
+would be left out of a union -- the job applies nothing then)."""
 
 _POSITION_SPAN = Decimal(1 << 63)
+_TALLIED = ("members", "unnamed")  # beside the staging columns, counted, never written
 _APP = "changefeed-compaction"
 _WRITE_BATCH = 10_000
-
-
-def vocabulary(members: Any) -> list[str]:
-    """Every sub-resource name among ``members``, sorted (bounded metadata: a feed
-    names a handful)."""
-    from pyspark.sql import functions as F
-
-    rows = members.select(F.explode("sub_resources").alias("s")).distinct().collect()
-    return sorted(str(r["s"]) for r in rows)
 
 
 def group_sizes(members: Any) -> Any:
@@ -100,6 +94,7 @@ def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list
     from pyspark.sql import functions as F
 
     words = [list(names[w : w + 63]) for w in range(0, len(names), 63)]
+    known = F.array(*(F.lit(n) for n in names)).cast("array<string>")
     masks = [f"mask{w}" for w in range(len(words))]
 
     def mask(chunk: list[str]) -> Any:
@@ -116,6 +111,7 @@ def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list
         "id",
         (F.size("sub_resources") == 0).cast("int").alias("whole"),
         *(mask(chunk).alias(c) for chunk, c in zip(words, masks, strict=True)),
+        (F.size(F.array_except("sub_resources", known)) > 0).cast("int").alias("unnamed"),
     )
     return slim, masks, words
 
@@ -126,7 +122,8 @@ def merge_rows(cold: Any, hot: Any | None, names: Sequence[str]) -> Any:
 
     Both are ``txid, id, resource, changed_resource_id, sub_resources``, no two
     rows at one position, and no group in both. Returns ``STAGING_COLUMNS`` plus
-    ``members`` (a keeper's group size on its row, 0 on a drop).
+    ``members`` (a keeper's group size on its row, 0 on a drop) and ``unnamed``
+    (1 on the row of a member with a sub-resource not in ``names``).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -200,9 +197,10 @@ def _rows(verdicts: Any, masks: list[str], words: list[list[str]]) -> Any:
             "resource": none_text,
             "changed_resource_id": none_text,
             "members": F.lit(0).cast("long"),
+            "unnamed": F.col("unnamed"),
             **values,
         }
-        return F.struct(*(fields[c].alias(c) for c in (*STAGING_COLUMNS, "members")))
+        return F.struct(*(fields[c].alias(c) for c in (*STAGING_COLUMNS, *_TALLIED)))
 
     group = {
         "resource": F.col("resource"),
@@ -241,6 +239,7 @@ def write_merge(
         F.count(F.when(kind == KIND_KEEP, 1)).alias("updates"),
         F.count(F.when(kind == KIND_DROP, 1)).alias("drops"),
         F.max(F.when(kind == KIND_KEEP, F.struct("txid", "id"))).alias("through"),
+        F.coalesce(F.sum("unnamed"), F.lit(0)).alias("unnamed"),
     ).select(*STAGING_COLUMNS)
     if staging is None or target is None:
         counted.write.format("noop").mode("overwrite").save()

@@ -2,7 +2,8 @@
 
 * ``<schema>.compaction_runs`` logs every run: its head and cutoffs (where
   the next incremental run starts), whether it was full, the feed it ran on,
-  when it started and finished, and its summary as JSON. A run without
+  when it started and finished, the sub-resource names its merge knew (every
+  keeper it leaves names none other), and its summary as JSON. A run without
   ``finished`` died.
 * ``<schema>.compaction_keys`` holds each ``(resource, changed_resource_id)``'s
   keeper after the last run: the one entry of the group that run left
@@ -22,6 +23,7 @@ control connection, like ``apply``.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 from changefeed.schemas import PgConnection, Position, quote_schema
 
@@ -61,7 +63,8 @@ class RunLog:
             " ADD COLUMN IF NOT EXISTS lag_cutoff timestamptz,"
             " ADD COLUMN IF NOT EXISTS horizon bigint,"
             " ADD COLUMN IF NOT EXISTS feed_id uuid,"
-            " ADD COLUMN IF NOT EXISTS kept bigint"
+            " ADD COLUMN IF NOT EXISTS kept bigint,"
+            " ADD COLUMN IF NOT EXISTS names text[]"
         )
         # Half-full pages: an incremental run moves a group's keeper by updating
         # its row, which then stays on its page (a HOT update, no new index entry).
@@ -77,7 +80,7 @@ class RunLog:
         row = await self.conn.fetchrow(
             f"SELECT r.run_id, r.finished IS NOT NULL AS finished, r.feed_id,"
             " r.head_txid::text::bigint AS head_txid, r.head_id, r.gc_cutoff, r.lag_cutoff,"
-            " r.horizon, r.kept,"
+            " r.horizon, r.kept, r.names,"
             f" (SELECT max(started) FROM {self.q}.compaction_runs"
             "  WHERE full_run AND finished IS NOT NULL) AS last_full,"
             f" EXISTS (SELECT 1 FROM {self.q}.compaction_keys) AS indexed"
@@ -98,6 +101,7 @@ class RunLog:
             # A crash or failover empties the unlogged index, not some of it.
             index_intact=not row["kept"] or bool(row["indexed"]),
             last_full=row["last_full"],
+            names=None if row["names"] is None else tuple(row["names"]),
         )
 
     async def begin(
@@ -118,13 +122,15 @@ class RunLog:
         )
         return int(run_id)
 
-    async def finish(self, run_id: int, summary: str, *, kept: int) -> None:
-        """Mark the run finished with its summary (JSON text) and how many groups the
-        index of kept entries has been given since it was last emptied (``kept``: this
-        run's; an incremental run adds them to the previous run's, so that a run with
-        no changes still tells the next one that the index must not be empty)."""
+    async def finish(self, run_id: int, summary: str, *, kept: int, names: Sequence[str]) -> None:
+        """Mark the run finished with its summary (JSON text), the sub-resource names
+        its merge knew (``names``), and how many groups the index of kept entries
+        has been given since it was last emptied (``kept``: this run's; an
+        incremental run adds them to the previous run's, so that a run with no
+        changes still tells the next one that the index must not be empty)."""
         await self.conn.execute(
             f"UPDATE {self.q}.compaction_runs r SET finished = now(), summary = $2::jsonb,"
+            " names = $4::text[],"
             " kept = $3 + CASE WHEN r.full_run THEN 0 ELSE coalesce(("
             f"  SELECT p.kept FROM {self.q}.compaction_runs p WHERE p.run_id < r.run_id"
             "   ORDER BY p.run_id DESC LIMIT 1), 0) END"
@@ -132,4 +138,5 @@ class RunLog:
             run_id,
             summary,
             kept,
+            list(names),
         )

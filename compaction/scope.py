@@ -23,11 +23,15 @@ every entry at or before it was final):
 * the previous keeper of every ``(resource, id)`` those entries touch,
   looked up in the index of kept entries.
 
+Its merge needs every sub-resource name among those (``merge``): the names
+of the changes, and those the previous run recorded, which hold its keepers'
+(a keeper's sub-resources only ever come from a merge that knew them).
+
 Merging those is exactly what a full run would do (``plan_feed`` on the whole
 feed): every other group has one entry in ``[gc, lag)`` at most, which a full
 run leaves alone too. ``choose_scope`` falls back to a full run whenever that
 argument does not hold (no finished previous run, another feed, the index
-lost with an unlogged table's crash or failover) and when the index may have
+lost with an unlogged table's crash or failover, no names recorded) and when the index may have
 gone stale: once the last full run is older than the max age, every entry it
 indexed has been collected.
 """
@@ -74,6 +78,8 @@ class PreviousRun:
         index_intact: its index of kept entries is still there (an unlogged
             table: a crash or a failover empties it).
         last_full: when the newest finished full run started (None: never).
+        names: the sub-resource names its merge knew, every one of its
+            keepers' among them (None: not recorded).
     """
 
     run_id: int
@@ -83,6 +89,7 @@ class PreviousRun:
     feed_id: uuid.UUID | None
     index_intact: bool
     last_full: datetime | None
+    names: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +155,8 @@ def choose_scope(
         return Scope(True, "the index of kept entries is gone (database restarted or failed over)")
     if previous.last_full is None or previous.last_full < taken - timedelta(seconds=max_age):
         return Scope(True, "the last full run is older than the max age")
+    if previous.names is None:
+        return Scope(True, f"run {previous.run_id} did not record its sub-resource names")
     before = previous.cutoffs
     return Scope(
         False,

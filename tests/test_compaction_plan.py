@@ -211,6 +211,7 @@ def _previous(**changes: object) -> PreviousRun:
         "feed_id": FEED,
         "index_intact": True,
         "last_full": _at(5000),
+        "names": ("nic",),
     }
     fields.update(changes)
     return PreviousRun(**fields)  # type: ignore[arg-type]
@@ -230,6 +231,7 @@ NOW = Cutoffs(Position(60, 600), _at(1600), _at(5600))
         (_previous(index_intact=False), False, "index of kept entries is gone"),
         (_previous(last_full=_at(0)), False, "older than the max age"),
         (_previous(last_full=None), False, "older than the max age"),
+        (_previous(names=None), False, "did not record its sub-resource names"),
     ],
 )
 def test_a_run_is_full_when_the_previous_one_does_not_cover_the_feed(
@@ -336,7 +338,7 @@ def test_an_incremental_run_after_a_full_one_plans_what_a_full_run_would(
     full = plan_feed(entries2, run2.head)
     expected, _ = simulate(entries2, full, ORIGIN)
 
-    previous = PreviousRun(1, True, run1, 0, FEED, True, run1.lag)
+    previous = PreviousRun(1, True, run1, 0, FEED, True, run1.lag, names=())
     t2 = case["t2"]
     assert isinstance(t2, int)
     scope = choose_scope(run2, previous, horizon=0, feed_id=FEED, max_age=10_000, taken=_at(t2))

@@ -22,6 +22,7 @@ import pytest
 from helpers import wait_until
 
 from changefeed.compaction import (
+    CompactionError,
     Notification,
     NullProgress,
     PlanEntry,
@@ -404,6 +405,56 @@ async def test_incremental_runs_leave_the_feed_a_full_run_would(feed_dsn: str, s
             compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800
         )
         assert fourth.full and "index of kept entries is gone" in fourth.scope, fourth.scope
+    finally:
+        await conn.close()
+
+
+async def test_an_incremental_merge_keeps_names_only_the_previous_keeper_has(
+    feed_dsn: str, spark: Any
+) -> None:
+    """An incremental run's merge knows the names of its changes and those the run
+    log recorded: a keeper's sub-resource that no change names stays in the union.
+    With the recorded names incomplete, the run applies nothing and says so, and
+    the next run reads the whole feed."""
+    conn = await asyncpg.connect(feed_dsn)
+
+    async def add(subs: list[str], hours_ago: float) -> None:
+        await conn.execute(
+            "INSERT INTO changefeed.feed (resource, sub_resources, changed_resource_id,"
+            " published) VALUES ('vm', $1, 'a', now() - $2 * interval '1 hour')",
+            subs,
+            hours_ago,
+        )
+
+    async def feed() -> list[tuple[Any, ...]]:
+        rows = await conn.fetch(
+            "SELECT txid, id, sub_resources FROM changefeed.feed ORDER BY txid, id"
+        )
+        return [tuple(r) for r in rows]
+
+    try:
+        await reset_feed(conn)
+        await add(["disk"], 5)
+        await add(["alias"], 4)
+        first = await asyncio.to_thread(compact, feed_dsn, spark)
+        assert first.full and first.merged == 1
+        await add(["nic"], 3)
+        second = await asyncio.to_thread(compact, feed_dsn, spark)
+        assert not second.full and second.merged == 1, second.scope
+        assert [r[2] for r in await feed()] == [["alias", "disk", "nic"]]
+
+        await add(["nic"], 2)
+        await conn.execute(
+            "UPDATE changefeed.compaction_runs SET names = '{nic}'"
+            " WHERE run_id = (SELECT max(run_id) FROM changefeed.compaction_runs)"
+        )
+        before = await feed()
+        with pytest.raises(CompactionError, match="1 entries name sub-resources the merge"):
+            await asyncio.to_thread(compact, feed_dsn, spark)
+        assert await feed() == before
+        third = await asyncio.to_thread(compact, feed_dsn, spark)
+        assert third.full and "did not finish" in third.scope, third.scope
+        assert [r[2] for r in await feed()] == [["alias", "disk", "nic"]]
     finally:
         await conn.close()
 
