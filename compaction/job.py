@@ -11,11 +11,11 @@ One run:
    what changed since the previous run (``runs`` keeps the run log and the
    index of kept entries).
 3. **scan** (Spark, JDBC): the feed is read in parallel partitions -- heap
-   page ranges for a full run; primary-key and ``published`` ranges, then the
-   touched ids' previous keepers, for an incremental one. Garbage comes back as
-   the bounds of the stretches that hold it; the merge candidates are grouped
-   by ``(resource, changed_resource_id)`` and joined with their keepers
-   (``frames``), and the verdicts go to a per-run unlogged staging table.
+   page ranges for a full run; primary-key and ``published`` ranges, and the
+   previous keepers of the ids they touch, for an incremental one. Garbage
+   comes back as the bounds of the stretches that hold it; the merge members
+   are grouped by ``(resource, changed_resource_id)`` (``frames``,
+   ``merge``), and the verdicts go to a per-run unlogged staging table.
 4. **apply** (control connection): the garbage walk, the announcement of the
    entries about to be widened, the keepers, (once the standbys have replayed
    them) the drops, and the index of kept entries, each batch its own short
@@ -55,24 +55,16 @@ from .errors import CompactionError
 from .frames import (
     _ts,
     block_ranges,
+    delta_conditions,
     delta_predicates,
     hot_filter,
     old_keepers,
     read_feed,
     read_predicates,
     survey_feed,
-    write_touched,
 )
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .merge import (
-    HOT_KEYS,
-    HOT_MIN,
-    KEY,
-    group_sizes,
-    hot_groups,
-    merge_rows,
-    write_merge,
-)
+from .merge import HOT_KEYS, HOT_MIN, merge_rows, write_merge
 from .plan import GcRegion
 from .progress import NullProgress, Progress
 from .runs import RunLog
@@ -87,6 +79,9 @@ _BLOCKS_PER_PARTITION = 8192  # 64 MiB of heap per read partition
 _MAX_PARTITIONS = 4096
 _TID_RANGE_SCAN = 140000  # server_version_num with TID range scans
 _CONNECT_TIMEOUT = 30.0
+_KEEPER_SLICES = 8
+"""An incremental run's reads of the previous keepers, at most: each scans the
+changes again inside PostgreSQL to list its share of the groups they touch."""
 
 
 # --------------------------------------------------------------------------- the run
@@ -450,8 +445,6 @@ class _Run:
         self.staging: str | None = None
         self.names: list[str] = []
         """Every sub-resource name among the members (found while scanning)."""
-        self.cached: list[Any] = []
-        """DataFrames persisted for the merge, unpersisted after it."""
 
     def drop_staging(self) -> None:
         if self.run_id is not None:
@@ -480,88 +473,85 @@ class _Run:
                 read_predicates(snap, ranges, f"published < {_ts(now.gc)}"),
                 predicates,
             )
+
+        def candidates(only: str | None) -> Any:
+            where = predicates if only is None else [f"{p} AND {only}" for p in predicates]
+            return read_feed(self.spark, self.target, table, where)
+
         if self.run_id is None:  # a dry run writes nothing, not even the hot groups
-            return regions, read_feed(self.spark, self.target, table, predicates), None
-        hot = self.runner.run(
-            self.store.hot_groups(snap, now.gc, now.lag, hot_min=HOT_MIN, most=HOT_KEYS)
+            return regions, candidates(None), None
+        marks = self.hot_table()
+        if marks is None:
+            return regions, candidates(None), None
+        return (
+            regions,
+            candidates(hot_filter(marks, hot=False)),
+            candidates(hot_filter(marks, hot=True)),
         )
-        self.summary.hot = len(hot)
-        if not hot:
-            return regions, read_feed(self.spark, self.target, table, predicates), None
-        marks = self.runner.run(self.store.create_hot(self.run_id, hot))
-
-        def split(is_hot: bool) -> Any:
-            only = hot_filter(marks, hot=is_hot)
-            return read_feed(
-                self.spark, self.target, table, [f"{p} AND {only}" for p in predicates]
-            )
-
-        return regions, split(False), split(True)
 
     def scan_delta(self, known: tuple[str, ...]) -> tuple[list[GcRegion], Any, Any | None]:
         """What changed since the previous run: the new garbage's bounds, and the merge
         members (the changes that are candidates, and the previous keepers of the
         ids they touch), the ordinary ids' and the hot ones'. ``known``: the
         sub-resource names the previous run recorded (its keepers name no other)."""
-        from pyspark import StorageLevel
-        from pyspark.sql import functions as F
-
         spark, store, scope, now, runner = self.spark, self.store, self.scope, self.now, self.runner
-        assert self.run_id is not None
         parts = self.settings.partitions or self.parallelism
         predicates = delta_predicates(scope, now, parts)
+        changed = delta_conditions(scope, now)
         self.summary.partitions = len(predicates)
-        with self.clock.spark_phase("scan-delta", spark):
-            # Bounds and names, PostgreSQL's answers: nothing the merge does not need
-            # crosses to Spark.
+        # PostgreSQL answers what the merge needs to know beforehand, read-only; the
+        # changes and the keepers cross to Spark once, read by the merge itself.
+        with self.clock.phase("scan-delta"):
             regions = runner.run(store.delta_garbage(scope, now))
-            self.names = sorted(set(known).union(runner.run(store.delta_names(scope, now))))
+            self.names = sorted(set(known).union(runner.run(store.delta_names(changed))))
             if not predicates:
                 return regions, spark.createDataFrame([], _MEMBER_SCHEMA), None
-            touched = runner.run(store.create_touched(self.run_id))
-            # Read once, by the count below and then by the merge (unpersisted after it).
-            changed = read_feed(spark, self.target, f"{store.q}.feed", predicates).select(*_MEMBERS)
-            changed = changed.persist(StorageLevel.MEMORY_AND_DISK)
-            self.cached.append(changed)
-            # One count per touched group gives the touched table and the hot groups
-            # (by the changes alone: a group's keeper adds one member, and which
-            # groups are hot decides only how they are merged).
-            sizes = group_sizes(changed).persist(StorageLevel.MEMORY_AND_DISK)
-            try:
-                write_touched(sizes, self.target, touched)
-                hot = hot_groups(sizes)
-            finally:
-                sizes.unpersist()
+            marks = self.hot_table()
+        table = f"{store.q}.feed"
+
+        def members(hot: bool | None) -> Any:
+            """The members, all of them (``hot`` None) or the hot groups' or the others'."""
+            where, only = predicates, None
+            if marks is not None and hot is not None:
+                where = [f"{p} AND {hot_filter(marks, hot=hot)}" for p in predicates]
+                only = hot_filter(marks, hot=hot, of="t")
             kept = old_keepers(
                 spark,
                 self.target,
-                feed=f"{store.q}.feed",
+                feed=table,
                 keys=f"{store.q}.compaction_keys",
-                touched=touched,
-                pages=runner.run(store.table_pages(touched)),
-                parts=parts,
+                changed=changed,
+                slices=min(parts, _KEEPER_SLICES),
                 scope=scope,
                 now=now,
+                only=only,
             )
-            members = changed.unionByName(kept.select(*_MEMBERS))
-        self.summary.hot = len(hot)
-        if not hot:
-            return regions, members, None
-        marks = F.broadcast(
-            spark.createDataFrame(hot, "resource string, changed_resource_id string")
+            changes = read_feed(spark, self.target, table, where).select(*_MEMBERS)
+            return changes.unionByName(kept.select(*_MEMBERS))
+
+        if marks is None:
+            return regions, members(None), None
+        return regions, members(False), members(True)
+
+    def hot_table(self) -> str | None:
+        """Find the hot groups (from a sample of the feed), write them to the run's
+        table of them; its name (None: no group is hot)."""
+        snap, now, store = self.snap, self.now, self.store
+        assert self.run_id is not None
+        hot = self.runner.run(
+            store.hot_groups(snap, now.gc, now.lag, hot_min=HOT_MIN, most=HOT_KEYS)
         )
-        key = list(KEY)
-        return regions, members.join(marks, key, "left_anti"), members.join(marks, key, "left_semi")
+        self.summary.hot = len(hot)
+        return self.runner.run(store.create_hot(self.run_id, hot)) if hot else None
 
     def merge(self, cold: Any, hot: Any | None) -> tuple[dict[str, int], Position | None]:
         """Plan the merge into the staging table (a dry run: count it)."""
         name = "scan-merge" if self.summary.dry_run else "scan-merge+stage"
         with self.clock.spark_phase(name, self.spark):
-            try:
-                counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
-            finally:
-                for frame in self.cached:
-                    frame.unpersist()
+            # A full run's names are the candidates' own (survey_feed); an incremental
+            # run's partly come from the run log, which is checked.
+            rows = merge_rows(cold, hot, self.names, checked=not self.scope.full)
+            counted = write_merge(rows, self.target, self.staging)
         if counted[0]["unnamed"]:
             raise CompactionError(
                 f"{counted[0]['unnamed']} entries name sub-resources the merge was not given"
