@@ -280,7 +280,7 @@ class CompactionStore:
         return table
 
     def hot_table(self, run_id: int) -> str:
-        """The qualified name of the table of a full run's hot groups."""
+        """The qualified name of the table of a run's hot groups."""
         return f'{self.q}."compaction_hot_{int(run_id)}"'
 
     async def hot_groups(
@@ -308,7 +308,7 @@ class CompactionStore:
         return [(str(r["resource"]), str(r["changed_resource_id"])) for r in rows]
 
     async def create_hot(self, run_id: int, groups: Sequence[tuple[str, str]]) -> str:
-        """Write a full run's hot groups to their table (the reads filter on it)."""
+        """Write a run's hot groups to their table (the reads filter on it)."""
         table = self.hot_table(run_id)
         await self.conn.execute(
             f"CREATE UNLOGGED TABLE {table} (resource text NOT NULL,"

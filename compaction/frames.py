@@ -115,8 +115,11 @@ def _time_slices(band: tuple[datetime, datetime], parts: int) -> list[tuple[date
 
 
 def _changed_after(since: Position, now: Cutoffs) -> str:
+    # The bare txid bounds let the planner scan a range of the primary key: it
+    # estimates a row comparison too coarsely to prefer the index over the table.
     return (
-        f"(txid, id) > {_pos(since)} AND (txid, id) <= {_pos(now.head)}"
+        f"txid >= '{int(since.txid)}'::xid8 AND txid <= '{int(now.head.txid)}'::xid8"
+        f" AND (txid, id) > {_pos(since)} AND (txid, id) <= {_pos(now.head)}"
         f" AND published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
     )
 
@@ -231,6 +234,7 @@ def old_keepers(
     slices: int,
     scope: Scope,
     now: Cutoffs,
+    names: tuple[str, int],
     only: str | None = None,
 ) -> Any:
     """The previous keeper of every ``(resource, id)`` the changes touch (``changed``:
@@ -244,7 +248,12 @@ def old_keepers(
     entries by the primary key -- all inside PostgreSQL, read-only (no
     transaction id, no table written). ``only``: a condition on the group
     (alias ``t``), such as ``hot_filter``.
+
+    Each keeper comes with ``unnamed``: 1 when it names a sub-resource outside
+    the names the run recorded for its merge (``names``: the run log's table
+    and the run's id), which the merge must then not plan with.
     """
+    runs, run_id = names
     assert scope.since is not None and scope.kept_until is not None
     group_hash = KEEPER_HASH.format(table="c")
     reads: list[Any] = []
@@ -256,10 +265,13 @@ def old_keepers(
         )
         query = (
             f"(SELECT f.txid::text::bigint AS txid, f.id, f.resource, f.changed_resource_id,"
-            f" f.sub_resources, f.published FROM ({groups}) t"
+            " f.sub_resources, f.published,"
+            " CASE WHEN f.sub_resources <@ r.names THEN 0 ELSE 1 END AS unnamed"
+            f" FROM ({groups}) t"
             f" JOIN {keys} k ON k.h = {KEEPER_HASH.format(table='t')}"
             f" JOIN {feed} f ON f.txid = k.txid::text::xid8 AND f.id = k.id"
             " AND f.resource = t.resource AND f.changed_resource_id = t.changed_resource_id"
+            f" CROSS JOIN (SELECT names FROM {runs} WHERE run_id = {int(run_id)}) r"
             f" WHERE (f.txid, f.id) <= {_pos(scope.since)}"
             f" AND f.published >= {_ts(now.gc)} AND f.published < {_ts(scope.kept_until)}"
             f"{'' if only is None else f' AND {only}'}) AS kept_{part}"

@@ -367,6 +367,7 @@ def _run(
             snap=snap,
             now=now,
             scope=scope,
+            runs_table=runs.table,
         )
         if not summary.dry_run:
             runner.run(store.drop_stale_staging())
@@ -381,6 +382,8 @@ def _run(
         else:
             assert previous is not None and previous.names is not None  # choose_scope
             regions, cold, hot = run.scan_delta(previous.names)
+        if run.run_id is not None:
+            runner.run(runs.record_names(run.run_id, run.names))
         counts, through = run.merge(cold, hot)
         garbage = sum(r.rows for r in regions)
         summary.scanned = garbage + counts["members"]
@@ -403,11 +406,7 @@ def _run(
             return
         run.apply(regions, counts, through)
         summary.seconds = time.monotonic() - clock.started
-        runner.run(
-            runs.finish(
-                run.run_id, json.dumps(summary.to_dict()), kept=counts["keys"], names=run.names
-            )
-        )
+        runner.run(runs.finish(run.run_id, json.dumps(summary.to_dict()), kept=counts["keys"]))
         runner.run(store.unlock())
 
 
@@ -427,6 +426,7 @@ class _Run:
         snap: FeedSnapshot,
         now: Cutoffs,
         scope: Scope,
+        runs_table: str,
     ) -> None:
         self.clock = clock
         self.summary = clock.summary
@@ -440,6 +440,8 @@ class _Run:
         self.snap = snap
         self.now = now
         self.scope = scope
+        self.runs_table = runs_table
+        """The run log (the check of the previous keepers' names reads this run's there)."""
         self.parallelism = int(spark.sparkContext.defaultParallelism)
         self.run_id: int | None = None
         self.staging: str | None = None
@@ -494,7 +496,11 @@ class _Run:
         members (the changes that are candidates, and the previous keepers of the
         ids they touch), the ordinary ids' and the hot ones'. ``known``: the
         sub-resource names the previous run recorded (its keepers name no other)."""
+        from pyspark.sql import functions as F
+
         spark, store, scope, now, runner = self.spark, self.store, self.scope, self.now, self.runner
+        run_id = self.run_id
+        assert run_id is not None
         parts = self.settings.partitions or self.parallelism
         predicates = delta_predicates(scope, now, parts)
         changed = delta_conditions(scope, now)
@@ -524,10 +530,14 @@ class _Run:
                 slices=min(parts, _KEEPER_SLICES),
                 scope=scope,
                 now=now,
+                names=(self.runs_table, run_id),
                 only=only,
             )
-            changes = read_feed(spark, self.target, table, where).select(*_MEMBERS)
-            return changes.unionByName(kept.select(*_MEMBERS))
+            # The changes' names are all known (delta_names); the keepers' are checked.
+            changes = read_feed(spark, self.target, table, where).select(
+                *_MEMBERS, F.lit(0).alias("unnamed")
+            )
+            return changes.unionByName(kept.select(*_MEMBERS, "unnamed"))
 
         if marks is None:
             return regions, members(None), None
@@ -548,10 +558,7 @@ class _Run:
         """Plan the merge into the staging table (a dry run: count it)."""
         name = "scan-merge" if self.summary.dry_run else "scan-merge+stage"
         with self.clock.spark_phase(name, self.spark):
-            # A full run's names are the candidates' own (survey_feed); an incremental
-            # run's partly come from the run log, which is checked.
-            rows = merge_rows(cold, hot, self.names, checked=not self.scope.full)
-            counted = write_merge(rows, self.target, self.staging)
+            counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
         if counted[0]["unnamed"]:
             raise CompactionError(
                 f"{counted[0]['unnamed']} entries name sub-resources the merge was not given"

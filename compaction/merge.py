@@ -68,13 +68,10 @@ _APP = "changefeed-compaction"
 _WRITE_BATCH = 10_000
 
 
-def _slim(
-    members: Any, names: Sequence[str], checked: bool
-) -> tuple[Any, list[str], list[list[str]]]:
+def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list[str]]]:
     from pyspark.sql import functions as F
 
     words = [list(names[w : w + 63]) for w in range(0, len(names), 63)]
-    known = F.array(*(F.lit(n) for n in names)).cast("array<string>")
     masks = [f"mask{w}" for w in range(len(words))]
 
     def mask(chunk: list[str]) -> Any:
@@ -91,30 +88,27 @@ def _slim(
         "id",
         (F.size("sub_resources") == 0).cast("int").alias("whole"),
         *(mask(chunk).alias(c) for chunk, c in zip(words, masks, strict=True)),
-        (
-            (F.size(F.array_except("sub_resources", known)) > 0).cast("int")
-            if checked
-            else F.lit(0)
-        ).alias("unnamed"),
+        (F.col("unnamed") if "unnamed" in members.columns else F.lit(0))
+        .cast("int")
+        .alias("unnamed"),
     )
     return slim, masks, words
 
 
-def merge_rows(cold: Any, hot: Any | None, names: Sequence[str], *, checked: bool = True) -> Any:
+def merge_rows(cold: Any, hot: Any | None, names: Sequence[str]) -> Any:
     """The staging rows of a merge of ``cold`` (ordinary ids) and ``hot`` (the hot
     ids' members, or None), whose sub-resources are among ``names``: one per member.
 
-    Both are ``txid, id, resource, changed_resource_id, sub_resources``, no two
-    rows at one position, and no group in both. Returns ``STAGING_COLUMNS`` plus
-    ``members`` (a keeper's group size on its row, 0 on a drop) and ``unnamed``
-    (1 on the row of a member with a sub-resource not in ``names``; always 0
-    unless ``checked``: names PostgreSQL listed from the members themselves
-    need no check, and it costs every member an array).
+    Both are ``txid, id, resource, changed_resource_id, sub_resources``, and
+    may have ``unnamed`` (1: the member names a sub-resource not in ``names``;
+    whoever read it knows); no two rows at one position, and no group in both.
+    Returns ``STAGING_COLUMNS`` plus ``members`` (a keeper's group size on its
+    row, 0 on a drop) and ``unnamed``.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    slim, masks, words = _slim(cold, names, checked)
+    slim, masks, words = _slim(cold, names)
     group = (
         Window.partitionBy(*KEY)
         .orderBy(F.col("txid").desc(), F.col("id").desc())
@@ -130,7 +124,7 @@ def merge_rows(cold: Any, hot: Any | None, names: Sequence[str], *, checked: boo
     rows = _rows(windowed, masks, words)
     if hot is not None:
         span = F.lit(_POSITION_SPAN).cast("decimal(38,0)")
-        hot_slim = _slim(hot, names, checked)[0]
+        hot_slim = _slim(hot, names)[0]
         position = (F.col("txid").cast("decimal(38,0)") * span + F.col("id")).cast("decimal(38,0)")
         summed = (
             hot_slim.groupBy(*KEY)
