@@ -105,7 +105,6 @@ TID_RANGE_SCAN_VERSION = 140000
 """``server_version_num`` from which ``ctid`` ranges are TID range scans."""
 
 _LAST_PAGE = (4294967295, 0)  # above every heap page: the open end of the last range
-# "touched": a name older versions of the job gave a table of theirs, dropped as well.
 _STAGING_NAME = re.compile(r"^compaction_(plan|touched|hot)_[0-9]+$")
 _STANDBY_POLL = 0.2
 _RETRIES = 3
@@ -280,7 +279,7 @@ class CompactionStore:
         return table
 
     def hot_table(self, run_id: int) -> str:
-        """The qualified name of the table of a run's hot groups."""
+        """The qualified name of the table of a full run's hot groups."""
         return f'{self.q}."compaction_hot_{int(run_id)}"'
 
     async def hot_groups(
@@ -308,7 +307,7 @@ class CompactionStore:
         return [(str(r["resource"]), str(r["changed_resource_id"])) for r in rows]
 
     async def create_hot(self, run_id: int, groups: Sequence[tuple[str, str]]) -> str:
-        """Write a run's hot groups to their table (the reads filter on it)."""
+        """Write a full run's hot groups to their table (the reads filter on it)."""
         table = self.hot_table(run_id)
         await self.conn.execute(
             f"CREATE UNLOGGED TABLE {table} (resource text NOT NULL,"
@@ -316,6 +315,20 @@ class CompactionStore:
         )
         await self.conn.executemany(
             f"INSERT INTO {table} (resource, changed_resource_id) VALUES ($1, $2)", groups
+        )
+        return table
+
+    def touched_table(self, run_id: int) -> str:
+        """The qualified name of an incremental run's table of touched resource ids."""
+        return f'{self.q}."compaction_touched_{int(run_id)}"'
+
+    async def create_touched(self, run_id: int) -> str:
+        """Create the table an incremental run writes the ids its changes touch to
+        (unlogged, no index: it is read by page ranges and hashed)."""
+        table = self.touched_table(run_id)
+        await self.conn.execute(
+            f"CREATE UNLOGGED TABLE {table} (resource text NOT NULL,"
+            " changed_resource_id text NOT NULL)"
         )
         return table
 
@@ -360,18 +373,39 @@ class CompactionStore:
                 regions.append(GcRegion(Position(int(row["lo"]), 0), last, int(row["n"])))
         return sorted(regions, key=lambda r: r.first)
 
-    async def delta_names(self, changed: Sequence[str]) -> list[str]:
-        """The sub-resource names among an incremental run's changes (``changed``:
-        the conditions that select them, ``frames.delta_conditions``), sorted."""
-        if not changed:
-            return []
-        reads = " UNION ALL ".join(
-            f"SELECT sub_resources FROM {self.q}.feed WHERE {condition}" for condition in changed
-        )
+    async def delta_names(self, scope: Scope, now: Cutoffs) -> list[str]:
+        """The sub-resource names among the entries an incremental run merges as its
+        changes (see ``frames.delta_predicates``), sorted: after the previous head,
+        and at or before it those that aged into the merge."""
+        assert scope.since is not None
+        changed = [
+            f"SELECT sub_resources FROM {self.q}.feed"
+            " WHERE (txid, id) > ($1::bigint::text::xid8, $2::bigint)"
+            " AND (txid, id) <= ($3::bigint::text::xid8, $4::bigint)"
+            " AND published >= $5 AND published < $6"
+        ]
+        args: list[Any] = [*scope.since, *now.head, now.gc, now.lag]
+        if scope.lag_band is not None:
+            changed.append(
+                f"SELECT sub_resources FROM {self.q}.feed WHERE published >= $7"
+                " AND published < $8 AND (txid, id) <= ($1::bigint::text::xid8, $2::bigint)"
+            )
+            args += scope.lag_band
         rows = await self.conn.fetch(
-            f"SELECT DISTINCT u.s FROM ({reads}) AS c, unnest(c.sub_resources) AS u(s) ORDER BY 1"
+            f"SELECT DISTINCT u.s FROM ({' UNION ALL '.join(changed)}) AS c,"
+            " unnest(c.sub_resources) AS u(s) ORDER BY 1",
+            *args,
         )
         return [str(r["s"]) for r in rows]
+
+    async def table_pages(self, table: str) -> int:
+        """A table's size in pages (to split its reads)."""
+        return int(
+            await self.conn.fetchval(
+                "SELECT pg_relation_size($1::regclass) / current_setting('block_size')::bigint",
+                table,
+            )
+        )
 
     @property
     def page_walk(self) -> bool:
@@ -394,7 +428,7 @@ class CompactionStore:
 
     async def drop_staging(self, run_id: int) -> None:
         """Drop the run's staging tables."""
-        for table in (self.staging_table, self.hot_table):
+        for table in (self.staging_table, self.touched_table, self.hot_table):
             await self.conn.execute(f"DROP TABLE IF EXISTS {table(run_id)}")
 
     # -- the apply step ------------------------------------------------------

@@ -12,8 +12,8 @@ What a run reads (``scope``):
   that aged into the merge by ranges of the ``published`` index (PostgreSQL
   itself returns the new garbage's bounds and the changes' sub-resource
   names: ``CompactionStore.delta_garbage``, ``delta_names``); then the
-  previous keeper of every ``(resource, id)`` they touch (``old_keepers``),
-  looked up in the index of kept entries by PostgreSQL.
+  previous keeper of every ``(resource, id)`` they touch (``write_touched``,
+  ``old_keepers``), looked up in the index of kept entries.
 
 Nothing comes back to the driver but those few rows. What is done with the
 members is in ``merge``; the PostgreSQL side is in ``apply``.
@@ -34,7 +34,6 @@ from .scope import Cutoffs, Scope
 
 __all__ = [
     "block_ranges",
-    "delta_conditions",
     "delta_predicates",
     "head_bound",
     "hot_filter",
@@ -43,6 +42,7 @@ __all__ = [
     "read_predicates",
     "slices",
     "survey_feed",
+    "write_touched",
 ]
 
 _FETCH_SIZE = 10_000
@@ -95,14 +95,13 @@ def read_predicates(
     return out
 
 
-def hot_filter(hot_table: str, *, hot: bool, of: str = "feed") -> str:
-    """SQL: the ``(resource, changed_resource_id)`` of ``of`` (a relation's name or
-    alias) is (``hot``) or is not one of the hot groups the run wrote to
-    ``hot_table``: the reads of a run are split where PostgreSQL reads, without
-    either half reading the other's rows."""
+def hot_filter(hot_table: str, *, hot: bool) -> str:
+    """SQL: the entry's ``(resource, changed_resource_id)`` is (``hot``) or is not one
+    of the hot groups the run wrote to ``hot_table``: the two reads of a full run
+    are split where PostgreSQL reads, without either reading the other's rows."""
     test = (
-        f"SELECT 1 FROM {hot_table} h WHERE h.resource = {of}.resource"
-        f" AND h.changed_resource_id = {of}.changed_resource_id"
+        f"SELECT 1 FROM {hot_table} h WHERE h.resource = feed.resource"
+        " AND h.changed_resource_id = feed.changed_resource_id"
     )
     return f"{'' if hot else 'NOT '}EXISTS ({test})"
 
@@ -114,48 +113,32 @@ def _time_slices(band: tuple[datetime, datetime], parts: int) -> list[tuple[date
     return list(itertools.pairwise(cuts))
 
 
-def _changed_after(since: Position, now: Cutoffs) -> str:
-    # The bare txid bounds let the planner scan a range of the primary key: it
-    # estimates a row comparison too coarsely to prefer the index over the table.
-    return (
-        f"txid >= '{int(since.txid)}'::xid8 AND txid <= '{int(now.head.txid)}'::xid8"
-        f" AND (txid, id) > {_pos(since)} AND (txid, id) <= {_pos(now.head)}"
-        f" AND published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
-    )
-
-
-def _aged_into_merge(start: datetime, end: datetime, since: Position) -> str:
-    return f"published >= {_ts(start)} AND published < {_ts(end)} AND (txid, id) <= {_pos(since)}"
-
-
-def delta_conditions(scope: Scope, now: Cutoffs) -> list[str]:
-    """SQL, one condition per range: the merge candidates among what changed since the
-    previous run (see ``scope``), garbage left out (``CompactionStore.delta_garbage``
-    bounds it). After the previous head, a range of the primary key, every entry
-    published in ``[gc, lag)``; at or before it, the band of publication times
-    that aged into the merge, a range of the ``published`` index."""
-    assert not scope.full and scope.since is not None
-    out = [_changed_after(scope.since, now)] if now.head > scope.since else []
-    if scope.lag_band is not None:
-        out.append(_aged_into_merge(*scope.lag_band, scope.since))
-    return out
-
-
 def delta_predicates(scope: Scope, now: Cutoffs, parts: int) -> list[str]:
-    """``delta_conditions`` split for reading in parallel, one ``WHERE`` clause per
-    partition: after the previous head, ``parts`` ranges of transaction ids; at
-    or before it, ``parts`` slices of the band of publication times."""
+    """One ``WHERE`` clause per partition of an incremental run's read of its
+    changes (see ``scope``): the merge candidates among what changed, garbage
+    left out (``CompactionStore.delta_garbage`` bounds it).
+
+    After the previous head: ``parts`` ranges of transaction ids, each a range of
+    the primary key, every entry published in ``[gc, lag)``. At or before it:
+    ``parts`` slices of the band of publication times that aged into the
+    merge, each a range of the ``published`` index.
+    """
     assert not scope.full and scope.since is not None
     since, head = scope.since, now.head
     out = []
     if head > since:
         for lo, hi in slices(since.txid, head.txid, parts):
             out.append(
-                f"{_changed_after(since, now)}"
+                f"(txid, id) > {_pos(since)} AND (txid, id) <= {_pos(head)}"
                 f" AND txid >= '{int(lo)}'::xid8 AND txid < '{int(hi)}'::xid8"
+                f" AND published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
             )
     if scope.lag_band is not None:
-        out += [_aged_into_merge(a, b, since) for a, b in _time_slices(scope.lag_band, parts)]
+        for start, end in _time_slices(scope.lag_band, parts):
+            out.append(
+                f"published >= {_ts(start)} AND published < {_ts(end)}"
+                f" AND (txid, id) <= {_pos(since)}"
+            )
     return out
 
 
@@ -230,51 +213,31 @@ def old_keepers(
     *,
     feed: str,
     keys: str,
-    changed: list[str],
-    slices: int,
+    touched: str,
+    pages: int,
+    parts: int,
     scope: Scope,
     now: Cutoffs,
-    names: tuple[str, int],
-    only: str | None = None,
 ) -> Any:
-    """The previous keeper of every ``(resource, id)`` the changes touch (``changed``:
-    the conditions that select them, ``delta_conditions``) that is still a merge
-    candidate outside the bands read already (``scope.kept_until``).
-
-    ``slices`` reads, each of the groups whose hash falls in its slice: no
-    group is in two, so no keeper is read twice. Each read lists its groups
-    from the changes (range scans of the primary key and the ``published``
-    index), then looks their keys up in the index of kept entries and the
-    entries by the primary key -- all inside PostgreSQL, read-only (no
-    transaction id, no table written). ``only``: a condition on the group
-    (alias ``t``), such as ``hot_filter``.
-
-    Each keeper comes with ``unnamed``: 1 when it names a sub-resource outside
-    the names the run recorded for its merge (``names``: the run log's table
-    and the run's id), which the merge must then not plan with.
-    """
-    runs, run_id = names
+    """The previous keeper of every touched ``(resource, id)`` that is still a merge
+    candidate outside the bands read already (``scope.kept_until``): one read per
+    range of the touched table's pages, each looking the keys up by their index
+    and the entries by the primary key."""
     assert scope.since is not None and scope.kept_until is not None
-    group_hash = KEEPER_HASH.format(table="c")
     reads: list[Any] = []
-    for part in range(slices):
-        groups = " UNION ".join(
-            f"SELECT c.resource, c.changed_resource_id FROM {feed} c"
-            f" WHERE {condition} AND abs({group_hash} % {int(slices)}) = {int(part)}"
-            for condition in changed
+    for lo, hi in block_ranges(pages, parts):
+        pages_of = f"t.ctid >= '({int(lo)},0)'::tid" + (
+            f" AND t.ctid < '({int(hi)},0)'::tid" if hi is not None else ""
         )
         query = (
             f"(SELECT f.txid::text::bigint AS txid, f.id, f.resource, f.changed_resource_id,"
-            " f.sub_resources, f.published,"
-            " CASE WHEN f.sub_resources <@ r.names THEN 0 ELSE 1 END AS unnamed"
-            f" FROM ({groups}) t"
+            f" f.sub_resources, f.published FROM {touched} t"
             f" JOIN {keys} k ON k.h = {KEEPER_HASH.format(table='t')}"
             f" JOIN {feed} f ON f.txid = k.txid::text::xid8 AND f.id = k.id"
             " AND f.resource = t.resource AND f.changed_resource_id = t.changed_resource_id"
-            f" CROSS JOIN (SELECT names FROM {runs} WHERE run_id = {int(run_id)}) r"
-            f" WHERE (f.txid, f.id) <= {_pos(scope.since)}"
+            f" WHERE {pages_of} AND (f.txid, f.id) <= {_pos(scope.since)}"
             f" AND f.published >= {_ts(now.gc)} AND f.published < {_ts(scope.kept_until)}"
-            f"{'' if only is None else f' AND {only}'}) AS kept_{part}"
+            f") AS kept_{len(reads)}"
         )
         reads.append(
             spark.read.jdbc(
@@ -287,3 +250,19 @@ def old_keepers(
     for read in reads[1:]:
         frame = frame.unionByName(read)
     return frame
+
+
+def write_touched(groups: Any, target: JdbcTarget, table: str) -> None:
+    """Write the ``(resource, changed_resource_id)`` pairs of ``groups`` (one row each
+    already: ``merge.group_sizes``) to ``table``."""
+    groups.select("resource", "changed_resource_id").write.jdbc(
+        url=target.url,
+        table=table,
+        mode="append",
+        properties=target.with_properties(
+            batchsize=str(_WRITE_BATCH),
+            reWriteBatchedInserts="true",
+            isolationLevel="NONE",  # as for staging (merge.write_merge): no xid held open
+            ApplicationName=_APP,
+        ),
+    )

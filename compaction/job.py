@@ -11,11 +11,11 @@ One run:
    what changed since the previous run (``runs`` keeps the run log and the
    index of kept entries).
 3. **scan** (Spark, JDBC): the feed is read in parallel partitions -- heap
-   page ranges for a full run; primary-key and ``published`` ranges, and the
-   previous keepers of the ids they touch, for an incremental one. Garbage
-   comes back as the bounds of the stretches that hold it; the merge members
-   are grouped by ``(resource, changed_resource_id)`` (``frames``,
-   ``merge``), and the verdicts go to a per-run unlogged staging table.
+   page ranges for a full run; primary-key and ``published`` ranges, then the
+   touched ids' previous keepers, for an incremental one. Garbage comes back as
+   the bounds of the stretches that hold it; the merge candidates are grouped
+   by ``(resource, changed_resource_id)`` and joined with their keepers
+   (``frames``), and the verdicts go to a per-run unlogged staging table.
 4. **apply** (control connection): the garbage walk, the announcement of the
    entries about to be widened, the keepers, (once the standbys have replayed
    them) the drops, and the index of kept entries, each batch its own short
@@ -55,16 +55,24 @@ from .errors import CompactionError
 from .frames import (
     _ts,
     block_ranges,
-    delta_conditions,
     delta_predicates,
     hot_filter,
     old_keepers,
     read_feed,
     read_predicates,
     survey_feed,
+    write_touched,
 )
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .merge import HOT_KEYS, HOT_MIN, merge_rows, write_merge
+from .merge import (
+    HOT_KEYS,
+    HOT_MIN,
+    KEY,
+    group_sizes,
+    hot_groups,
+    merge_rows,
+    write_merge,
+)
 from .plan import GcRegion
 from .progress import NullProgress, Progress
 from .runs import RunLog
@@ -79,9 +87,6 @@ _BLOCKS_PER_PARTITION = 8192  # 64 MiB of heap per read partition
 _MAX_PARTITIONS = 4096
 _TID_RANGE_SCAN = 140000  # server_version_num with TID range scans
 _CONNECT_TIMEOUT = 30.0
-_KEEPER_SLICES = 8
-"""An incremental run's reads of the previous keepers, at most: each scans the
-changes again inside PostgreSQL to list its share of the groups they touch."""
 
 
 # --------------------------------------------------------------------------- the run
@@ -367,7 +372,6 @@ def _run(
             snap=snap,
             now=now,
             scope=scope,
-            runs_table=runs.table,
         )
         if not summary.dry_run:
             runner.run(store.drop_stale_staging())
@@ -382,8 +386,6 @@ def _run(
         else:
             assert previous is not None and previous.names is not None  # choose_scope
             regions, cold, hot = run.scan_delta(previous.names)
-        if run.run_id is not None:
-            runner.run(runs.record_names(run.run_id, run.names))
         counts, through = run.merge(cold, hot)
         garbage = sum(r.rows for r in regions)
         summary.scanned = garbage + counts["members"]
@@ -406,7 +408,11 @@ def _run(
             return
         run.apply(regions, counts, through)
         summary.seconds = time.monotonic() - clock.started
-        runner.run(runs.finish(run.run_id, json.dumps(summary.to_dict()), kept=counts["keys"]))
+        runner.run(
+            runs.finish(
+                run.run_id, json.dumps(summary.to_dict()), kept=counts["keys"], names=run.names
+            )
+        )
         runner.run(store.unlock())
 
 
@@ -426,7 +432,6 @@ class _Run:
         snap: FeedSnapshot,
         now: Cutoffs,
         scope: Scope,
-        runs_table: str,
     ) -> None:
         self.clock = clock
         self.summary = clock.summary
@@ -440,13 +445,13 @@ class _Run:
         self.snap = snap
         self.now = now
         self.scope = scope
-        self.runs_table = runs_table
-        """The run log (the check of the previous keepers' names reads this run's there)."""
         self.parallelism = int(spark.sparkContext.defaultParallelism)
         self.run_id: int | None = None
         self.staging: str | None = None
         self.names: list[str] = []
         """Every sub-resource name among the members (found while scanning)."""
+        self.cached: list[Any] = []
+        """DataFrames persisted for the merge, unpersisted after it."""
 
     def drop_staging(self) -> None:
         if self.run_id is not None:
@@ -475,90 +480,88 @@ class _Run:
                 read_predicates(snap, ranges, f"published < {_ts(now.gc)}"),
                 predicates,
             )
-
-        def candidates(only: str | None) -> Any:
-            where = predicates if only is None else [f"{p} AND {only}" for p in predicates]
-            return read_feed(self.spark, self.target, table, where)
-
         if self.run_id is None:  # a dry run writes nothing, not even the hot groups
-            return regions, candidates(None), None
-        marks = self.hot_table()
-        if marks is None:
-            return regions, candidates(None), None
-        return (
-            regions,
-            candidates(hot_filter(marks, hot=False)),
-            candidates(hot_filter(marks, hot=True)),
+            return regions, read_feed(self.spark, self.target, table, predicates), None
+        hot = self.runner.run(
+            self.store.hot_groups(snap, now.gc, now.lag, hot_min=HOT_MIN, most=HOT_KEYS)
         )
+        self.summary.hot = len(hot)
+        if not hot:
+            return regions, read_feed(self.spark, self.target, table, predicates), None
+        marks = self.runner.run(self.store.create_hot(self.run_id, hot))
+
+        def split(is_hot: bool) -> Any:
+            only = hot_filter(marks, hot=is_hot)
+            return read_feed(
+                self.spark, self.target, table, [f"{p} AND {only}" for p in predicates]
+            )
+
+        return regions, split(False), split(True)
 
     def scan_delta(self, known: tuple[str, ...]) -> tuple[list[GcRegion], Any, Any | None]:
         """What changed since the previous run: the new garbage's bounds, and the merge
         members (the changes that are candidates, and the previous keepers of the
         ids they touch), the ordinary ids' and the hot ones'. ``known``: the
         sub-resource names the previous run recorded (its keepers name no other)."""
+        from pyspark import StorageLevel
         from pyspark.sql import functions as F
 
         spark, store, scope, now, runner = self.spark, self.store, self.scope, self.now, self.runner
-        run_id = self.run_id
-        assert run_id is not None
+        assert self.run_id is not None
         parts = self.settings.partitions or self.parallelism
         predicates = delta_predicates(scope, now, parts)
-        changed = delta_conditions(scope, now)
         self.summary.partitions = len(predicates)
-        # PostgreSQL answers what the merge needs to know beforehand, read-only; the
-        # changes and the keepers cross to Spark once, read by the merge itself.
-        with self.clock.phase("scan-delta"):
+        with self.clock.spark_phase("scan-delta", spark):
+            # Bounds and names, PostgreSQL's answers: nothing the merge does not need
+            # crosses to Spark.
             regions = runner.run(store.delta_garbage(scope, now))
-            self.names = sorted(set(known).union(runner.run(store.delta_names(changed))))
+            self.names = sorted(set(known).union(runner.run(store.delta_names(scope, now))))
             if not predicates:
                 return regions, spark.createDataFrame([], _MEMBER_SCHEMA), None
-            marks = self.hot_table()
-        table = f"{store.q}.feed"
-
-        def members(hot: bool | None) -> Any:
-            """The members, all of them (``hot`` None) or the hot groups' or the others'."""
-            where, only = predicates, None
-            if marks is not None and hot is not None:
-                where = [f"{p} AND {hot_filter(marks, hot=hot)}" for p in predicates]
-                only = hot_filter(marks, hot=hot, of="t")
+            touched = runner.run(store.create_touched(self.run_id))
+            # Read once, by the count below and then by the merge (unpersisted after it).
+            changed = read_feed(spark, self.target, f"{store.q}.feed", predicates).select(*_MEMBERS)
+            changed = changed.persist(StorageLevel.MEMORY_AND_DISK)
+            self.cached.append(changed)
+            # One count per touched group gives the touched table and the hot groups
+            # (by the changes alone: a group's keeper adds one member, and which
+            # groups are hot decides only how they are merged).
+            sizes = group_sizes(changed).persist(StorageLevel.MEMORY_AND_DISK)
+            try:
+                write_touched(sizes, self.target, touched)
+                hot = hot_groups(sizes)
+            finally:
+                sizes.unpersist()
             kept = old_keepers(
                 spark,
                 self.target,
-                feed=table,
+                feed=f"{store.q}.feed",
                 keys=f"{store.q}.compaction_keys",
-                changed=changed,
-                slices=min(parts, _KEEPER_SLICES),
+                touched=touched,
+                pages=runner.run(store.table_pages(touched)),
+                parts=parts,
                 scope=scope,
                 now=now,
-                names=(self.runs_table, run_id),
-                only=only,
             )
-            # The changes' names are all known (delta_names); the keepers' are checked.
-            changes = read_feed(spark, self.target, table, where).select(
-                *_MEMBERS, F.lit(0).alias("unnamed")
-            )
-            return changes.unionByName(kept.select(*_MEMBERS, "unnamed"))
-
-        if marks is None:
-            return regions, members(None), None
-        return regions, members(False), members(True)
-
-    def hot_table(self) -> str | None:
-        """Find the hot groups (from a sample of the feed), write them to the run's
-        table of them; its name (None: no group is hot)."""
-        snap, now, store = self.snap, self.now, self.store
-        assert self.run_id is not None
-        hot = self.runner.run(
-            store.hot_groups(snap, now.gc, now.lag, hot_min=HOT_MIN, most=HOT_KEYS)
-        )
+            members = changed.unionByName(kept.select(*_MEMBERS))
         self.summary.hot = len(hot)
-        return self.runner.run(store.create_hot(self.run_id, hot)) if hot else None
+        if not hot:
+            return regions, members, None
+        marks = F.broadcast(
+            spark.createDataFrame(hot, "resource string, changed_resource_id string")
+        )
+        key = list(KEY)
+        return regions, members.join(marks, key, "left_anti"), members.join(marks, key, "left_semi")
 
     def merge(self, cold: Any, hot: Any | None) -> tuple[dict[str, int], Position | None]:
         """Plan the merge into the staging table (a dry run: count it)."""
         name = "scan-merge" if self.summary.dry_run else "scan-merge+stage"
         with self.clock.spark_phase(name, self.spark):
-            counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
+            try:
+                counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
+            finally:
+                for frame in self.cached:
+                    frame.unpersist()
         if counted[0]["unnamed"]:
             raise CompactionError(
                 f"{counted[0]['unnamed']} entries name sub-resources the merge was not given"

@@ -47,6 +47,8 @@ __all__ = [
     "HOT_MIN",
     "KEY",
     "MERGE_COUNTS",
+    "group_sizes",
+    "hot_groups",
     "merge_rows",
     "write_merge",
 ]
@@ -68,10 +70,31 @@ _APP = "changefeed-compaction"
 _WRITE_BATCH = 10_000
 
 
+def group_sizes(members: Any) -> Any:
+    """How many of ``members`` each group has: ``resource, changed_resource_id, count``,
+    one row per group (one shuffle; an incremental run persists it, and takes both
+    the groups it touches and its hot ones from it)."""
+    return members.groupBy(*KEY).count()
+
+
+def hot_groups(
+    sizes: Any, *, hot_min: int = HOT_MIN, hot_keys: int = HOT_KEYS
+) -> list[tuple[str, str]]:
+    """The largest groups of ``sizes`` (``group_sizes``) with ``hot_min`` members or
+    more (at most ``hot_keys``), counted by Spark: for members already at hand (an
+    incremental run's). A full run asks PostgreSQL for a sample instead (``apply``).
+    Which groups are hot decides only how they are merged, never the result."""
+    from pyspark.sql import functions as F
+
+    rows = sizes.where(F.col("count") >= hot_min).orderBy(F.desc("count")).limit(hot_keys).collect()
+    return [(str(r["resource"]), str(r["changed_resource_id"])) for r in rows]
+
+
 def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list[str]]]:
     from pyspark.sql import functions as F
 
     words = [list(names[w : w + 63]) for w in range(0, len(names), 63)]
+    known = F.array(*(F.lit(n) for n in names)).cast("array<string>")
     masks = [f"mask{w}" for w in range(len(words))]
 
     def mask(chunk: list[str]) -> Any:
@@ -88,9 +111,7 @@ def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list
         "id",
         (F.size("sub_resources") == 0).cast("int").alias("whole"),
         *(mask(chunk).alias(c) for chunk, c in zip(words, masks, strict=True)),
-        (F.col("unnamed") if "unnamed" in members.columns else F.lit(0))
-        .cast("int")
-        .alias("unnamed"),
+        (F.size(F.array_except("sub_resources", known)) > 0).cast("int").alias("unnamed"),
     )
     return slim, masks, words
 
@@ -99,11 +120,10 @@ def merge_rows(cold: Any, hot: Any | None, names: Sequence[str]) -> Any:
     """The staging rows of a merge of ``cold`` (ordinary ids) and ``hot`` (the hot
     ids' members, or None), whose sub-resources are among ``names``: one per member.
 
-    Both are ``txid, id, resource, changed_resource_id, sub_resources``, and
-    may have ``unnamed`` (1: the member names a sub-resource not in ``names``;
-    whoever read it knows); no two rows at one position, and no group in both.
-    Returns ``STAGING_COLUMNS`` plus ``members`` (a keeper's group size on its
-    row, 0 on a drop) and ``unnamed``.
+    Both are ``txid, id, resource, changed_resource_id, sub_resources``, no two
+    rows at one position, and no group in both. Returns ``STAGING_COLUMNS`` plus
+    ``members`` (a keeper's group size on its row, 0 on a drop) and ``unnamed``
+    (1 on the row of a member with a sub-resource not in ``names``).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F

@@ -122,27 +122,15 @@ class RunLog:
         )
         return int(run_id)
 
-    @property
-    def table(self) -> str:
-        """The run log's qualified name (the merge reads a run's names from it)."""
-        return f"{self.q}.compaction_runs"
-
-    async def record_names(self, run_id: int, names: Sequence[str]) -> None:
-        """Record the sub-resource names run ``run_id``'s merge knows, before it
-        merges (the check of the previous keepers' names reads them there)."""
-        await self.conn.execute(
-            f"UPDATE {self.q}.compaction_runs SET names = $2::text[] WHERE run_id = $1",
-            run_id,
-            list(names),
-        )
-
-    async def finish(self, run_id: int, summary: str, *, kept: int) -> None:
-        """Mark the run finished with its summary (JSON text) and how many groups the
-        index of kept entries has been given since it was last emptied (``kept``: this
-        run's; an incremental run adds them to the previous run's, so that a run with
-        no changes still tells the next one that the index must not be empty)."""
+    async def finish(self, run_id: int, summary: str, *, kept: int, names: Sequence[str]) -> None:
+        """Mark the run finished with its summary (JSON text), the sub-resource names
+        its merge knew (``names``), and how many groups the index of kept entries
+        has been given since it was last emptied (``kept``: this run's; an
+        incremental run adds them to the previous run's, so that a run with no
+        changes still tells the next one that the index must not be empty)."""
         await self.conn.execute(
             f"UPDATE {self.q}.compaction_runs r SET finished = now(), summary = $2::jsonb,"
+            " names = $4::text[],"
             " kept = $3 + CASE WHEN r.full_run THEN 0 ELSE coalesce(("
             f"  SELECT p.kept FROM {self.q}.compaction_runs p WHERE p.run_id < r.run_id"
             "   ORDER BY p.run_id DESC LIMIT 1), 0) END"
@@ -150,4 +138,5 @@ class RunLog:
             run_id,
             summary,
             kept,
+            list(names),
         )

@@ -409,49 +409,6 @@ async def test_incremental_runs_leave_the_feed_a_full_run_would(feed_dsn: str, s
         await conn.close()
 
 
-async def test_an_incremental_run_merges_a_hot_id_apart_as_a_full_run_would(
-    feed_dsn: str, spark: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An incremental run whose changes make one id hot reads that id's changes and
-    its previous keeper apart from the others (both halves filtered where
-    PostgreSQL reads) and leaves the feed a full run would."""
-    monkeypatch.setattr("changefeed.compaction.job.HOT_MIN", 50)
-    conn = await asyncpg.connect(feed_dsn)
-    rng = random.Random(7)
-
-    async def add(n: int, hours_ago: tuple[float, float]) -> None:
-        await conn.executemany(
-            "INSERT INTO changefeed.feed (resource, sub_resources, changed_resource_id,"
-            " published) VALUES ('vm', $1, $2, now() - $3 * interval '1 hour')",
-            [
-                (rng.choice(SUBS), "hot" if rng.random() < 0.8 else rng.choice("abcdefghijkl"),
-                 rng.uniform(*hours_ago))
-                for _ in range(n)
-            ],
-        )  # fmt: skip
-
-    try:
-        await reset_feed(conn)
-        await add(200, (30, 40))
-        await add(200, (5, 20))
-        first = await asyncio.to_thread(compact, feed_dsn, spark)
-        assert first.full and first.hot == 1
-        await add(300, (2, 4))
-        entries, _ = await read_feed(conn)
-        head = await FeedReader().head(conn)
-        expected, _ = simulate(
-            entries, plan_feed(entries, head), await FeedReader().low_water(conn)
-        )
-        second = await asyncio.to_thread(compact, feed_dsn, spark)
-        assert not second.full and second.hot == 1, second.scope
-        _, after = await read_feed(conn)
-        assert after == expected
-        hot = [e for e in after.values() if e[1] == "hot"]
-        assert len(hot) == 1  # the changes and the previous keeper merged into one
-    finally:
-        await conn.close()
-
-
 async def test_an_incremental_merge_keeps_names_only_the_previous_keeper_has(
     feed_dsn: str, spark: Any
 ) -> None:
@@ -509,7 +466,7 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
     same rows, one per member."""
     from pyspark.sql import functions as F
 
-    from changefeed.compaction.merge import merge_rows
+    from changefeed.compaction.merge import group_sizes, hot_groups, merge_rows
 
     members = spark.range(0, 40_000, numPartitions=4).select(
         (F.col("id") % 97).alias("txid"),
@@ -522,6 +479,7 @@ def test_a_hot_id_is_merged_across_the_read_tasks_not_in_one(spark: Any) -> None
         .otherwise(F.array(F.lit("nic")))
         .alias("sub_resources"),
     )
+    assert hot_groups(group_sizes(members), hot_min=5_000) == [("vm", "hot")]
     hot_id = F.col("changed_resource_id") == "hot"
 
     def hot_drops(split: bool) -> tuple[int, int, list[Any]]:
