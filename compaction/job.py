@@ -558,7 +558,10 @@ class _Run:
         name = "scan-merge" if self.summary.dry_run else "scan-merge+stage"
         with self.clock.spark_phase(name, self.spark):
             try:
-                counted = write_merge(merge_rows(cold, hot, self.names), self.target, self.staging)
+                # A full run's names are the candidates' own (survey_feed); an
+                # incremental run's partly come from the run log, which is checked.
+                rows = merge_rows(cold, hot, self.names, checked=not self.scope.full)
+                counted = write_merge(rows, self.target, self.staging)
             finally:
                 for frame in self.cached:
                     frame.unpersist()

@@ -90,7 +90,9 @@ def hot_groups(
     return [(str(r["resource"]), str(r["changed_resource_id"])) for r in rows]
 
 
-def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list[str]]]:
+def _slim(
+    members: Any, names: Sequence[str], checked: bool
+) -> tuple[Any, list[str], list[list[str]]]:
     from pyspark.sql import functions as F
 
     words = [list(names[w : w + 63]) for w in range(0, len(names), 63)]
@@ -111,24 +113,30 @@ def _slim(members: Any, names: Sequence[str]) -> tuple[Any, list[str], list[list
         "id",
         (F.size("sub_resources") == 0).cast("int").alias("whole"),
         *(mask(chunk).alias(c) for chunk, c in zip(words, masks, strict=True)),
-        (F.size(F.array_except("sub_resources", known)) > 0).cast("int").alias("unnamed"),
+        (
+            (F.size(F.array_except("sub_resources", known)) > 0).cast("int")
+            if checked
+            else F.lit(0)
+        ).alias("unnamed"),
     )
     return slim, masks, words
 
 
-def merge_rows(cold: Any, hot: Any | None, names: Sequence[str]) -> Any:
+def merge_rows(cold: Any, hot: Any | None, names: Sequence[str], *, checked: bool = True) -> Any:
     """The staging rows of a merge of ``cold`` (ordinary ids) and ``hot`` (the hot
     ids' members, or None), whose sub-resources are among ``names``: one per member.
 
     Both are ``txid, id, resource, changed_resource_id, sub_resources``, no two
     rows at one position, and no group in both. Returns ``STAGING_COLUMNS`` plus
     ``members`` (a keeper's group size on its row, 0 on a drop) and ``unnamed``
-    (1 on the row of a member with a sub-resource not in ``names``).
+    (1 on the row of a member with a sub-resource not in ``names``; always 0
+    unless ``checked``: names listed from the members themselves need no
+    check, and it costs every member an array).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    slim, masks, words = _slim(cold, names)
+    slim, masks, words = _slim(cold, names, checked)
     group = (
         Window.partitionBy(*KEY)
         .orderBy(F.col("txid").desc(), F.col("id").desc())
@@ -144,7 +152,7 @@ def merge_rows(cold: Any, hot: Any | None, names: Sequence[str]) -> Any:
     rows = _rows(windowed, masks, words)
     if hot is not None:
         span = F.lit(_POSITION_SPAN).cast("decimal(38,0)")
-        hot_slim = _slim(hot, names)[0]
+        hot_slim = _slim(hot, names, checked)[0]
         position = (F.col("txid").cast("decimal(38,0)") * span + F.col("id")).cast("decimal(38,0)")
         summed = (
             hot_slim.groupBy(*KEY)
