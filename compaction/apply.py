@@ -350,7 +350,9 @@ class CompactionStore:
         )
         reads: list[tuple[str, tuple[Any, ...], Position]] = [
             (
-                "(txid, id) > ($1::bigint::text::xid8, $2::bigint)"
+                # The bare txid bounds make it a range scan of the primary key.
+                "txid >= $1::bigint::text::xid8 AND txid <= $3::bigint::text::xid8"
+                " AND (txid, id) > ($1::bigint::text::xid8, $2::bigint)"
                 " AND (txid, id) <= ($3::bigint::text::xid8, $4::bigint) AND published < $5",
                 (*scope.since, *now.head, now.gc),
                 now.head,
@@ -373,28 +375,16 @@ class CompactionStore:
                 regions.append(GcRegion(Position(int(row["lo"]), 0), last, int(row["n"])))
         return sorted(regions, key=lambda r: r.first)
 
-    async def delta_names(self, scope: Scope, now: Cutoffs) -> list[str]:
-        """The sub-resource names among the entries an incremental run merges as its
-        changes (see ``frames.delta_predicates``), sorted: after the previous head,
-        and at or before it those that aged into the merge."""
-        assert scope.since is not None
-        changed = [
-            f"SELECT sub_resources FROM {self.q}.feed"
-            " WHERE (txid, id) > ($1::bigint::text::xid8, $2::bigint)"
-            " AND (txid, id) <= ($3::bigint::text::xid8, $4::bigint)"
-            " AND published >= $5 AND published < $6"
-        ]
-        args: list[Any] = [*scope.since, *now.head, now.gc, now.lag]
-        if scope.lag_band is not None:
-            changed.append(
-                f"SELECT sub_resources FROM {self.q}.feed WHERE published >= $7"
-                " AND published < $8 AND (txid, id) <= ($1::bigint::text::xid8, $2::bigint)"
-            )
-            args += scope.lag_band
+    async def delta_names(self, changed: Sequence[str]) -> list[str]:
+        """The sub-resource names among an incremental run's changes (``changed``:
+        the conditions that select them, ``frames.delta_conditions``), sorted."""
+        if not changed:
+            return []
+        reads = " UNION ALL ".join(
+            f"SELECT sub_resources FROM {self.q}.feed WHERE {condition}" for condition in changed
+        )
         rows = await self.conn.fetch(
-            f"SELECT DISTINCT u.s FROM ({' UNION ALL '.join(changed)}) AS c,"
-            " unnest(c.sub_resources) AS u(s) ORDER BY 1",
-            *args,
+            f"SELECT DISTINCT u.s FROM ({reads}) AS c, unnest(c.sub_resources) AS u(s) ORDER BY 1"
         )
         return [str(r["s"]) for r in rows]
 

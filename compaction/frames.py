@@ -34,6 +34,7 @@ from .scope import Cutoffs, Scope
 
 __all__ = [
     "block_ranges",
+    "delta_conditions",
     "delta_predicates",
     "head_bound",
     "hot_filter",
@@ -113,32 +114,50 @@ def _time_slices(band: tuple[datetime, datetime], parts: int) -> list[tuple[date
     return list(itertools.pairwise(cuts))
 
 
-def delta_predicates(scope: Scope, now: Cutoffs, parts: int) -> list[str]:
-    """One ``WHERE`` clause per partition of an incremental run's read of its
-    changes (see ``scope``): the merge candidates among what changed, garbage
-    left out (``CompactionStore.delta_garbage`` bounds it).
+def _changed_after(since: Position, now: Cutoffs) -> str:
+    # The bare txid bounds let the planner scan a range of the primary key: it
+    # estimates a row comparison too coarsely to prefer the index over the table.
+    return (
+        f"txid >= '{int(since.txid)}'::xid8 AND txid <= '{int(now.head.txid)}'::xid8"
+        f" AND (txid, id) > {_pos(since)} AND (txid, id) <= {_pos(now.head)}"
+        f" AND published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
+    )
 
-    After the previous head: ``parts`` ranges of transaction ids, each a range of
-    the primary key, every entry published in ``[gc, lag)``. At or before it:
-    ``parts`` slices of the band of publication times that aged into the
-    merge, each a range of the ``published`` index.
-    """
+
+def _aged_into_merge(start: datetime, end: datetime, since: Position) -> str:
+    return f"published >= {_ts(start)} AND published < {_ts(end)} AND (txid, id) <= {_pos(since)}"
+
+
+def delta_conditions(scope: Scope, now: Cutoffs) -> list[str]:
+    """SQL, one condition per range: the merge candidates among what changed since
+    the previous run (see ``scope``), garbage left out. After the previous head,
+    a range of the primary key, every entry published in ``[gc, lag)``; at or
+    before it, the band of publication times that aged into the merge, a range
+    of the ``published`` index."""
+    assert not scope.full and scope.since is not None
+    out = [_changed_after(scope.since, now)] if now.head > scope.since else []
+    if scope.lag_band is not None:
+        out.append(_aged_into_merge(*scope.lag_band, scope.since))
+    return out
+
+
+def delta_predicates(scope: Scope, now: Cutoffs, parts: int) -> list[str]:
+    """``delta_conditions`` split into one ``WHERE`` clause per partition of an
+    incremental run's read of its changes (``CompactionStore.delta_garbage``
+    bounds the garbage left out): after the previous head, ``parts`` ranges of
+    transaction ids; at or before it, ``parts`` slices of the band of
+    publication times that aged into the merge."""
     assert not scope.full and scope.since is not None
     since, head = scope.since, now.head
     out = []
     if head > since:
         for lo, hi in slices(since.txid, head.txid, parts):
             out.append(
-                f"(txid, id) > {_pos(since)} AND (txid, id) <= {_pos(head)}"
+                f"{_changed_after(since, now)}"
                 f" AND txid >= '{int(lo)}'::xid8 AND txid < '{int(hi)}'::xid8"
-                f" AND published >= {_ts(now.gc)} AND published < {_ts(now.lag)}"
             )
     if scope.lag_band is not None:
-        for start, end in _time_slices(scope.lag_band, parts):
-            out.append(
-                f"published >= {_ts(start)} AND published < {_ts(end)}"
-                f" AND (txid, id) <= {_pos(since)}"
-            )
+        out += [_aged_into_merge(a, b, since) for a, b in _time_slices(scope.lag_band, parts)]
     return out
 
 

@@ -55,6 +55,7 @@ from .errors import CompactionError
 from .frames import (
     _ts,
     block_ranges,
+    delta_conditions,
     delta_predicates,
     hot_filter,
     old_keepers,
@@ -515,7 +516,8 @@ class _Run:
             # Bounds and names, PostgreSQL's answers: nothing the merge does not need
             # crosses to Spark.
             regions = runner.run(store.delta_garbage(scope, now))
-            self.names = sorted(set(known).union(runner.run(store.delta_names(scope, now))))
+            changed_names = runner.run(store.delta_names(delta_conditions(scope, now)))
+            self.names = sorted(set(known).union(changed_names))
             if not predicates:
                 return regions, spark.createDataFrame([], _MEMBER_SCHEMA), None
             touched = runner.run(store.create_touched(self.run_id))

@@ -31,9 +31,9 @@ Merging those is exactly what a full run would do (``plan_feed`` on the whole
 feed): every other group has one entry in ``[gc, lag)`` at most, which a full
 run leaves alone too. ``choose_scope`` falls back to a full run whenever that
 argument does not hold (no finished previous run, another feed, the index
-lost with an unlogged table's crash or failover, no names recorded) and when the index may have
-gone stale: once the last full run is older than the max age, every entry it
-indexed has been collected.
+lost with an unlogged table's crash or failover, no names recorded) and when
+the index may have gone stale: once the last full run is older than the max
+age, every entry it indexed has been collected.
 """
 
 from __future__ import annotations
