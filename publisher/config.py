@@ -585,7 +585,9 @@ _TYPE_WORDS = {
     "array": "a list of strings",
     "object": "a table",
 }
-_FAILURE = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+_FAILURE = re.compile(r"^(?P<what>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$")
+"""msgspec's complaint, and where: ``- at `$.path```, or ``- at `key` in `$.path``` for
+a table's key (a config built in Python may have a key that is not a string)."""
 _EXPECTED = re.compile(r"^Expected `(?P<type>[^`]+)`(?:, got `[^`]+`| (?P<bound>[<>]=?) .*)$")
 
 
@@ -647,6 +649,9 @@ def _explained(
         name = key.rsplit(".", 1)[-1]
         problem = _bound_error(_keys(struct)[name][1], value)
         return ConfigError(key, problem or what, source)
+    if failure.group("key"):
+        example = ' such as {"<token>" = ["vm"]}' if "token" in key else ""
+        return ConfigError(key, f"expected a table{example}: its keys must be strings", source)
     if expected is not None:
         words = _TYPE_WORDS.get(expected.group("type"), f"`{expected.group('type')}`")
         if "[...]" in path or expected.group("type") == "object":

@@ -124,6 +124,11 @@ def test_every_key_refuses_a_wrong_value_built_in_python(
             {"resources": (ResourceConfig(name=1, bootstrap_route="/vms"),)},  # type: ignore[arg-type]
             "resources[0].name: expected a string, got 1",
         ),
+        (
+            {"token_resources": {1: ["vm"]}},
+            'publisher.token_resources: expected a table such as {"<token>" = ["vm"]}: '
+            "its keys must be strings",
+        ),
     ],
 )
 def test_python_values_out_of_bounds_are_refused_as_in_a_file(

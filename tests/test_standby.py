@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,7 @@ async def test_a_publisher_reading_a_standby_delivers_every_change_once_in_order
             await publish(early, "vm", ["nic"], "early")
             await publish_each(feed_dsn, [f"later-{i}" for i in range(20)])
             await standby_caught_up(feed_dsn, standby_dsn)
-            await asyncio.sleep(0.3)  # the standby has the later ones; none may go out yet
+            await a_read_begun_after_now(pub.publisher.tailer)  # it saw the later ones
             with pytest.raises(TimeoutError):
                 await receive_items(ws, 1, timeout=0.2)
             await slow.commit()
@@ -117,6 +118,20 @@ async def test_a_publisher_reading_a_standby_delivers_every_change_once_in_order
         # What `changefeed stats` shows of it.
         assert "reads read_dsn; doorbell listening" in render_stats(pub.publisher.stats())
         await ws.close()
+
+
+async def a_read_begun_after_now(tailer: Tailer) -> None:
+    """Return once ``tailer`` has finished a read of the feed that began after this call.
+
+    A tailer's reads run one after another: of two reads that end after the call,
+    the second began after the first had ended."""
+    for _ in range(2):
+        since = time.monotonic()  # the clock of Tailer.last_read_at
+
+        def ended_since(since: float = since) -> bool:
+            return (tailer.last_read_at or 0.0) > since
+
+        await wait_until(ended_since, message="a read of the standby")
 
 
 @contextlib.asynccontextmanager
@@ -171,8 +186,14 @@ async def test_a_fresher_cursor_is_held_until_the_standby_replays_it_never_reset
             assert error["retryAfter"] > 0
             assert asyncio.get_running_loop().time() - started >= 1.4  # held, then refused
 
+            primary = lagging.publisher.standby
+            assert primary is not None
+            asked = primary.positions_asked
             held = asyncio.create_task(register(lagging.ws_url, registration(since=since)))
-            await asyncio.sleep(0.5)
+            await wait_until(
+                lambda: primary.positions_asked > asked,
+                message="the primary's position asked for the held cursor",
+            )
             assert not held.done()  # held while the standby is behind the cursor
             await standby.execute("SELECT pg_wal_replay_resume()")
             resumed, ack = await held
