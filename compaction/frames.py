@@ -13,7 +13,8 @@ What a run reads (``scope``):
   itself returns the new garbage's bounds and the changes' sub-resource
   names: ``CompactionStore.delta_garbage``, ``delta_names``); then the
   previous keeper of every ``(resource, id)`` they touch (``write_touched``,
-  ``old_keepers``), looked up in the index of kept entries.
+  ``old_keepers``), looked up in the index of kept entries, or found by a
+  scan of the feed when they are many.
 
 Nothing comes back to the driver but those few rows. What is done with the
 members is in ``merge``; the PostgreSQL side is in ``apply``.
@@ -38,6 +39,7 @@ __all__ = [
     "delta_predicates",
     "head_bound",
     "hot_filter",
+    "keepers_by_scan",
     "old_keepers",
     "read_feed",
     "read_predicates",
@@ -226,6 +228,20 @@ def survey_feed(
     return [region], names
 
 
+LOOKUP_SHARE = 130
+"""An incremental run looks its previous keepers up one by one (two index probes
+each) while the pages of the ids its changes touch are at most 1/LOOKUP_SHARE of
+the feed's pages; past that, scanning the feed once costs less. Measured on a
+30,000,000-entry feed with 2,446,068 touched ids (13,222 pages of them against the
+feed's 403,210): a probe about 13 µs, an entry scanned about 0.3 µs, about 185
+touched ids and 74 entries to a page."""
+
+
+def keepers_by_scan(touched_pages: int, feed_pages: int) -> bool:
+    """Whether ``old_keepers`` scans the feed (True) or looks each keeper up (False)."""
+    return touched_pages * LOOKUP_SHARE > feed_pages
+
+
 def old_keepers(
     spark: Any,
     target: JdbcTarget,
@@ -234,41 +250,70 @@ def old_keepers(
     keys: str,
     touched: str,
     pages: int,
+    feed_pages: int,
+    scan: bool,
     parts: int,
     scope: Scope,
     now: Cutoffs,
 ) -> Any:
     """The previous keeper of every touched ``(resource, id)`` that is still a merge
-    candidate outside the bands read already (``scope.kept_until``): one read per
-    range of the touched table's pages, each looking the keys up by their index
-    and the entries by the primary key."""
+    candidate outside the bands read already (``scope.kept_until``), in ``parts``
+    reads.
+
+    Where it was kept, a finished run left that group no other entry, so either
+    way of finding it finds the same (``scan``: ``keepers_by_scan`` picks):
+
+    * **looked up**: each read takes a range of the touched table's pages and
+      looks the keys up by the index of kept entries, and the entries by the
+      primary key;
+    * **scanned**: each read takes a range of the feed's pages and keeps the
+      entries of the touched groups (a hash of the touched table). Split by the
+      touched table instead, every read would scan the whole feed.
+    """
     assert scope.since is not None and scope.kept_until is not None
-    reads: list[Any] = []
-    for lo, hi in block_ranges(pages, parts):
-        pages_of = f"t.ctid >= '({int(lo)},0)'::tid" + (
-            f" AND t.ctid < '({int(hi)},0)'::tid" if hi is not None else ""
-        )
-        query = (
-            f"(SELECT f.txid::text::bigint AS txid, f.id, f.resource, f.changed_resource_id,"
-            f" f.sub_resources, f.published FROM {touched} t"
-            f" JOIN {keys} k ON k.h = {KEEPER_HASH.format(table='t')}"
-            f" JOIN {feed} f ON f.txid = k.txid::text::xid8 AND f.id = k.id"
-            " AND f.resource = t.resource AND f.changed_resource_id = t.changed_resource_id"
-            f" WHERE {pages_of} AND (f.txid, f.id) <= {_pos(scope.since)}"
-            f" AND f.published >= {_ts(now.gc)} AND f.published < {_ts(scope.kept_until)}"
-            f") AS kept_{len(reads)}"
-        )
-        reads.append(
-            spark.read.jdbc(
-                url=target.url,
-                table=query,
-                properties=target.with_properties(fetchsize=str(_FETCH_SIZE), ApplicationName=_APP),
+    band = (
+        f"(f.txid, f.id) <= {_pos(scope.since)}"
+        f" AND f.published >= {_ts(now.gc)} AND f.published < {_ts(scope.kept_until)}"
+    )
+    columns = (
+        "f.txid::text::bigint AS txid, f.id, f.resource, f.changed_resource_id,"
+        " f.sub_resources, f.published"
+    )
+    queries: list[str] = []
+    if scan:
+        for lo, hi in block_ranges(feed_pages, parts):
+            queries.append(
+                f"SELECT {columns} FROM {feed} f WHERE {_page_range('f', lo, hi)} AND {band}"
+                f" AND EXISTS (SELECT 1 FROM {touched} t WHERE t.resource = f.resource"
+                " AND t.changed_resource_id = f.changed_resource_id)"
             )
+    else:
+        for lo, hi in block_ranges(pages, parts):
+            queries.append(
+                f"SELECT {columns} FROM {touched} t"
+                f" JOIN {keys} k ON k.h = {KEEPER_HASH.format(table='t')}"
+                f" JOIN {feed} f ON f.txid = k.txid::text::xid8 AND f.id = k.id"
+                " AND f.resource = t.resource AND f.changed_resource_id = t.changed_resource_id"
+                f" WHERE {_page_range('t', lo, hi)} AND {band}"
+            )
+    reads = [
+        spark.read.jdbc(
+            url=target.url,
+            table=f"({query}) AS kept_{i}",
+            properties=target.with_properties(fetchsize=str(_FETCH_SIZE), ApplicationName=_APP),
         )
+        for i, query in enumerate(queries)
+    ]
     frame = reads[0]
     for read in reads[1:]:
         frame = frame.unionByName(read)
     return frame
+
+
+def _page_range(table: str, lo: int, hi: int | None) -> str:
+    """SQL: ``table``'s row is on a page in ``[lo, hi)`` (``hi`` None: to the end)."""
+    upper = f" AND {table}.ctid < '({int(hi)},0)'::tid" if hi is not None else ""
+    return f"{table}.ctid >= '({int(lo)},0)'::tid{upper}"
 
 
 def write_touched(groups: Any, target: JdbcTarget, table: str) -> None:

@@ -58,6 +58,7 @@ from .frames import (
     delta_conditions,
     delta_predicates,
     hot_filter,
+    keepers_by_scan,
     old_keepers,
     read_feed,
     read_predicates,
@@ -534,13 +535,18 @@ class _Run:
                 hot = hot_groups(sizes)
             finally:
                 sizes.unpersist()
+            pages = runner.run(store.table_pages(touched))
+            scan = keepers_by_scan(pages, self.snap.blocks)
+            self.summary.keepers = "scanned" if scan else "looked up"
             kept = old_keepers(
                 spark,
                 self.target,
                 feed=f"{store.q}.feed",
                 keys=f"{store.q}.compaction_keys",
                 touched=touched,
-                pages=runner.run(store.table_pages(touched)),
+                pages=pages,
+                feed_pages=self.snap.blocks,
+                scan=scan,
                 parts=parts,
                 scope=scope,
                 now=now,

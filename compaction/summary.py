@@ -28,6 +28,9 @@ class CompactionSummary:
         rewritten: keepers whose sub-resources became the union.
         groups: resource ids with entries merged.
         hot: resource ids merged apart from the others as hot (their members not shuffled).
+        keepers: how an incremental run found the previous keepers of the ids its
+            changes touch: "looked up" (by the index of kept entries) or "scanned"
+            (the feed, when they are many: ``frames.keepers_by_scan``); "" for a full run.
         gc_batches: transactions of the garbage walk.
         rewrite_generation, rewritten_through: the feed's rewrite horizon after
             the run announced its widened entries (unchanged when it widened none).
@@ -52,6 +55,7 @@ class CompactionSummary:
     groups: int = 0
     partitions: int = 0
     hot: int = 0
+    keepers: str = ""
     gc_batches: int = 0
     rewrite_generation: int | None = None
     rewritten_through: Position | None = None
@@ -85,6 +89,7 @@ class CompactionSummary:
             "groups": self.groups,
             "partitions": self.partitions,
             "hot": self.hot,
+            "keepers": self.keepers,
             "gc_batches": self.gc_batches,
             "rewrite_generation": self.rewrite_generation,
             "rewritten_through": list(self.rewritten_through) if self.rewritten_through else None,
@@ -103,6 +108,7 @@ class CompactionSummary:
             " (dry run: nothing changed)" if self.dry_run else ""
         )
         phases = "  ".join(f"{k} {v:.1f}s" for k, v in self.phases.items())
+        keepers = f", previous keepers {self.keepers}" if self.keepers else ""
         return "\n".join(
             [
                 title,
@@ -110,7 +116,7 @@ class CompactionSummary:
                 f"  head          {_pos(self.head)}",
                 f"  low water     {_pos(self.low_water_before)} -> {_pos(self.low_water_after)}",
                 f"  scanned       {self.scanned:,} entries in {self.partitions} read partitions"
-                f" ({self.rows_per_second:,.0f} entries/s)",
+                f"{keepers} ({self.rows_per_second:,.0f} entries/s)",
                 f"  collected     {verb} {self.collected:,} older than"
                 f" {format_duration(self.max_age)} in {self.gc_batches:,} transactions",
                 f"  merged        {verb} {self.merged:,} into later entries of {self.groups:,}"

@@ -26,6 +26,7 @@ from changefeed.compaction import (
     Notification,
     NullProgress,
     PlanEntry,
+    frames,
     notifications,
     plan_feed,
     run_compaction,
@@ -351,15 +352,22 @@ async def append_entries(conn: asyncpg.Connection, rng: random.Random, n: int) -
         )
 
 
-async def test_incremental_runs_leave_the_feed_a_full_run_would(feed_dsn: str, spark: Any) -> None:
+async def test_incremental_runs_leave_the_feed_a_full_run_would(
+    feed_dsn: str, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Random feeds: a full run, entries appended (some of them already old), a second
     run with shorter durations (as if time had moved on) reading only what changed:
     the feed equals the reference plan of a full run on the whole feed, every
-    resumable cursor keeps its notifications, and a third run changes nothing."""
+    resumable cursor keeps its notifications, and a third run changes nothing.
+    Half the feeds have their previous keepers looked up by the index of kept
+    entries, half found by a scan of the feed."""
     conn = await asyncpg.connect(feed_dsn)
     reader = FeedReader()
     try:
         for seed in range(4):
+            keepers = "looked up" if seed % 2 else "scanned"
+            # Pages of touched ids against the feed's: 0 never scans, 10**9 always does.
+            monkeypatch.setattr(frames, "LOOKUP_SHARE", 0 if seed % 2 else 10**9)
             rng = random.Random(1000 + seed)
             await reset_feed(conn)
             await seed_random_feed(conn, rng, AGES_TWICE)
@@ -377,6 +385,7 @@ async def test_incremental_runs_leave_the_feed_a_full_run_would(feed_dsn: str, s
                 compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800
             )
             assert not second.full, f"seed {seed}: {second.scope}"
+            assert second.keepers == keepers, f"seed {seed}"
             plan = plan_feed(entries, head)
             expected, expected_low = simulate(entries, plan, low_before)
             _, after = await read_feed(conn, 12 * 3600, 1800)
