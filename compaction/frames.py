@@ -87,15 +87,17 @@ def read_predicates(
 ) -> list[str]:
     """One ``WHERE`` clause per partition: its page range, the head bound and ``condition``."""
     head = head_bound(snapshot)
-    out = []
-    for lo, hi in ranges:
-        terms = []
-        if lo > 0:
-            terms.append(f"ctid >= '({int(lo)},0)'::tid")
-        if hi is not None:
-            terms.append(f"ctid < '({int(hi)},0)'::tid")
-        out.append(" AND ".join([*terms, head, condition]))
-    return out
+    return [" AND ".join([*_page_terms(lo, hi), head, condition]) for lo, hi in ranges]
+
+
+def _page_terms(lo: int, hi: int | None, table: str = "") -> list[str]:
+    """SQL: the row (of ``table``, where a query names several) is on a page in
+    ``[lo, hi)`` (``hi`` None: to the end)."""
+    ctid = f"{table}.ctid" if table else "ctid"
+    terms = [f"{ctid} >= '({int(lo)},0)'::tid"] if lo > 0 else []
+    if hi is not None:
+        terms.append(f"{ctid} < '({int(hi)},0)'::tid")
+    return terms
 
 
 def hot_filter(hot_table: str, *, hot: bool) -> str:
@@ -284,19 +286,21 @@ def old_keepers(
     queries: list[str] = []
     if scan:
         for lo, hi in block_ranges(feed_pages, parts):
+            where = " AND ".join([*_page_terms(lo, hi, "f"), band])
             queries.append(
-                f"SELECT {columns} FROM {feed} f WHERE {_page_range('f', lo, hi)} AND {band}"
+                f"SELECT {columns} FROM {feed} f WHERE {where}"
                 f" AND EXISTS (SELECT 1 FROM {touched} t WHERE t.resource = f.resource"
                 " AND t.changed_resource_id = f.changed_resource_id)"
             )
     else:
         for lo, hi in block_ranges(pages, parts):
+            where = " AND ".join([*_page_terms(lo, hi, "t"), band])
             queries.append(
                 f"SELECT {columns} FROM {touched} t"
                 f" JOIN {keys} k ON k.h = {KEEPER_HASH.format(table='t')}"
                 f" JOIN {feed} f ON f.txid = k.txid::text::xid8 AND f.id = k.id"
                 " AND f.resource = t.resource AND f.changed_resource_id = t.changed_resource_id"
-                f" WHERE {_page_range('t', lo, hi)} AND {band}"
+                f" WHERE {where}"
             )
     reads = [
         spark.read.jdbc(
@@ -310,12 +314,6 @@ def old_keepers(
     for read in reads[1:]:
         frame = frame.unionByName(read)
     return frame
-
-
-def _page_range(table: str, lo: int, hi: int | None) -> str:
-    """SQL: ``table``'s row is on a page in ``[lo, hi)`` (``hi`` None: to the end)."""
-    upper = f" AND {table}.ctid < '({int(hi)},0)'::tid" if hi is not None else ""
-    return f"{table}.ctid >= '({int(lo)},0)'::tid{upper}"
 
 
 def write_touched(groups: Any, target: JdbcTarget, table: str) -> None:
