@@ -639,6 +639,18 @@ class _Run:
                     summary.rewritten = runner.run(store.apply_keepers(run_id, batch, report))
                 with self.clock.phase("apply-merge", counts["drops"], "entries"):
                     if counts["drops"]:
+                        # A page a publisher read while the keepers were being
+                        # widened carries the generation announced above, and may
+                        # hold a keeper as it was: a listener that read the table
+                        # after a drop must never be handed that page. A new
+                        # generation, committed before the first drop, lets it go
+                        # (also what a run killed mid-widening left behind).
+                        generation, horizon = runner.run(store.announce(through or ORIGIN))
+                        summary.rewrite_generation = generation
+                        summary.rewritten_through = horizon
+                        self.clock.note(
+                            "sealed", generation=generation, rewritten_through=list(horizon)
+                        )
                         wait = self.settings.replay_wait
                         summary.standbys = runner.run(store.wait_for_standbys(wait))
                     drops_open.set()

@@ -33,7 +33,8 @@ class CompactionSummary:
             (the feed, when they are many: ``frames.keepers_by_scan``); "" for a full run.
         gc_batches: transactions of the garbage walk.
         rewrite_generation, rewritten_through: the feed's rewrite horizon after
-            the run announced its widened entries (unchanged when it widened none).
+            the run announced its widened entries and sealed them before its
+            drops (None when it did neither).
         standbys: the streaming standbys the drops waited for.
         as_of: the database clock at the snapshot; the age cutoffs count from it.
         phases: seconds by phase, in order.

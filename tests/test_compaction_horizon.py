@@ -24,9 +24,11 @@ import pytest
 from helpers import wait_until
 from publisher_fixtures import receive_items, register, registration, running_publisher
 
-from changefeed.compaction import run_compaction
+from changefeed.compaction import NullProgress, run_compaction
 from changefeed.publisher import publish
-from changefeed.publisher.feed import FeedReader
+from changefeed.publisher.feed import FeedEntry, FeedReader
+from changefeed.publisher.pages import FeedPages
+from changefeed.schemas import ORIGIN, Position
 
 pytestmark = pytest.mark.spark
 
@@ -50,6 +52,22 @@ async def seed(dsn: str, subs: str, per_id: int, hot: int) -> None:
             subs,
             hot + per_id * IDS,
             hot,
+            IDS,
+        )
+    finally:
+        await conn.close()
+
+
+async def seed_each(dsn: str, prefix: str, subs: str) -> None:
+    """One entry with sub-resource ``subs`` on each of ``IDS`` ids ``prefix-i``, in
+    one transaction."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "INSERT INTO changefeed.feed (resource, sub_resources, changed_resource_id)"
+            " SELECT 'vm', ARRAY[$1], $2 || g FROM generate_series(0, $3 - 1) AS g",
+            subs,
+            prefix + "-",
             IDS,
         )
     finally:
@@ -140,7 +158,9 @@ async def test_a_lag_shorter_than_the_window_loses_nothing_through_any_publisher
             two = await asyncio.to_thread(compact, feed_dsn, spark)
             assert not two.full, two.scope
             assert two.groups == IDS + 1 and two.rewritten == IDS + 1
-            assert two.rewrite_generation == 1 and two.rewritten_through is not None
+            # Run 1 sealed its drops (1); run 2 announced (2) and sealed (3).
+            assert one.rewrite_generation == 1 and one.rewritten_through == (0, 0)
+            assert two.rewrite_generation == 3 and two.rewritten_through is not None
 
             expected = await table_after(feed_dsn, (0, 0))
             # The publisher that held the copies, and one started afterwards: the
@@ -162,6 +182,76 @@ async def test_a_lag_shorter_than_the_window_loses_nothing_through_any_publisher
     conn = await asyncpg.connect(feed_dsn)
     try:
         state = await FeedReader().state(conn)
-        assert state.rewrites.generation == 1 and state.rewrites.through == two.rewritten_through
+        assert state.rewrites.generation == 3 and state.rewrites.through == two.rewritten_through
+    finally:
+        await conn.close()
+
+
+class ReadAPageWhenAnnounced(NullProgress):
+    """Has the publisher's pages read (and keep) a page as soon as the run has
+    announced itself, before it widens a keeper: what a listener catching up
+    right then makes a publisher do."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, read: Any) -> None:
+        self.loop, self.read, self.pages_read = loop, read, 0
+
+    def note(self, event: str, fields: Any) -> None:
+        if event == "announced":
+            asyncio.run_coroutine_threadsafe(self.read(), self.loop).result(timeout=30)
+            self.pages_read += 1
+
+
+async def test_a_page_read_while_keepers_are_widened_is_not_served_after_the_drops(
+    feed_dsn: str, spark: Any
+) -> None:
+    """The feed, in order: IDS fillers, then an "alias" entry and then a "disk"
+    entry for each of IDS ids. The run widens each "disk" entry (the keeper) to
+    both and drops the "alias" one. A page of the table read after the
+    announcement and before the widening holds keepers as they were; a listener
+    that then reads the table from among the fillers (no "alias" entry there
+    any more) and steps into that page would get "disk" alone for those ids."""
+    for prefix, subs in (("filler", "nic"), ("vm", "alias"), ("vm", "disk")):
+        await seed_each(feed_dsn, prefix, subs)
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        reader = FeedReader()
+        feed = await reader.read_after(conn, ORIGIN, 3 * IDS)
+        assert len(feed) == 3 * IDS
+        head = feed[-1].position
+
+        async def read(after: Position, upto: Position, resources: Any, limit: int) -> Any:
+            return await reader.read_page(conn, after, upto, resources, limit)
+
+        pages = FeedPages(read, str, page_size=IDS, max_bytes=1 << 24)
+        # Read mid-run from the middle of the "alias" entries: the first half of
+        # the keepers, as they were.
+        during = feed[IDS + IDS // 2].position
+        progress = ReadAPageWhenAnnounced(
+            asyncio.get_running_loop(), lambda: pages.page(["vm"], during, head)
+        )
+        await asyncio.sleep(LAG + 0.5)
+        summary = await asyncio.to_thread(
+            lambda: run_compaction(
+                feed_dsn,
+                max_age=86400,
+                compaction_lag=LAG,
+                spark=spark,
+                batch_size=500,
+                progress=progress,
+            )
+        )
+        assert progress.pages_read == 1
+        assert summary.rewritten == IDS and summary.merged == IDS
+
+        # A listener behind, among the fillers, reads on through the pages.
+        position, got = feed[IDS // 4].position, list[FeedEntry]()
+        while position < head:
+            page = await pages.page(["vm"], position, head)
+            got += [e for e in page.entries if e.position > position]
+            position = page.through
+        subs = {e.changed_resource_id: set(e.sub_resources) for e in got}
+        assert len(got) == len(subs) == IDS - IDS // 4 - 1 + IDS
+        lost = {i: s for i, s in subs.items() if i.startswith("vm-") and s != {"alias", "disk"}}
+        assert not lost, dict(list(lost.items())[:5])
     finally:
         await conn.close()
