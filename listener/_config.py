@@ -70,11 +70,13 @@ class ListenerConfig:
             listener from starting. Keep it above what loading the largest
             checkpoint takes (about half a second per million resources from SQLite).
         controller_start_timeout: seconds a listener with controllers attached
-            waits, once one of them runs, for the others to run too (it starts
-            only then, so that none misses the bootstrap). Past it, the
-            controllers that run stop with a ``ListenerConfigError`` naming the
-            ones that did not: a controller made and never run (nor closed) is
-            a mistake to report, not a reason to wait for good.
+            waits, once one of them runs (or it was started directly), for the
+            others to run too (it starts only then, so that none misses the
+            bootstrap). Past it, the listener and the controllers that run
+            stop with a ``ListenerConfigError`` naming the ones that did not: a
+            controller made and never run (nor closed) is a mistake to report,
+            not a reason to wait for good. With nothing running, the same time
+            after the last controller was made, an ERROR line names them.
 
     Every count is a whole number of at least 1, every number of seconds a
     finite number above 0, every flag a bool.

@@ -409,6 +409,10 @@ class Listener:
                 timeout=self.config.http_timeout,
             )
         self._task = asyncio.create_task(self._run(), name=f"changefeed-listener-{self.name}")
+        if self._attachments.waited_for():
+            # Started directly, ahead of controllers attached to it: from now on
+            # they miss what it takes.
+            self._watch_controllers()
         if self._checkpointer is not None:
             self._checkpointer.start()
         if self._attachments:
@@ -556,6 +560,7 @@ class Listener:
         if self._checkpointer is not None:
             self._check_checkpointable(sink)
         self._attachments.attach(resource, sink)
+        self._watch_controllers()
         return ControllerLink(
             running=functools.partial(self._controller_running, sink),
             stopping=functools.partial(self._controller_stopping, sink),
@@ -641,33 +646,55 @@ class Listener:
             running=running,
             attached=running + len(waited_for),
         )
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.create_task(
-                self._controllers_must_run(), name=f"changefeed-watchdog-{self.name}"
-            )
+        if running == 1:
+            self._watch_controllers()  # the others have that long from the first's run
+
+    def _watch_controllers(self) -> None:
+        """Give the attached controllers ``controller_start_timeout`` from now to run
+        (``_controllers_must_run``): from their attachment, from the first that runs,
+        and from the listener's start, whichever came last."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # attached outside a loop: the wait begins when one runs
+        if self._watchdog is not None and not self._watchdog.done():
+            self._watchdog.cancel()
+        self._watchdog = loop.create_task(
+            self._controllers_must_run(), name=f"changefeed-watchdog-{self.name}"
+        )
 
     async def _controllers_must_run(self) -> None:
-        """Stop the listener (and so the controllers that run) with a clear error when
-        the others attached to it have not run within ``controller_start_timeout``."""
+        """Report controllers that have not run within ``controller_start_timeout``.
+
+        Once the listener or another controller runs, that stops the listener (and
+        so the controllers that run) with a clear error: the listener waits for
+        them or, started directly, goes on without them. Before anything runs
+        nothing is missed yet: an ERROR line says which controllers wait."""
         timeout = self.config.controller_start_timeout
         await asyncio.sleep(timeout)
         idle = [sink.name for sink in self._attachments.waited_for()]
-        if self._started() or not idle or not self._attachments.running:
-            return  # started, or nobody waits any more
-        error = ListenerConfigError(
-            "controllers",
-            f"{', '.join(idle)} attached to listener {self.name} did not run within "
-            f"{timeout:g}s of the first that did (ListenerConfig.controller_start_timeout): "
-            "run every controller made with a listener, or close() those you do not run",
-        )
+        if not idle or self.state is S.STOPPED:
+            return  # nobody waits any more
+        running = sorted(sink.name for sink in self._attachments.running)
+        started = self._started()
         log_event(
             log,
             "listener.controllers_not_running",
             logging.ERROR,
             **self._fields(),
             idle=idle,
-            running=sorted(sink.name for sink in self._attachments.running),
+            running=running,
+            listener_started=started,
             waited=timeout,
+        )
+        if not started and not running:
+            return
+        since = "the first that did" if running else "the listener's start"
+        error = ListenerConfigError(
+            "controllers",
+            f"{', '.join(idle)} attached to listener {self.name} did not run within "
+            f"{timeout:g}s of {since} (ListenerConfig.controller_start_timeout): "
+            "run every controller made with a listener, or close() those you do not run",
         )
         self._fail(error)
         self._stop_controllers(error)

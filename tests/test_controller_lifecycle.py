@@ -6,8 +6,9 @@ PostgreSQL, a real SQLite checkpoint file): how its end reaches the application.
   ``RegistrationRefused`` instead of waiting for good; ``close()`` raises it, and
   ``done()`` / ``exception()`` say so.
 * A controller attached to a listener and never run is an error the controllers
-  that do run see within ``controller_start_timeout``, not a listener that never
-  starts.
+  that do run, or a listener started without it, see within
+  ``controller_start_timeout``, not a listener that never starts; with nothing
+  running, an ERROR line within the same time.
 * One controller stopping does not stop the checkpoints of the others sharing its
   listener, and a restart from such a checkpoint resumes every one of them.
 """
@@ -142,6 +143,46 @@ async def test_a_controller_attached_and_never_run_is_an_error_within_the_timeou
         with pytest.raises(ListenerConfigError) as late:
             await asyncio.wait_for(forgotten.run(), 5)
         assert late.value is stopped.value
+
+
+async def test_a_listener_started_ahead_of_a_controller_it_feeds_stops_within_the_timeout(
+    dsn: str,
+) -> None:
+    """Started directly (``async with listener``) while an attached controller has
+    not run: the listener takes events the controller misses, so past the timeout
+    it stops with the error, and the controller run late raises it."""
+    async with VmApiServer(dsn) as api:
+        config = dataclasses.replace(FAST, controller_start_timeout=0.5)
+        listener = shared_listener(api.ws_url, config=config)
+        forgotten = Controller(listener, resource="vm", name="forgotten")
+        with capture_events() as events:
+            async with listener:
+                await wait_until(
+                    lambda: listener.state is ConnectionState.STOPPED, 10, message="stopped"
+                )
+        (logged,) = events.named("listener.controllers_not_running")
+        assert logged["idle"] == ["forgotten"] and logged["listener_started"] is True
+        with pytest.raises(ListenerConfigError) as late:
+            await asyncio.wait_for(forgotten.run(), 5)
+        assert "forgotten attached to listener tcns:vm+server did not run within 0.5s of " in (
+            str(late.value)
+        )
+
+
+async def test_a_lone_controller_never_run_is_reported_within_the_timeout() -> None:
+    """Nothing runs, so nothing is missed yet: an ERROR line names the controller, and
+    run late it still works (no server needed to see either)."""
+    config = dataclasses.replace(FAST, controller_start_timeout=0.2)
+    listener = shared_listener("ws://127.0.0.1:9/changefeeds", config=config)
+    with capture_events() as events:
+        Controller(listener, resource="vm", name="forgotten")
+        await wait_until(
+            lambda: events.named("listener.controllers_not_running"), 5, message="reported"
+        )
+    (logged,) = events.named("listener.controllers_not_running")
+    assert logged["idle"] == ["forgotten"] and logged["running"] == []
+    assert logged["listener_started"] is False
+    assert listener.state is ConnectionState.IDLE
 
 
 async def test_one_controller_stopping_does_not_stop_the_checkpoints_of_the_others(
