@@ -151,13 +151,13 @@ class BearerAuth:
             return found
         try:
             async with asyncio.timeout(_AUTHORIZE_TIMEOUT):
-                allowed = await self._authorize(token)
+                allowed = _resources(await self._authorize(token))
         except Exception as exc:
             # Past its deadline the authorizer is slow, not broken: no traceback to show.
             cause = None if isinstance(exc, TimeoutError) else exc
             log_event(log, "auth.unavailable", logging.ERROR, exc=cause, error=repr(exc))
             raise AuthUnavailable("authorization is unavailable; retry later") from exc
-        return None if allowed is None else frozenset(allowed)
+        return allowed
 
     async def check(
         self,
@@ -186,6 +186,25 @@ class BearerAuth:
         if any_of and allowed is not None:
             resource = next((r for r in any_of if allows(allowed, r)), any_of[0])
         return decide(allowed, resource)
+
+
+def _resources(allowed: object) -> frozenset[str] | None:
+    """What an authorizer answered, checked: None, or resource names.
+
+    Raises:
+        TypeError: anything else (a bool, one bare string, names that are not
+            strings): a broken authorizer, which denies nothing by accident.
+    """
+    if allowed is None:
+        return None
+    if not isinstance(allowed, str) and isinstance(allowed, Iterable):
+        names = frozenset(allowed)
+        if all(isinstance(name, str) for name in names):
+            return names
+    raise TypeError(
+        f"the authorizer returned {allowed!r}: expected None (unknown token) "
+        "or the resource names the token may read, such as {'vm'} or {'*'}"
+    )
 
 
 def resources_served_at(path: str, routes: Iterable[tuple[str, str]]) -> list[str]:

@@ -292,6 +292,20 @@ def test_the_resource_a_path_reads_is_the_longest_bootstrap_route_serving_it() -
     assert resources_served_at("/anything", [("all", "/")]) == ["all"]
 
 
+@pytest.mark.parametrize("answer", [True, "vm", [1, 2], {"vm": 1}.keys() | {3}])
+async def test_an_authorizer_answering_nonsense_is_unavailable_never_a_grant(answer: Any) -> None:
+    """A bare string would otherwise read as its letters, and a bool would crash
+    the route: a broken authorizer is an outage (503, 4010), never a grant."""
+    from changefeed.publisher.auth import BearerAuth
+
+    async def authorize(token: str) -> Any:
+        return answer
+
+    auth = BearerAuth((), {}, authorize)
+    denied = await auth.check("Bearer anyone", any_of=("vm",))
+    assert isinstance(denied, AccessDenied) and denied.code == "unavailable"
+
+
 async def test_a_route_two_resources_share_lets_in_a_token_allowed_either() -> None:
     from changefeed.publisher.auth import BearerAuth
 
@@ -459,22 +473,25 @@ routes (built with ``authorize=publisher.authorize_request``)."""
 
 def _outage_authorizer(outage: str, calls: list[str]) -> Authorize:
     """``good`` may read everything; any other token finds the identity service down:
-    it raises, or it never answers (the publisher's own bounded wait decides)."""
+    it raises, it never answers (the publisher's own bounded wait decides), or it
+    is broken and answers what no authorizer may (``True``)."""
     never = asyncio.Event()
 
-    async def authorize(token: str) -> frozenset[str] | None:
+    async def authorize(token: str) -> Any:
         calls.append(token)
         if token == "good":
             return frozenset({"*"})
         if outage == "raises":
             raise ConnectionError("identity service down")
+        if outage == "broken":
+            return True
         await never.wait()
         return None
 
     return authorize
 
 
-@pytest.mark.parametrize("outage", ["raises", "hangs"])
+@pytest.mark.parametrize("outage", ["raises", "hangs", "broken"])
 async def test_an_authorizer_outage_is_503_with_retry_after_on_every_route(
     dsn: str, outage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -527,9 +544,10 @@ async def test_an_authorizer_outage_is_503_with_retry_after_on_every_route(
     logged = [r for r in caplog.records if r.getMessage() == "auth.unavailable"]
     assert len(logged) == len(answers)
     for record in logged:
-        if outage == "raises":
+        if outage != "hangs":
             assert record.exc_info is not None
-            assert "identity service down" in "".join(traceback.format_exception(*record.exc_info))
+            shown = "".join(traceback.format_exception(*record.exc_info))
+            assert ("identity service down" if outage == "raises" else "returned True") in shown
         else:
             assert record.exc_info is None
 
