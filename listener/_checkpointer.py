@@ -30,6 +30,7 @@ import dataclasses
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -51,6 +52,11 @@ __all__ = ["CLOSE_WAIT", "Checkpointer", "MirrorSource"]
 
 CLOSE_WAIT = 120.0
 """Seconds a stopping listener waits for its last checkpoint to be saved."""
+
+_HOLDERS: weakref.WeakValueDictionary[int, Checkpointer] = weakref.WeakValueDictionary()
+"""The checkpointer using each store object (by ``id``), from its load to its close:
+two listeners handed one store would write one checkpoint over the other's, which
+no file lock sees (a store's lock is its own)."""
 
 
 class MirrorSource(Protocol):
@@ -125,6 +131,11 @@ class Checkpointer:
         self._status = CheckpointStatus()
 
     @property
+    def name(self) -> str:
+        """The listener's name."""
+        return self._name
+
+    @property
     def restored(self) -> bool:
         return self._restored.is_set()
 
@@ -151,6 +162,7 @@ class Checkpointer:
         sources = self._sources()
         log_event(log, "listener.checkpoint.loading", listener=self._name)
         try:
+            self._hold_store()
             checkpoint = await self._load()
         except CheckpointRefused as exc:
             self._update(last_error=f"load: {type(exc).__name__}: {exc}")
@@ -395,7 +407,23 @@ class Checkpointer:
         if await self._wait_for_saves():
             await self._close_store()
 
+    def _hold_store(self) -> None:
+        """Take the store for this listener.
+
+        Raises:
+            CheckpointRefused: another listener's checkpointer has it.
+        """
+        holder = _HOLDERS.setdefault(id(self.store), self)
+        if holder is not self:
+            raise CheckpointRefused(
+                f"{self.store!r} is in use by listener {holder.name}: two listeners must"
+                " not share a checkpoint store; give each its own store (file or name)"
+            )
+
     async def _close_store(self) -> None:
+        if _HOLDERS.get(id(self.store)) is not self:
+            return  # never held (refused, or never loaded): another listener's, maybe
+        del _HOLDERS[id(self.store)]
         close = getattr(self.store, "close", None)
         if close is None:
             return

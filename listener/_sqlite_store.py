@@ -216,7 +216,9 @@ class SqliteCheckpointStore:
         self.chunk_items = chunk_items
         self.timeout = timeout
         slug = name if _SLUG.fullmatch(name) else hashlib.sha256(name.encode()).hexdigest()[:16]
-        self.lock_path = Path(f"{self.path}.{slug}.lock")
+        # Beside the file itself: two paths to one file (a link) share one lock.
+        self._file = self.path.resolve()
+        self.lock_path = Path(f"{self._file}.{slug}.lock")
         """The file whose lock says this store holds the checkpoint."""
         self.moved_aside: list[Path] = []
         """Where files this store could not use were moved (newest last)."""
@@ -355,13 +357,13 @@ class SqliteCheckpointStore:
     def _held_by_others(self) -> list[str]:
         """The lock files beside ``path`` that other stores hold now: listeners of
         other names using the same file, in this process or another."""
-        prefix, held = f"{self.path.name}.", []
+        prefix, held = f"{self._file.name}.", []
         try:
-            entries = os.listdir(self.path.parent)
+            entries = os.listdir(self._file.parent)
         except OSError:
             return []
         for entry in sorted(entries):
-            lock_path = self.path.parent / entry
+            lock_path = self._file.parent / entry
             if not (entry.startswith(prefix) and entry.endswith(".lock")) or (
                 lock_path == self.lock_path
             ):

@@ -586,24 +586,34 @@ async def test_a_store_of_the_applications_own_postgresql_resumes_too(
         assert saved is not None and dict(saved.mirrors[second.vms.name].items) == after
 
 
+@pytest.mark.parametrize("given", ["another store", "the same store", "a link to the file"])
 async def test_a_second_listener_on_the_checkpoint_is_refused_at_start(
-    dsn: str, tmp_path: Path
+    dsn: str, tmp_path: Path, given: str
 ) -> None:
-    """Two listeners on one file and name used to both run, each whole save overwriting
-    the other's: the second is refused when it loads (``CheckpointRefused``: its
-    controllers stop with it), and writes nothing."""
+    """Two listeners on one file and name, each whole save overwriting the other's:
+    the second is refused when it loads (``CheckpointRefused``: its controllers stop
+    with it), and writes nothing, whether it was given a store of its own, the
+    first's store object, or a store on a symbolic link to the file."""
     path = tmp_path / "checkpoint.sqlite"
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         await create_vms(client, 5)
-        first = Service(api.ws_url, SqliteCheckpointStore(path))
+        store = SqliteCheckpointStore(path)
+        first = Service(api.ws_url, store)
         async with first.running():
             await first.vms.wait_synced(20)
             assert await first.listener.save_checkpoint()
-            second = Service(api.ws_url, SqliteCheckpointStore(path))
+            if given == "a link to the file":
+                (tmp_path / "link.sqlite").symlink_to(path)
+            theirs = {
+                "another store": lambda: SqliteCheckpointStore(path),
+                "the same store": lambda: store,
+                "a link to the file": lambda: SqliteCheckpointStore(tmp_path / "link.sqlite"),
+            }[given]()
+            second = Service(api.ws_url, theirs)
             with capture_events() as events, pytest.raises(CheckpointRefused) as refused:
                 async with asyncio.timeout(20), second.running():
                     await asyncio.Event().wait()  # ended by the refusal
-            assert "in use by another listener" in str(refused.value)
+            assert "in use by" in str(refused.value)
             assert events.named("listener.checkpoint.refused")
             assert second.listener.status().registrations == 0  # it never registered
             status = checkpoint_status(second)
