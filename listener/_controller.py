@@ -333,7 +333,9 @@ class Controller(Generic[T]):
         returns), cancelled, or the listener stops.
 
         Raises:
-            RegistrationRefused, RetriesExhausted: the listener stopped for good.
+            RegistrationRefused, RetriesExhausted: the listener stopped for good;
+                or ``RegistrationRefused`` (``http_401``, ``http_403``): a fetch of
+                this controller was refused for good (a token revoked meanwhile).
             ListenerConfigError: another controller attached to the listener did
                 not run (``ListenerConfig.controller_start_timeout``).
             CheckpointRefused: the listener's checkpoint store is another listener's.
@@ -375,16 +377,22 @@ class Controller(Generic[T]):
                 await self._link.done()
 
     async def _until_closed(self, following: Awaitable[None]) -> None:
-        """Await ``following``; should ``close()`` come first, stop it and return."""
+        """Await ``following``; should ``close()`` come first, stop it and return. A
+        fetch refused for good (401, 403) ends it too, with that refusal."""
         follow = asyncio.ensure_future(following)
+        refused = asyncio.ensure_future(self._core.until_refused())
         closed = asyncio.ensure_future(self._close_asked.wait())
         try:
-            await asyncio.wait((follow, closed), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((follow, refused, closed), return_when=asyncio.FIRST_COMPLETED)
         finally:
             closed.cancel()
+            if not refused.done():
+                refused.cancel()
             if not follow.done():
                 follow.cancel()
                 await asyncio.gather(follow, return_exceptions=True)
+        if refused.done() and not refused.cancelled():
+            refused.result()  # raises the refusal
         if not follow.cancelled():
             follow.result()  # its error, if it stopped with one
 

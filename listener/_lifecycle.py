@@ -39,6 +39,7 @@ from ._errors import LifecycleError
 
 __all__ = [
     "FATAL_ERROR_CODES",
+    "FATAL_HTTP_STATUSES",
     "FRESH_ERROR_CODES",
     "MAX_RETRY_AFTER",
     "TRANSITIONS",
@@ -154,7 +155,9 @@ _FATAL_CLOSE_CODES = frozenset(
     {CloseCode.BAD_FRAME, CloseCode.UNKNOWN_RESOURCE, CloseCode.UNAUTHORIZED, CloseCode.FORBIDDEN}
 )
 _FRESH_CLOSE_CODES = frozenset({CloseCode.BAD_CURSOR, CloseCode.CURSOR_EXPIRED})
-_FATAL_HTTP_STATUSES = frozenset({401, 403})
+FATAL_HTTP_STATUSES = frozenset({401, 403})
+"""HTTP answers that retrying cannot heal: the token is unknown, or may not read the
+resource (a refused handshake, a bootstrap page, a controller's fetch)."""
 
 
 def disposition(
@@ -189,6 +192,6 @@ def disposition(
         return Disposition.STOP
     if close_code in _FRESH_CLOSE_CODES:
         return Disposition.RETRY_FRESH
-    if http_status in _FATAL_HTTP_STATUSES:
+    if http_status in FATAL_HTTP_STATUSES:
         return Disposition.STOP
     return Disposition.RETRY

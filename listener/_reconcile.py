@@ -62,9 +62,10 @@ from changefeed.schemas import ChangeItem
 
 from ._backoff import BackoffPolicy
 from ._checkpoint import JsonItems, MirrorCheckpoint, application_view
-from ._errors import ListenerError
+from ._errors import ListenerError, RegistrationRefused
 from ._events import Resynced
 from ._handlers import AddHandler, DeleteHandler, Fetcher, ReconcileHandler, UpdateHandler
+from ._lifecycle import FATAL_HTTP_STATUSES
 from ._mirror import Mirror
 from ._workqueue import WorkQueue
 
@@ -226,6 +227,10 @@ class Reconciler(Generic[T]):
         checkpoint (None: no checkpoint is kept)."""
         self._room = asyncio.Event()
         self._stopped = False
+        self.refused: RegistrationRefused | None = None
+        """Set when a fetch was refused for good (HTTP 401 or 403): the token may no
+        longer read the resource, and retrying cannot heal that."""
+        self._refusal = asyncio.Event()
         self.intake = Intake.WAITING
         self.route: str | None = None
         """The route of the last bootstrap (a default fetch asks the latest ack's first)."""
@@ -259,6 +264,17 @@ class Reconciler(Generic[T]):
         """One more failure of an id: the delay before it is tried again."""
         record.failures += 1
         return self._retry.delay(record.failures, self._rng)
+
+    async def until_refused(self) -> None:
+        """Return never; raise ``refused`` once a fetch was refused for good.
+
+        Raises:
+            RegistrationRefused: code ``http_401`` or ``http_403``, the request's
+                answer in its message.
+        """
+        await self._refusal.wait()
+        assert self.refused is not None
+        raise self.refused
 
     def close_intake(self) -> None:
         """The listener stopped: it takes nothing more, and the dispatch does not wait."""
@@ -530,15 +546,20 @@ class Reconciler(Generic[T]):
             # The default fetch's failures are said in full by their message; anything
             # else (an application's fetch that broke) needs its traceback.
             expected = isinstance(exc, (BootstrapError, ListenerError))
+            status = getattr(exc, "status", None) if isinstance(exc, BootstrapError) else None
+            refused = status in FATAL_HTTP_STATUSES
             log_event(
                 log,
-                "controller.fetch_failed",
-                logging.WARNING,
+                "controller.fetch_refused" if refused else "controller.fetch_failed",
+                logging.ERROR if refused else logging.WARNING,
                 exc=None if expected else exc,
                 controller=self.name,
                 ids=len(ids),
                 error=f"{type(exc).__name__}: {exc}",
             )
+            if refused and self.refused is None:
+                self.refused = RegistrationRefused(f"http_{status}", str(exc))
+                self._refusal.set()
             return set(ids)
         batch.fetching = ()
         self.fetch_requests += 1

@@ -185,6 +185,40 @@ async def test_a_lone_controller_never_run_is_reported_within_the_timeout() -> N
     assert listener.state is ConnectionState.IDLE
 
 
+async def test_a_controller_whose_fetch_is_refused_for_good_stops_with_the_refusal(
+    dsn: str,
+) -> None:
+    """The listener's token is revoked while it runs (its websocket stays open): the
+    next fetch is answered 401, which retrying cannot heal. The controller stops
+    with ``RegistrationRefused`` (``http_401``) instead of retrying for good; the
+    other controller on the listener goes on."""
+    allowed = {"writer": frozenset({"*"}), "reader": frozenset({"*"})}
+
+    async def authorize(token: str) -> frozenset[str] | None:
+        return allowed.get(token)
+
+    async with (
+        VmApiServer(dsn, authorize=authorize) as api,
+        httpx.AsyncClient(base_url=api.url, headers={"Authorization": "Bearer writer"}) as client,
+    ):
+        vm_ids = await create_vms(client, 2)
+        listener = shared_listener(api.ws_url, token="reader")
+        vms = Controller(listener, resource="vm")
+        servers = Controller(listener, resource="server")
+        with capture_events() as events, pytest.raises(RegistrationRefused) as refused:
+            async with vms, servers:
+                await vms.wait_synced(20)
+                del allowed["reader"]
+                await client.patch(f"/vms/{vm_ids[0]}", json={"alias": "after"})
+                async with asyncio.timeout(20):
+                    await asyncio.Event().wait()  # ended by the refusal
+        assert refused.value.code == "http_401"
+        assert vms.done() and vms.exception() is refused.value
+        assert servers.done() and servers.exception() is None
+        (logged,) = events.named("controller.fetch_refused")
+        assert "HTTP 401" in logged["error"]
+
+
 async def test_one_controller_stopping_does_not_stop_the_checkpoints_of_the_others(
     dsn: str, tmp_path: Path
 ) -> None:
