@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import random
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ def run_compaction(
     spark_conf: Mapping[str, str] | None = None,
     full: bool = False,
     replay_wait: float = 60.0,
+    rng: random.Random | None = None,
 ) -> CompactionSummary:
     """Garbage-collect and compact one feed table with Spark; return what was done.
 
@@ -222,6 +224,8 @@ def run_compaction(
             incremental one (a dry run always plans a full run).
         replay_wait: seconds the drops wait for streaming standbys to replay
             the widened keepers; past that the run stops before the drops.
+        rng: random source of the waits before a batch that met a lock is
+            tried again; seed it in tests. None: a fresh ``random.Random()``.
 
     Must be called from a thread without a running event loop (in async code:
     ``await asyncio.to_thread(run_compaction, ...)``).
@@ -251,7 +255,9 @@ def run_compaction(
     summary = CompactionSummary(
         schema=schema, dry_run=dry_run, max_age=max_age, compaction_lag=compaction_lag
     )
-    settings = _Settings(batch_size, partitions, lock_wait, full or dry_run, replay_wait)
+    settings = _Settings(
+        batch_size, partitions, lock_wait, full or dry_run, replay_wait, rng or random.Random()
+    )
     clock = _Clock(summary, progress or NullProgress())
     clock.note("start", url=target.url, schema=schema, dry_run=dry_run, master=master)
     with asyncio.Runner() as runner:
@@ -291,6 +297,7 @@ class _Settings:
     lock_wait: float
     full: bool
     replay_wait: float
+    rng: random.Random
 
 
 _MEMBERS = ("txid", "id", "resource", "changed_resource_id", "sub_resources")
@@ -313,7 +320,7 @@ def _run(
     settings: _Settings,
 ) -> None:
     summary = clock.summary
-    store = CompactionStore(conn, summary.schema)
+    store = CompactionStore(conn, summary.schema, rng=settings.rng)
     runs = RunLog(conn, summary.schema)
     runner.run(store.prepare())
     if not summary.dry_run:
@@ -600,7 +607,7 @@ class _Run:
         batch = self.settings.batch_size
         side = runner.run(self.connect())
         try:
-            aside = CompactionStore(side, summary.schema)
+            aside = CompactionStore(side, summary.schema, rng=self.settings.rng)
             runner.run(aside.prepare())
             aside.share_survey(store)
             garbage, keys = _Deferred(), _Deferred()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -74,9 +73,6 @@ _FEED_RETRY = Backoff(initial=0.05, maximum=2.0, jitter=0.5)
 """Waits before reading the feed again after failed page reads in a row
 (changefeed.backoff's policy): 50 ms doubling to 2 s, the upper half of each drawn
 at random, so that the connections of a database outage do not all ask at once."""
-
-_JITTER = random.Random()
-"""The draws of those waits (the connections' own, not the global ``random``)."""
 
 _REFUSALS = ("frame_too_large", "bad_frame")
 """Server closes that refuse what the listener sent (counted as refusals)."""
@@ -412,7 +408,7 @@ class _Connection:
             session.delivery.waiting_on_feed = True
             try:
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_FEED_RETRY.delay(failures, _JITTER)):
+                    async with asyncio.timeout(_FEED_RETRY.delay(failures, self.host.rng)):
                         await session.delivery.ended.wait()
             finally:
                 session.delivery.waiting_on_feed = False

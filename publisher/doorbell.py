@@ -62,6 +62,7 @@ class Doorbell:
         channel: the NOTIFY channel writers ring.
         ring: the tailer's doorbell (``Tailer.ring``), called with asyncpg's
             listener arguments, the payload last.
+        rng: random source of the reconnections' back-off.
     """
 
     def __init__(
@@ -69,6 +70,8 @@ class Doorbell:
         connect: Callable[[], Awaitable[asyncpg.Connection]],
         channel: str,
         ring: Callable[..., None],
+        *,
+        rng: random.Random | None = None,
     ) -> None:
         self._connect = connect
         self._channel = channel
@@ -79,7 +82,7 @@ class Doorbell:
         self.rests_total = 0
         self._resting = False
         self._changed = asyncio.Event()
-        self._rng = random.Random()
+        self._rng = rng or random.Random()
 
     async def run(self) -> None:
         """LISTEN forever, reconnecting with back-off whenever the primary goes away."""

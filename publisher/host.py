@@ -6,6 +6,7 @@ and the publisher nothing of ASGI: each side can change without the other.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,6 +38,10 @@ class ListenerHost(Protocol):
     @property
     def catchup(self) -> Catchup:
         """Refills the queue of a connection that is behind."""
+
+    @property
+    def rng(self) -> random.Random:
+        """Random source of a connection's waits before reading the feed again."""
 
     async def access(self, headers: Mapping[str, str], peer: str) -> AccessGranted | AccessDenied:
         """Whether a handshake may go on (its bearer token); a refusal is counted."""

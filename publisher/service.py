@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from datetime import timedelta
@@ -82,6 +83,9 @@ class Publisher:
         authorize: optional async callable for bearer tokens (see ``Authorizer``),
             asked about any token the static ``auth_tokens`` / ``token_resources``
             do not know. With neither, there is no authentication (docs/security.md).
+        rng: random source of the jitter of every wait before trying again (the
+            tailer's, the doorbell's, a connection's catch-up reads); seed it in
+            tests. None: a fresh ``random.Random()``, never the global one.
     """
 
     def __init__(
@@ -90,10 +94,12 @@ class Publisher:
         *,
         pool: asyncpg.Pool | None = None,
         authorize: Authorizer | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         if not config.dsn:
             raise ConfigError("publisher.dsn", "is required (the tailer needs its own connection)")
         self.config = config
+        rng = rng or random.Random()
         self.identity = FeedIdentity(config.cursor_key.encode() if config.cursor_key else None)
         self.counters = Counters()
         self.reader = FeedReader(config.schema)
@@ -120,9 +126,12 @@ class Publisher:
             fanned_out=self.broadcast.fanned_out,
             join=self._join_feed,
             standby=self.standby is not None,
+            rng=rng,
         )
         self.doorbell = (
-            Doorbell(self._connect_primary, channel, self.tailer.ring) if self.standby else None
+            Doorbell(self._connect_primary, channel, self.tailer.ring, rng=rng)
+            if self.standby
+            else None
         )
         """The LISTEN on the primary that rings a tailer reading a standby."""
         if self.doorbell is not None:
@@ -139,6 +148,7 @@ class Publisher:
             reader=self.reader,
             pool=lambda: self.read_pool,
             standby=self.standby,
+            rng=rng,
         )
         self.feed_health = FeedHealth(0.0, 0.0, 0, Position(0, 0))
         """The feed as last seen by the watch (oldest writer, oldest entry, size)."""

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping
 from typing import Final
@@ -109,6 +110,7 @@ class Sessions:
         pool: the pool of the server the publisher reads (``read_dsn``, or the
             primary's), once started.
         standby: the primary beside it, when the publisher reads a standby.
+        rng: random source of the connections' waits before reading the feed again.
     """
 
     def __init__(
@@ -125,8 +127,10 @@ class Sessions:
         reader: FeedReader,
         pool: Callable[[], asyncpg.Pool],
         standby: Standby | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._config = config
+        self._rng = rng or random.Random()
         self._identity = identity
         self.auth = auth
         self._counters = counters
@@ -161,6 +165,10 @@ class Sessions:
     @property
     def catchup(self) -> Catchup:
         return self._catchup
+
+    @property
+    def rng(self) -> random.Random:
+        return self._rng
 
     async def drain(self, grace: float) -> None:
         """Refuse new registrations and close every listener with 1001 ("going away"),
