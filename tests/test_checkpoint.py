@@ -547,7 +547,8 @@ async def test_a_store_of_the_applications_own_postgresql_resumes_too(
     dsn: str, pg_server: Any
 ) -> None:
     """docs/examples/postgres_checkpoint_store.py: the same restart, with the checkpoint
-    in the application's database: whole, then incremental saves, then a resume."""
+    in the application's database: whole, then incremental saves, then a resume. A
+    second store of the same name is refused while a listener holds it."""
     example = _example_store_module()
     async with (
         fresh_database(pg_server, prefix="app") as app_dsn,
@@ -566,6 +567,8 @@ async def test_a_store_of_the_applications_own_postgresql_resumes_too(
             await client.patch(f"/vms/{vm_ids[0]}", json={"alias": "live"})
             await wait_until(lambda: first.converged(dsn), 10, message="first converged")
             assert await first.listener.save_checkpoint()  # an incremental one
+            with pytest.raises(CheckpointRefused, match="in use by another listener"):
+                await example.PostgresCheckpointStore(pool, name="tcns-1").load()
         status = checkpoint_status(first)
         assert status.saves >= 2 and status.whole_saves == 1
         before = await api_state(dsn)
@@ -583,6 +586,7 @@ async def test_a_store_of_the_applications_own_postgresql_resumes_too(
         )
         assert second.calls["server"] == []
         saved = await store.load()
+        await store.close()
         assert saved is not None and dict(saved.mirrors[second.vms.name].items) == after
 
 

@@ -12,6 +12,12 @@ changed rows only, and each save is one transaction::
     await store.setup()
     listener = Listener(url, instance=..., service="tcns", change_kinds=[...], checkpoint=store)
 
+One listener writes a checkpoint name: from its first load until it closes,
+the store holds a session advisory lock on the name (on one connection of
+the pool, kept), and a second store of the same name, in any process, is
+refused with ``CheckpointRefused``. A process that dies lets go with its
+session. The listener closes the store when it closes.
+
 The application may write its own tables in the same database; the
 checkpoint does not take part in their transactions (a restart replays what
 the checkpoint had not caught up with, and the callbacks are idempotent).
@@ -32,9 +38,13 @@ from changefeed.listener import (
     ChangeKind,
     Checkpoint,
     CheckpointError,
+    CheckpointRefused,
     JsonItems,
     MirrorCheckpoint,
 )
+
+_LOCK_KEY = "SELECT hashtextextended('changefeed checkpoint ' || $1, 0)"
+"""The advisory lock key of a checkpoint name (64 bits of its hash)."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS listener_checkpoint (
@@ -80,13 +90,47 @@ class PostgresCheckpointStore:
     def __init__(self, pool: asyncpg.Pool[asyncpg.Record], name: str = "default") -> None:
         self.pool = pool
         self.name = name
+        self._holder: asyncpg.pool.PoolConnectionProxy[asyncpg.Record] | None = None
 
     async def setup(self) -> None:
         """Create the tables (idempotent)."""
         async with self.pool.acquire() as conn:
             await conn.execute(SCHEMA)
 
+    async def _hold(self) -> None:
+        """Take the name's lock, once.
+
+        Raises:
+            CheckpointRefused: another store holds it.
+        """
+        if self._holder is not None:
+            return
+        conn = await self.pool.acquire()
+        try:
+            key = await conn.fetchval(_LOCK_KEY, self.name)
+            taken = await conn.fetchval("SELECT pg_try_advisory_lock($1)", key)
+        except BaseException:
+            await self.pool.release(conn)
+            raise
+        if not taken:
+            await self.pool.release(conn)
+            raise CheckpointRefused(
+                f"checkpoint {self.name!r} is in use by another listener (its advisory"
+                " lock is held): two listeners must not share a checkpoint"
+            )
+        self._holder = conn
+
+    async def close(self) -> None:
+        """Let go of the name's lock and its connection (a later load takes them again)."""
+        holder, self._holder = self._holder, None
+        if holder is not None:
+            try:
+                await holder.execute("SELECT pg_advisory_unlock_all()")
+            finally:
+                await self.pool.release(holder)
+
     async def load(self) -> Checkpoint | None:
+        await self._hold()
         async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read"):
             head = await conn.fetchrow(
                 "SELECT sequence, cursor, change_kinds::text, saved_at"
@@ -123,6 +167,7 @@ class PostgresCheckpointStore:
         )
 
     async def save(self, checkpoint: Checkpoint) -> None:
+        await self._hold()
         name = self.name
         async with self.pool.acquire() as conn, conn.transaction():
             held = await conn.fetchval(
