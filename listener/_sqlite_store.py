@@ -316,19 +316,29 @@ class SqliteCheckpointStore:
             self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
         )
         try:
+            # Checked before anything is written to the file: a newer layout's file is
+            # left as it was (moved aside, or refused when the application's tables
+            # are in it too).
+            held = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                ("changefeed_checkpoint",),
+            ).fetchone()
+            if held is not None:
+                (newest,) = conn.execute(
+                    "SELECT max(version) FROM changefeed_checkpoint"
+                ).fetchone()
+                if newest is not None and newest > FORMAT_VERSION:
+                    self._refuse_if_shared(conn, newest)
+                    raise _MoveAside(
+                        f"v{newest}",
+                        f"it holds checkpoints of layout version {newest}, this store writes"
+                        f" {FORMAT_VERSION}",
+                    )
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             # A whole save of a large mirror passes through the log: give the disk back after.
             conn.execute("PRAGMA journal_size_limit=67108864")
             conn.executescript(_SCHEMA)
-            (newest,) = conn.execute("SELECT max(version) FROM changefeed_checkpoint").fetchone()
-            if newest is not None and newest > FORMAT_VERSION:
-                self._refuse_if_shared(conn, newest)
-                raise _MoveAside(
-                    f"v{newest}",
-                    f"it holds checkpoints of layout version {newest}, this store writes"
-                    f" {FORMAT_VERSION}",
-                )
         except sqlite3.DatabaseError as exc:
             conn.close()
             if _unusable(exc):

@@ -282,9 +282,13 @@ async def test_a_file_of_a_newer_layout_is_moved_aside_unless_it_holds_other_tab
     with contextlib.closing(sqlite3.connect(shared)) as conn, conn:
         conn.execute("CREATE TABLE app_orders (id INTEGER PRIMARY KEY)")
         conn.execute("UPDATE changefeed_checkpoint SET version = 2")
+        conn.execute("DROP TABLE changefeed_checkpoint_change")  # not in "version 2"
     with pytest.raises(CheckpointRefused, match="app_orders"):
         await SqliteCheckpointStore(shared).load()
     assert _aside(tmp_path, "app.sqlite") == []
+    with contextlib.closing(sqlite3.connect(shared)) as conn:  # left as it was
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
+        assert "changefeed_checkpoint_change" not in tables
 
 
 async def test_a_file_another_listener_holds_is_not_moved_aside_under_it(
