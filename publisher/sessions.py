@@ -412,7 +412,7 @@ class Sessions:
             self._unregistered()
         self._counters.evictions[code] += 1
         self._counters.recent_evictions.append(
-            {"at": timestamp(), "code": code, **session.summary()}
+            {"at": timestamp(), "code": code, "reason": message, **session.summary()}
         )
         log_event(
             log,

@@ -312,6 +312,8 @@ async def test_the_page_shows_delivery_state_lag_head_and_low_water_when_stats_h
             doc["recentEvictions"] = [
                 {
                     "at": "2030-01-01T00:00:00.000Z",
+                    "code": "keepalive_timeout",
+                    "reason": "no answer to pings, and no progress meanwhile",
                     "instance": HOSTILE_INSTANCE,
                     "service": "slowpoke",
                     "peer": "127.0.0.1:1",
@@ -335,7 +337,12 @@ async def test_the_page_shows_delivery_state_lag_head_and_low_water_when_stats_h
         await expect(page.locator("#feed")).to_contain_text("txid 8000 · id 12")
         eviction = page.locator("#evictions tbody tr").first
         await expect(eviction).to_contain_text("slowpoke")
-        await expect(eviction.locator("td").nth(1)).to_have_text(HOSTILE_INSTANCE)
+        why = eviction.locator("td").nth(1)
+        await expect(why).to_have_text("keepalive_timeout")
+        await expect(why).to_have_attribute(
+            "title", "no answer to pings, and no progress meanwhile"
+        )
+        await expect(eviction.locator("td").nth(2)).to_have_text(HOSTILE_INSTANCE)
         assert await page.evaluate("document.body.dataset.pwned") is None
         assert errors == []
         await tcns.close()

@@ -516,6 +516,7 @@ async def test_a_listener_that_stops_answering_pings_is_dropped_and_its_registra
         assert [r["service"] for r in stats["registrations"]] == ["tcns"]
         (evicted,) = stats["recentEvictions"]
         assert evicted["code"] == "keepalive_timeout" and evicted["service"] == "mute"
+        assert "no answer to pings" in evicted["reason"]
         assert stats["counters"]["evictionsByCode"] == {"keepalive_timeout": 1}
         # The one that answers stays registered and keeps receiving.
         await write(feed_dsn, [("vm", [], "after-the-mute-one")])

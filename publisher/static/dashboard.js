@@ -386,6 +386,7 @@
           "tr",
           {},
           cell(ago(e.at)),
+          cell(has(e.code) ? escaped(e.code) : null, "mono", has(e.reason) ? escaped(e.reason) : undefined),
           cell(escaped(e.instance), "mono clip", escaped(e.instance)),
           cell(escaped(e.service), "clip", escaped(e.service)),
           cell((Array.isArray(e.changeKinds) ? e.changeKinds : []).map(kindText).join("; ")),
