@@ -91,6 +91,30 @@ def test_example_config_loads_and_is_production_shaped() -> None:
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 
 
+def test_the_images_and_units_install_what_their_commands_need() -> None:
+    """The publisher's image and unit run ``serve`` and ``db init`` (extra ``serve``),
+    the Spark ones ``compact`` (extra ``spark``): a bare install is the listener's,
+    whose command line has neither."""
+    wants = {
+        "container/Containerfile": "'.[serve]'",
+        "spark/Containerfile": "'.[spark]'",
+        "systemd/changefeed-publisher@.service": "'changefeed[serve]'",
+        "spark/changefeed-compaction.service": "'changefeed[spark]'",
+    }
+    for name, extra in wants.items():
+        installs = [
+            line
+            for line in (DEPLOY / name).read_text().splitlines()
+            if re.search(r"pip (wheel|install)", line) and "/wheels/" not in line
+        ]
+        assert installs and all(extra in line for line in installs), (name, installs)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(dep.startswith("uvicorn") for dep in extras["serve"])
+    assert any(dep.startswith("pyspark") for dep in extras["spark"])
+
+
 @pytest.mark.parametrize("path", UNITS, ids=[p.name for p in UNITS])
 def test_systemd_unit_runs_a_real_command(path: Path) -> None:
     unit = systemd_unit(path)
