@@ -40,9 +40,10 @@ log = logging.getLogger(__name__)
 
 _CONFLICT_RETRIES = 3
 """Times a query replay cancelled (SQLSTATE 40001) is asked again."""
-_LATE_REASONS = frozenset({"cursor_ahead", "unknown_position"})
+_LATE_REASONS = frozenset({"cursor_ahead", "unknown_position", "other_feed"})
 """What a standby behind the cursor's issuer answers: believed only once it has caught up.
-(A standby behind answers no other reason that a caught-up one would not.)"""
+(A standby behind answers no other reason that a caught-up one would not. ``other_feed``:
+a standby that has not replayed the feed's new identity yet shows the old one.)"""
 
 
 class StandbyBehind(Exception):
@@ -98,15 +99,28 @@ class ResumeQueries:
         late = reason in _LATE_REASONS and facts.in_recovery
         if resumed or not late or self._standby is None:
             return resumed, reason
+        caught_up = await self.caught_up(cursor.position)
+        return plan_resume(cursor, caught_up, feed_id=feed_id, head=head, replay_limit=replay_limit)
+
+    async def caught_up(self, position: Position) -> ResumeFacts:
+        """The facts about ``position`` from the standby once it has replayed what the
+        primary holds now: what a standby says against a fresher publisher's cursor,
+        believed (also told to ``on_facts``).
+
+        Raises:
+            StandbyBehind: the standby did not catch up within ``standby_wait``.
+            the database's errors (``feed.DB_ERRORS``), and TimeoutError.
+        """
+        assert self._standby is not None
         self.confirmed_total += 1
         target = await self._standby.primary_position()
-        caught_up = await self._shared(cursor.position, target, self._replayed_facts)
+        caught_up = await self._shared(position, target, self._replayed_facts)
         if caught_up is None:
             log_event(
                 log,
                 "resume.standby_behind",
                 logging.WARNING,
-                position=str(cursor.position),
+                position=str(position),
                 target=target,
                 waited=self._standby.wait,
             )
@@ -115,7 +129,12 @@ class ResumeQueries:
                 f"{self._standby.wait:g}s; retry"
             )
         self._told(caught_up)
-        return plan_resume(cursor, caught_up, feed_id=feed_id, head=head, replay_limit=replay_limit)
+        return caught_up
+
+    @property
+    def on_standby(self) -> bool:
+        """Whether the answers come from a standby (``read_dsn``)."""
+        return self._standby is not None
 
     def _told(self, facts: ResumeFacts) -> None:
         if self._on_facts is not None:

@@ -302,9 +302,18 @@ class Sessions:
     async def _identity_stale(self, peer: str) -> Refusal | _Again | None:
         """For a cursor of another identity: ``_AGAIN`` when the feed's identity changed
         under this publisher (the cursor may be of the new one, which it joins now),
-        None when the cursor is another feed's."""
+        None when the cursor is another feed's. On a standby, "another feed's" is
+        believed only once the standby has replayed what the primary holds: one
+        behind may not have replayed the identity a fresher publisher issued the
+        cursor under (4010 while it catches up, never a ``resumed: false``)."""
+        queries = self._resume_queries
         try:
-            facts = await self._resume_queries.facts(ORIGIN)
+            facts = await queries.facts(ORIGIN)
+            same = facts.state.feed_id == self._identity.feed_id
+            if same and facts.in_recovery and queries.on_standby:
+                facts = await queries.caught_up(ORIGIN)
+        except StandbyBehind as exc:
+            return Refusal("unavailable", str(exc), _STANDBY_RETRY)
         except DB_ERRORS as exc:
             log_event(log, "resume.unavailable", logging.WARNING, exc=exc, peer=peer)
             return Refusal("unavailable", "the feed database cannot be asked now; retry", 1.0)

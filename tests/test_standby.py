@@ -210,6 +210,43 @@ async def test_a_fresher_cursor_is_held_until_the_standby_replays_it_never_reset
         await resumed.close()
 
 
+async def test_a_cursor_of_an_identity_the_standby_has_not_replayed_is_held_not_reset(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """The feed gets a new identity (a restore) on the primary while the standby's
+    replay is paused; a publisher on the primary issues a cursor of it. The publisher
+    on the standby still sees the old identity: to it the cursor looks like another
+    feed's, which it must not believe before its standby has caught up: 4010, and
+    once replay goes on, the same cursor resumes. Never ``resumed: false``."""
+    async with on_standby(feed_dsn, standby_dsn, standby_wait=1.5) as lagging:
+        async with replay_paused(standby_dsn) as standby:
+            conn = await asyncpg.connect(feed_dsn)
+            try:
+                reader = FeedReader()
+                await reader.rotate_identity(conn, (await reader.state(conn)).feed_id)
+            finally:
+                await conn.close()
+            async with running_publisher(feed_dsn) as fresh:
+                ws, _ = await register(fresh.ws_url, registration())
+                await publish_each(feed_dsn, ["x1"])
+                (seen,) = await receive_items(ws, 1)
+                await ws.close()
+            late, first = await register(lagging.ws_url, registration(since=seen["cursor"]))
+            assert "error" in first, first  # not an ack (resumed: false)
+            error, code = await refusal(late, first)
+            assert code == 4010 and error["code"] == "unavailable", (code, error, first)
+            await standby.execute("SELECT pg_wal_replay_resume()")
+
+        async def resumes() -> bool:
+            ws, ack = await register(lagging.ws_url, registration(since=seen["cursor"]))
+            await ws.close()
+            assert ack.get("resumed") is not False, ack  # held or 4010, never reset
+            return ack.get("resumed") is True
+
+        await wait_until(resumes, timeout=30, message="the cursor resumes on the standby")
+        assert lagging.publisher.counters.registrations["vm", False] == 0
+
+
 async def test_a_stalled_replay_shows_as_tailer_lag_and_clears_once_replayed(
     feed_dsn: str, standby_dsn: str
 ) -> None:
