@@ -258,6 +258,10 @@ PRIVATE: tuple[Private, ...] = (
     Private("serve", _SERVER, "shutdown", "method", "drain the publishers first", ("sockets",)),
     Private("serve", _SERVER, "capture_signals", "method", "a drained SIGTERM ends with status 0"),
     *_attrs("serve", _SERVER, "the listening sockets (asyncio servers)", "servers"),
+    # The CLI's servers (changefeed.cli, .standalone, .demo) on any uvicorn: whether
+    # start-up succeeded (the exit status), and the demo's stop.
+    *_attrs("serve", _SERVER, "start-up succeeded; ask the server to stop", "started"),
+    *_attrs("serve", _SERVER, "ask the server to stop", "should_exit"),
 )
 """Every private uvicorn name changefeed uses."""
 
