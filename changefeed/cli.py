@@ -91,6 +91,9 @@ _positive_int = _checked(int, lambda n: n >= 1, "a whole number of at least 1")
 _positive_seconds = _checked(
     float, lambda x: math.isfinite(x) and x > 0, "a number of seconds above 0"
 )
+_seconds_or_off = _checked(
+    float, lambda x: math.isfinite(x) and x >= 0, "a number of seconds, or 0 for off"
+)
 _positive_rate = _checked(float, lambda x: math.isfinite(x) and x > 0, "a number above 0")
 _port = _checked(int, lambda n: 0 <= n <= 65535, "a port from 0 to 65535")
 
@@ -215,12 +218,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     api.add_argument(
         "--header-timeout",
-        type=_positive_seconds,
+        type=_seconds_or_off,
         default=None,
         metavar="SECONDS",
         help="close an HTTP connection whose request head has not arrived by then, "
-        "or whose request body stops arriving for as long "
-        "(default: that of [server] header_timeout, docs/config.md)",
+        "or whose request body stops arriving for as long; 0: off, behind a proxy "
+        "that bounds them (default: that of [server] header_timeout, docs/config.md)",
     )
 
     serve = command(
@@ -415,8 +418,6 @@ async def _example_api(args: argparse.Namespace) -> int:
     header_timeout = args.header_timeout
     if header_timeout is None:
         header_timeout = ServerConfig().header_timeout
-    if not header_timeout > 0:
-        raise CommandError(f"--header-timeout: must be positive, got {header_timeout}", 2)
     dsn = _dsn(args)
     await check_database(dsn, None, key="--dsn")
     overrides: dict[str, Any] = {"auth_tokens": tuple(args.token)} if args.token else {}
@@ -430,7 +431,7 @@ async def _example_api(args: argparse.Namespace) -> int:
         args.host,
         args.port,
         fast_path=True,
-        head_timeout=header_timeout,
+        head_timeout=header_timeout or None,
     )
     server = DrainingServer(config, [app.state.publisher], owns_process=True)
     print(

@@ -122,7 +122,7 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         host or server.host,
         port if port is not None else server.port,
         fast_path=True,
-        head_timeout=server.header_timeout,
+        head_timeout=server.header_timeout or None,
         max_head_bytes=server.header_max_bytes,
         ws_ping_interval=server.ping_interval,
         ws_ping_timeout=server.ping_timeout,

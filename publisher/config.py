@@ -400,10 +400,11 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "An HTTP connection whose request line and headers have not all arrived this long "
             "after it was accepted (or after its previous response) is closed, with 408 if it "
             "sent part of them; so is one whose request body stops arriving for this long. "
-            "Websockets, once upgraded, are not affected.",
+            "Websockets, once upgraded, are not affected. 0: off, for a server behind a "
+            "proxy that bounds request heads and bodies itself.",
             "seconds",
             duration=True,
-            gt=0,
+            ge=0,
         ),
     ] = 15.0
     header_max_bytes: Annotated[

@@ -174,7 +174,7 @@ def test_python_values_are_stored_as_a_file_would_give_them() -> None:
         ("[publishers]\n", "publishers"),
         ('[[resources]]\nname = "vm"\n', "resources[0].bootstrap_route"),
         ("[server]\nport = 70000\n", "server.port"),
-        ('[server]\nheader_timeout = "0s"\n', "server.header_timeout"),
+        ('[server]\nheader_timeout = "-1s"\n', "server.header_timeout"),
         ('[publisher]\nstall_timeout = "0s"\n', "publisher.stall_timeout"),
         ("[publisher]\npoll_interval = 0\n", "publisher.poll_interval"),
         ("[publisher]\nregistration_timeout = 0\n", "publisher.registration_timeout"),

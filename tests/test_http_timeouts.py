@@ -400,9 +400,33 @@ async def test_a_write_whose_client_goes_away_mid_body_is_no_error(
         assert "Traceback" not in log, log
 
 
-def test_example_api_refuses_a_header_timeout_that_is_not_positive() -> None:
+async def test_a_header_timeout_of_0_turns_the_deadlines_off(dsn: str, tmp_path: Path) -> None:
+    """For a server behind a proxy that bounds request heads itself: half a head
+    waits past what any deadline here would allow, and is then answered."""
+    port = free_port()
+    args = ["example-api", "--dsn", dsn, "--port", str(port), "--header-timeout", "0"]
+    api = ChangefeedServer("example-api", args, port, tmp_path)
+    async with stopping(api):
+        api.start()
+        await api.wait_ready()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /readyz HTTP/1.1\r\n")
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1.5):
+                    await reader.read(1)
+            writer.write(b"Host: x\r\n\r\n")
+            async with asyncio.timeout(CLOSE_BOUND):
+                head = await reader.readuntil(b"\r\n")
+        finally:
+            writer.close()
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        assert "http.head_timeout" not in api.log()
+
+
+def test_example_api_refuses_a_negative_header_timeout() -> None:
     refused = subprocess.run(
-        [sys.executable, "-m", "changefeed.cli", "example-api", "--header-timeout", "0"],
+        [sys.executable, "-m", "changefeed.cli", "example-api", "--header-timeout", "-1"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -214,7 +214,7 @@ def test_numeric_options_refuse_nonsense_as_usage_errors(option: str, value: str
         ["demo", "--duration", "-1"],
         ["demo", "--port", "70000"],
         ["example-api", "--port", "-1"],
-        ["example-api", "--header-timeout", "0"],
+        ["example-api", "--header-timeout", "-1"],
         ["compact", "--batch-size", "0"],
         ["compact", "--partitions", "-2"],
     ],
