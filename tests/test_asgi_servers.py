@@ -10,7 +10,9 @@ matching, batch frames, resume, refusals and their close codes, auth at the
 handshake, the HTTP routes, RFD 5's v2 registration and heartbeats) and the
 burst test (100 listeners, each gets every item, none starved).
 
-* ``uvicorn-0.35``: the oldest uvicorn supported, with its defaults;
+* ``uvicorn-0.35``: the oldest stack supported: uvicorn 0.35 with its
+  defaults, and the publisher's other dependencies at the lower bounds
+  pyproject.toml gives them (starlette, asyncpg, prometheus-client, websockets);
 * ``uvicorn-newest`` with its defaults, on the newest uvicorn there is;
 * ``uvicorn-newest-fast`` with the fast path (``--ws
   changefeed.serving:FanoutWebSocketProtocol``), on the newest uvicorn the
@@ -26,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import shutil
 import statistics
 import sys
+import tomllib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -76,12 +80,33 @@ class Server:
     framework: str = "starlette"
 
 
+def lower_bounds(*names: str) -> tuple[str, ...]:
+    """``name==floor`` for each of ``names``, from the ``>=`` bounds pyproject.toml gives
+    it (the base dependencies and the ``publisher`` extra): the oldest stack claimed."""
+    project = tomllib.loads((HERE.parent / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"], *project["optional-dependencies"]["publisher"]]
+    floors = {}
+    for requirement in declared:
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9][0-9.]*)", requirement)
+        if found is not None:
+            floors[found[1]] = f"{found[1]}=={found[2]}"
+    return tuple(floors[name] for name in names)
+
+
 _LOW, _HIGH = TESTED_UVICORN
 FAST_UVICORN = f"uvicorn[standard]>={_LOW[0]}.{_LOW[1]},<{_HIGH[0]}.{_HIGH[1]}"
 """The newest uvicorn the fast path claims (the newest overall may be past it)."""
 
 SERVERS = {
-    "uvicorn-0.35": Server("uvicorn-0.35", "publisher", ("uvicorn[standard]==0.35.0",), "uvicorn"),
+    "uvicorn-0.35": Server(
+        "uvicorn-0.35",
+        "publisher",
+        (
+            "uvicorn[standard]==0.35.0",
+            *lower_bounds("starlette", "asyncpg", "prometheus-client", "websockets"),
+        ),
+        "uvicorn",
+    ),
     "uvicorn-newest": Server("uvicorn-newest", "serve", (), "uvicorn"),
     "uvicorn-newest-fast": Server("uvicorn-fast", "serve", (FAST_UVICORN,), "uvicorn-fast"),
     "hypercorn": Server("hypercorn", "publisher", ("hypercorn", "fastapi"), "hypercorn", "fastapi"),
