@@ -637,12 +637,7 @@ class _Run:
                     if through is not None:
                         # Before any entry is widened: publishers must know which
                         # copies they hold may be older than the table.
-                        generation, horizon = runner.run(store.announce(through))
-                        summary.rewrite_generation = generation
-                        summary.rewritten_through = horizon
-                        self.clock.note(
-                            "announced", generation=generation, rewritten_through=list(horizon)
-                        )
+                        self._raise_generation("announced", through)
                     summary.rewritten = runner.run(store.apply_keepers(run_id, batch, report))
                 with self.clock.phase("apply-merge", counts["drops"], "entries"):
                     if counts["drops"]:
@@ -651,13 +646,9 @@ class _Run:
                         # hold a keeper as it was: a listener that read the table
                         # after a drop must never be handed that page. A new
                         # generation, committed before the first drop, lets it go
-                        # (also what a run killed mid-widening left behind).
-                        generation, horizon = runner.run(store.announce(through or ORIGIN))
-                        summary.rewrite_generation = generation
-                        summary.rewritten_through = horizon
-                        self.clock.note(
-                            "sealed", generation=generation, rewritten_through=list(horizon)
-                        )
+                        # (also what a run killed mid-widening left behind). The
+                        # horizon stays where the announcement put it.
+                        self._raise_generation("sealed", through or ORIGIN)
                         wait = self.settings.replay_wait
                         summary.standbys = runner.run(store.wait_for_standbys(wait))
                     drops_open.set()
@@ -680,6 +671,14 @@ class _Run:
                 runner.run(side.close(timeout=5))
         summary.low_water_after = runner.run(store.low_water())
         runner.run(store.drop_staging(run_id))
+
+    def _raise_generation(self, event: str, through: Position) -> None:
+        """Raise the feed's rewrite generation, and its horizon to at least ``through``
+        (``store.announce``, committed at once); record and report both."""
+        generation, horizon = self.runner.run(self.store.announce(through))
+        self.summary.rewrite_generation = generation
+        self.summary.rewritten_through = horizon
+        self.clock.note(event, generation=generation, rewritten_through=list(horizon))
 
 
 class _Deferred:

@@ -406,6 +406,8 @@ class Checkpointer:
             await asyncio.gather(periodic, return_exceptions=True)
         if await self._wait_for_saves():
             await self._close_store()
+        elif _HOLDERS.get(id(self.store)) is self:
+            del _HOLDERS[id(self.store)]  # not closed (a save hung), but no longer held
 
     def _hold_store(self) -> None:
         """Take the store for this listener.

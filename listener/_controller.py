@@ -105,7 +105,9 @@ class Controller(Generic[T]):
             controller attached to it); the same as ``Listener(checkpoint=...)``.
         fetch: how to fetch resources by id (default: the bootstrap client's
             ``fetch_one`` / ``fetch_many`` on the resource's route and the
-            listener's HTTP client).
+            listener's HTTP client). A failure is retried per id with back-off,
+            except a ``changefeed.bootstrap.BootstrapError`` whose ``status`` is
+            401 or 403, which stops the controller (``RegistrationRefused``).
         key: the id of a listed resource, from its JSON (default: its ``id_field``).
         id_field: the field holding a resource's id.
         concurrency: workers, hence concurrent fetches.
@@ -392,6 +394,8 @@ class Controller(Generic[T]):
                 follow.cancel()
                 await asyncio.gather(follow, return_exceptions=True)
         if refused.done() and not refused.cancelled():
+            if follow.done() and not follow.cancelled():
+                follow.exception()  # retrieved: the refusal is what ends it
             refused.result()  # raises the refusal
         if not follow.cancelled():
             follow.result()  # its error, if it stopped with one

@@ -71,7 +71,9 @@ class DeleteHandler(Protocol[T_contra]):
 
 class Fetcher(Protocol):
     """Fetches resources by id: returns the ones that exist, as JSON (absent ids are
-    deleted). The default fetches from the listener's bootstrap route."""
+    deleted). The default fetches from the listener's bootstrap route. Raising a
+    ``BootstrapError`` with ``status`` 401 or 403 stops the controller (the token
+    may no longer read); anything else is retried per id."""
 
     def __call__(self, ids: Sequence[str], /) -> Awaitable[Mapping[str, Any]]: ...
 

@@ -216,7 +216,8 @@ class SqliteCheckpointStore:
         self.chunk_items = chunk_items
         self.timeout = timeout
         slug = name if _SLUG.fullmatch(name) else hashlib.sha256(name.encode()).hexdigest()[:16]
-        # Beside the file itself: two paths to one file (a link) share one lock.
+        # The file itself, links resolved: two paths to one file share one lock, and
+        # the file (not a link to it) is what is opened and moved aside.
         self._file = self.path.resolve()
         self.lock_path = Path(f"{self._file}.{slug}.lock")
         """The file whose lock says this store holds the checkpoint."""
@@ -239,7 +240,7 @@ class SqliteCheckpointStore:
         total = 0
         for suffix in ("", "-wal"):
             with contextlib.suppress(FileNotFoundError):
-                total += os.path.getsize(f"{self.path}{suffix}")
+                total += os.path.getsize(f"{self._file}{suffix}")
         return total
 
     # -- the connection (worker thread only) -------------------------------------
@@ -313,7 +314,7 @@ class SqliteCheckpointStore:
             _MoveAside: the file is not a database, is damaged, or holds a newer layout.
         """
         conn = sqlite3.connect(
-            self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
+            self._file, timeout=self.timeout, isolation_level=None, check_same_thread=False
         )
         try:
             # Checked before anything is written to the file: a newer layout's file is
@@ -404,10 +405,10 @@ class SqliteCheckpointStore:
                 " listener a file of its own"
             ) from unusable
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        aside = Path(f"{self.path}.{unusable.suffix}-{stamp}")
+        aside = Path(f"{self._file}.{unusable.suffix}-{stamp}")
         for suffix in ("", "-wal", "-shm"):
             with contextlib.suppress(FileNotFoundError):
-                os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+                os.replace(f"{self._file}{suffix}", f"{aside}{suffix}")
         self.moved_aside.append(aside)
         log_event(
             log,

@@ -192,12 +192,14 @@ def _resources(allowed: object) -> frozenset[str] | None:
     """What an authorizer answered, checked: None, or resource names.
 
     Raises:
-        TypeError: anything else (a bool, one bare string, names that are not
-            strings): a broken authorizer, which denies nothing by accident.
+        TypeError: anything else (a bool, one bare string, a mapping, names that
+            are not strings): a broken authorizer, which grants nothing by accident.
     """
     if allowed is None:
         return None
-    if not isinstance(allowed, str) and isinstance(allowed, Iterable):
+    # A mapping (a permission map: {"vm": False}) iterates as its keys, and a bare
+    # string as its letters: neither is a list of names.
+    if not isinstance(allowed, (str, Mapping)) and isinstance(allowed, Iterable):
         names = frozenset(allowed)
         if all(isinstance(name, str) for name in names):
             return names

@@ -400,8 +400,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "An HTTP connection whose request line and headers have not all arrived this long "
             "after it was accepted (or after its previous response) is closed, with 408 if it "
             "sent part of them; so is one whose request body stops arriving for this long. "
-            "Websockets, once upgraded, are not affected. 0: off, for a server behind a "
-            "proxy that bounds request heads and bodies itself.",
+            "Websockets, once upgraded, are not affected. 0: off (header_max_bytes too), for "
+            "a server behind a proxy that bounds request heads and bodies itself.",
             "seconds",
             duration=True,
             ge=0,
@@ -412,7 +412,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _doc(
             "An HTTP request whose line and headers have not ended within this many bytes "
             "is answered 431 and the connection closed, before the server parses more of "
-            "them (the same layer as header_timeout).",
+            "them (the same layer as header_timeout, and off with it).",
             "bytes",
             ge=1024,
             lt=1 << 31,

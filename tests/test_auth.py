@@ -292,7 +292,7 @@ def test_the_resource_a_path_reads_is_the_longest_bootstrap_route_serving_it() -
     assert resources_served_at("/anything", [("all", "/")]) == ["all"]
 
 
-@pytest.mark.parametrize("answer", [True, "vm", [1, 2], {"vm": 1}.keys() | {3}])
+@pytest.mark.parametrize("answer", [True, "vm", [1, 2], {"vm": 1}.keys() | {3}, {"vm": False}])
 async def test_an_authorizer_answering_nonsense_is_unavailable_never_a_grant(answer: Any) -> None:
     """A bare string would otherwise read as its letters, and a bool would crash
     the route: a broken authorizer is an outage (503, 4010), never a grant."""

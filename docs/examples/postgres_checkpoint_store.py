@@ -13,16 +13,20 @@ changed rows only, and each save is one transaction::
     listener = Listener(url, instance=..., service="tcns", change_kinds=[...], checkpoint=store)
 
 One listener writes a checkpoint name: from its first load until it closes,
-the store holds a session advisory lock on the name (on one connection of
-the pool, kept), and a second store of the same name, in any process, is
-refused with ``CheckpointRefused``. A process that dies lets go with its
-session. The listener closes the store when it closes.
+the store holds a session advisory lock on the name, on one connection of
+the pool that it keeps and does all its reads and writes on, so that no
+save goes out without the lock; a second store of the same name, in any
+process, is refused with ``CheckpointRefused``. A process that dies, or a
+connection that drops, lets go of the lock with its session (the next save
+takes it again, or is refused). The listener closes the store when it
+closes; a ``load()`` of your own needs a ``close()`` after it, and the pool
+closes only once the store has let go of its connection.
 
 The application may write its own tables in the same database; the
 checkpoint does not take part in their transactions (a restart replays what
 the checkpoint had not caught up with, and the callbacks are idempotent).
-``mypy --strict`` checks this file; ``tests/test_checkpoint_store.py`` runs a
-restart through it.
+``mypy --strict`` checks this file; ``tests/test_checkpoint.py`` runs a
+restart, and a refused second store, through it.
 """
 
 from __future__ import annotations
@@ -97,14 +101,17 @@ class PostgresCheckpointStore:
         async with self.pool.acquire() as conn:
             await conn.execute(SCHEMA)
 
-    async def _hold(self) -> None:
-        """Take the name's lock, once.
+    async def _hold(self) -> asyncpg.pool.PoolConnectionProxy[asyncpg.Record]:
+        """The connection holding the name's lock, taken once (again after it dropped).
 
         Raises:
             CheckpointRefused: another store holds it.
         """
         if self._holder is not None:
-            return
+            if not self._holder.is_closed():
+                return self._holder
+            dropped, self._holder = self._holder, None  # and the lock with its session
+            await self.pool.release(dropped)
         conn = await self.pool.acquire()
         try:
             key = await conn.fetchval(_LOCK_KEY, self.name)
@@ -119,6 +126,7 @@ class PostgresCheckpointStore:
                 " lock is held): two listeners must not share a checkpoint"
             )
         self._holder = conn
+        return conn
 
     async def close(self) -> None:
         """Let go of the name's lock and its connection (a later load takes them again)."""
@@ -130,8 +138,8 @@ class PostgresCheckpointStore:
                 await self.pool.release(holder)
 
     async def load(self) -> Checkpoint | None:
-        await self._hold()
-        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read"):
+        conn = await self._hold()
+        async with conn.transaction(isolation="repeatable_read"):
             head = await conn.fetchrow(
                 "SELECT sequence, cursor, change_kinds::text, saved_at"
                 " FROM listener_checkpoint WHERE name = $1",
@@ -167,9 +175,9 @@ class PostgresCheckpointStore:
         )
 
     async def save(self, checkpoint: Checkpoint) -> None:
-        await self._hold()
+        conn = await self._hold()
         name = self.name
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with conn.transaction():
             held = await conn.fetchval(
                 "SELECT sequence FROM listener_checkpoint WHERE name = $1 FOR UPDATE", name
             )
