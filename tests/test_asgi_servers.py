@@ -11,8 +11,8 @@ handshake, the HTTP routes, RFD 5's v2 registration and heartbeats) and the
 burst test (100 listeners, each gets every item, none starved).
 
 * ``uvicorn-0.35``: the oldest stack supported: uvicorn 0.35 with its
-  defaults, and the publisher's other dependencies at the lower bounds
-  pyproject.toml gives them (starlette, asyncpg, prometheus-client, websockets);
+  defaults, and every other dependency of the publisher's install at the
+  lower bound pyproject.toml gives it (websockets, starlette, asyncpg, msgspec...);
 * ``uvicorn-newest`` with its defaults, on the newest uvicorn there is;
 * ``uvicorn-newest-fast`` with the fast path (``--ws
   changefeed.serving:FanoutWebSocketProtocol``), on the newest uvicorn the
@@ -80,17 +80,18 @@ class Server:
     framework: str = "starlette"
 
 
-def lower_bounds(*names: str) -> tuple[str, ...]:
-    """``name==floor`` for each of ``names``, from the ``>=`` bounds pyproject.toml gives
-    it (the base dependencies and the ``publisher`` extra): the oldest stack claimed."""
+def lower_bounds() -> tuple[str, ...]:
+    """``name==floor.*`` for every dependency of the publisher's install (the base ones
+    and the ``publisher`` extra's), from the ``>=`` bound pyproject.toml gives it: the
+    oldest release series claimed (its newest patch: ``tenacity>=9.2`` has no 9.2.0)."""
     project = tomllib.loads((HERE.parent / "pyproject.toml").read_text())["project"]
     declared = [*project["dependencies"], *project["optional-dependencies"]["publisher"]]
-    floors = {}
+    floors = []
     for requirement in declared:
         found = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9][0-9.]*)", requirement)
-        if found is not None:
-            floors[found[1]] = f"{found[1]}=={found[2]}"
-    return tuple(floors[name] for name in names)
+        assert found is not None, f"{requirement}: a lower bound only, as name>=version"
+        floors.append(f"{found[1]}=={found[2]}.*")
+    return tuple(floors)
 
 
 _LOW, _HIGH = TESTED_UVICORN
@@ -103,7 +104,7 @@ SERVERS = {
         "publisher",
         (
             "uvicorn[standard]==0.35.0",
-            *lower_bounds("starlette", "asyncpg", "prometheus-client", "websockets"),
+            *lower_bounds(),
         ),
         "uvicorn",
     ),
