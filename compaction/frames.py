@@ -233,12 +233,12 @@ def survey_feed(
 LOOKUP_SHARE = 100
 """An incremental run looks its previous keepers up one by one (two index probes
 each) while the pages of the ids its changes touch are at most 1/LOOKUP_SHARE of
-the feed's pages; past that, scanning the feed once costs less. Measured on a
-30,000,000-entry feed with 2,446,068 touched ids (13,222 pages of them against the
-feed's 403,210): a lookup about 13 µs, an entry scanned about 0.3 µs, about 185
-touched ids and 74 entries to a page. They cost the same at about 1/108 (185 x 13
-against 74 x 0.3), a little less for the scan, each of whose reads also hashes
-the touched ids."""
+the feed's pages; past that, it scans the feed once. The threshold is an
+estimate, not a benchmark's figure: a touched page holds some 185 ids (as many
+lookups) where a feed page holds some 74 entries to scan, and a lookup costs
+about as much as scanning a few dozen entries. Both forms give the same result
+(tests/test_compaction_spark.py runs each); bench/compaction.py does not compare
+them."""
 
 
 def keepers_by_scan(touched_pages: int, feed_pages: int) -> bool:
