@@ -34,6 +34,7 @@ import resource
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -737,24 +738,62 @@ async def serve_publisher(
 
 _BENCH = Path(__file__).resolve().parent
 
+OLDEST_UVICORN = "0.35.0"
+"""The oldest uvicorn the publisher supports (``[serve]`` in pyproject.toml, run by
+tests/test_asgi_servers.py): measured from a venv of its own (``oldest_uvicorn_python``)."""
+
 SERVERS = {
     "uvicorn-fast": "uvicorn, fast path",
     "uvicorn": "uvicorn, plain ASGI",
+    "uvicorn-0.35": f"uvicorn {OLDEST_UVICORN}, plain ASGI",
     "hypercorn": "hypercorn, plain ASGI",
     "granian": "granian, plain ASGI",
 }
-"""The servers the benchmarks run the publisher on (``publisher_process``), as labelled."""
+"""The servers the benchmarks run the publisher on (``publisher_process``), as labelled:
+``uvicorn`` is the one installed beside the benchmark, ``uvicorn-0.35`` the oldest."""
+
+_VENVS = _BENCH / "out" / "venvs"
+_REPO = _BENCH.parent
+
+
+def oldest_uvicorn_python() -> str:
+    """The Python of a venv holding this tree (editable, with the ``publisher`` extra)
+    and uvicorn ``OLDEST_UVICORN``, made on first use and again when pyproject.toml
+    changes; everything else is whatever pip resolves beside that uvicorn."""
+    venv = _VENVS / f"uvicorn-{OLDEST_UVICORN}"
+    python, stamp = venv / "bin" / "python", venv / ".installed"
+    if stamp.exists() and stamp.stat().st_mtime >= (_REPO / "pyproject.toml").stat().st_mtime:
+        return str(python)
+    say(f"making {venv} (uvicorn {OLDEST_UVICORN} and this tree) ...")
+    make = [sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)]
+    subprocess.run(make, check=True)
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet"),
+            *("--disable-pip-version-check", "-e", f"{_REPO}[publisher]"),
+            f"uvicorn[standard]=={OLDEST_UVICORN}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"installing into {venv} failed:\n{done.stderr[-3000:]}")
+    stamp.touch()
+    return str(python)
 
 
 def _server_command(server: str, port: int) -> list[str]:
     """Each server with uvloop, no per-message compression where it can be turned
     off, and its own logging at warning."""
     python, app, host = sys.executable, "served_app:app", "127.0.0.1"
-    if server in ("uvicorn", "uvicorn-fast"):
+    if server in ("uvicorn", "uvicorn-fast", "uvicorn-0.35"):
+        if server == "uvicorn-0.35":
+            python = oldest_uvicorn_python()
         ws = (
             "changefeed.serving:FanoutWebSocketProtocol"
             if server == "uvicorn-fast"
-            else ("websockets-sansio")
+            else "websockets-sansio"
         )
         return [
             *(python, "-m", "uvicorn", app, "--host", host, "--port", str(port)),
@@ -827,9 +866,9 @@ async def publisher_process(
         "CHANGEFEED_DSN": dsn,
         "CHANGEFEED_BENCH_SETTINGS": json.dumps(settings),
     }
-    process = await asyncio.create_subprocess_exec(
-        *_server_command(server, port), cwd=_BENCH, env=env
-    )
+    # In a thread: the first run of an older uvicorn makes its venv first.
+    command = await asyncio.to_thread(_server_command, server, port)
+    process = await asyncio.create_subprocess_exec(*command, cwd=_BENCH, env=env)
     served = PublisherProcess(server, f"http://127.0.0.1:{port}", process)
     try:
         async with httpx.AsyncClient(timeout=2) as http:

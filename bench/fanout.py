@@ -1,7 +1,7 @@
 """Fan-out throughput: deliveries per second to 100 listeners, end to end, beside raw websockets.
 
     python bench/fanout.py [--dsn DSN] [--quick] [--listeners 100] [--items 10000] [--rounds 3]
-                           [--servers uvicorn-fast,uvicorn,hypercorn,granian]
+                           [--servers uvicorn-fast,uvicorn,uvicorn-0.35,hypercorn,granian]
 
 Measurements in one run, with the same client fleet (another process, see
 bench/common.py) and the same number of ~200-byte change items:
@@ -11,11 +11,13 @@ bench/common.py) and the same number of ~200-byte change items:
   of per-frame cost);
 * the publisher on each server of ``--servers`` (bench/served_app.py, in a
   process of its own): uvicorn with the fast path (direct frame writes,
-  ``changefeed.serving.FanoutWebSocketProtocol``), and uvicorn, hypercorn and
-  granian through plain ASGI sends. On each, batch listeners (entries committed
-  with ``publish_many``, 1,000 per transaction, tailed, encoded once, queued
-  per listener, sent as JSON arrays to listeners that registered with
-  ``"batch": true``) and RFD 5 listeners (the same, one item per frame).
+  ``changefeed.serving.FanoutWebSocketProtocol``), and uvicorn (the one
+  installed here, and the oldest supported, 0.35, from a venv of its own made
+  on first use), hypercorn and granian through plain ASGI sends. On each,
+  batch listeners (entries committed with ``publish_many``, 1,000 per
+  transaction, tailed, encoded once, queued per listener, sent as JSON arrays
+  to listeners that registered with ``"batch": true``) and RFD 5 listeners
+  (the same, one item per frame).
 
 Each figure is deliveries/s = listeners x items / (time the last listener got
 its last item - time the first item was written or broadcast), the median of
@@ -254,7 +256,7 @@ async def main(args: argparse.Namespace) -> None:
                             )
                             results[server, batch] = figure
                             say(
-                                f"  {SERVERS[server]:<22} {label:<16} {figure.rate:>10,.0f} "
+                                f"  {SERVERS[server]:<28} {label:<16} {figure.rate:>10,.0f} "
                                 f"deliveries/s  {figure.rate / raw.rate:5.2f}x raw  "
                                 f"{cpu(figure)}  {every}"
                             )

@@ -2,7 +2,7 @@
 
     python bench/latency.py [--dsn DSN] [--quick] [--rate 1000] [--seconds 10] [--listeners 100]
                             [--history 100000]
-                            [--servers uvicorn-fast,uvicorn,hypercorn,granian]
+                            [--servers uvicorn-fast,uvicorn,uvicorn-0.35,hypercorn,granian]
     python bench/latency.py --sweep 1,10,25,50,100 [--rate 1000] [--seconds 10]
 
 A writer process commits one change per transaction at ``--rate`` per second
@@ -31,8 +31,9 @@ INSERT and the COMMIT themselves.
 
 * per server: the same publisher on each server of ``--servers``
   (bench/served_app.py, in a process of its own): uvicorn with the fast path
-  (direct frame writes), and uvicorn, hypercorn and granian through plain ASGI
-  sends; batch and RFD 5 listeners, with the server's CPU (all its
+  (direct frame writes), and uvicorn (the one installed here, and the oldest
+  supported, 0.35, from a venv of its own made on first use), hypercorn and
+  granian through plain ASGI sends; batch and RFD 5 listeners, with the server's CPU (all its
   processes) per change.
 
 ``--sweep`` measures, for each listener count, the raw fan-out and the

@@ -39,7 +39,18 @@ async def run_bench(script: str, *args: str, timeout: float) -> str:
     ["bootstrap", "catchup", "checkpoint", "fanout", "keepalive", "latency", "listener", "publish"],
 )
 async def test_the_benchmark_runs(bench: str, dsn: str) -> None:
-    await run_bench(f"{bench}.py", "--quick", "--dsn", dsn, timeout=240)
+    text = await run_bench(f"{bench}.py", "--quick", "--dsn", dsn, timeout=240)
+    if bench in ("fanout", "latency"):
+        # Plain ASGI beside the fast path, on every server the publisher is tested on
+        # (the oldest uvicorn among them).
+        sys.path.insert(0, str(BENCH))
+        try:
+            from common import SERVERS
+        finally:
+            sys.path.remove(str(BENCH))
+        assert "uvicorn 0.35.0, plain ASGI" in SERVERS.values()
+        for label in SERVERS.values():
+            assert f"{label}, batch" in text and f"{label}, RFD 5" in text, (label, text[-3000:])
 
 
 @pytest.mark.slow
