@@ -197,7 +197,7 @@ def summary(latencies: list[float]) -> dict[str, float]:
 
 def line(label: str, figures: dict[str, Any]) -> str:
     return (
-        f"  {label:<28} p50 {figures['p50'] * 1e3:6.2f} ms  p90 {figures['p90'] * 1e3:6.2f} ms  "
+        f"  {label:<34} p50 {figures['p50'] * 1e3:6.2f} ms  p90 {figures['p90'] * 1e3:6.2f} ms  "
         f"p99 {figures['p99'] * 1e3:6.2f} ms  max {figures['max'] * 1e3:7.2f} ms  "
         f"({figures['count']:,} deliveries)"
     )
