@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import statistics
 import time
 import uuid
@@ -302,7 +303,7 @@ class Config:
         return "[" + ", ".join(fmt.format(r.value) for r in self.runs) + "]"
 
     def counter(self, name: str) -> float:
-        return statistics.median(r.counters[name] for r in self.runs)
+        return float(statistics.median(r.counters[name] for r in self.runs))
 
     @property
     def cpu(self) -> str:
@@ -399,7 +400,7 @@ class Plan:
         for kind, batch in kinds:
             live = Config(
                 f"live, {kind}",
-                lambda batch=batch: live_rate(fleet, dsn, ids, listeners, batch=batch),
+                functools.partial(live_rate, fleet, dsn, ids, listeners, batch=batch),
             )
             # One item per frame costs more per item: RFD 5 catches up from the whole
             # window only.
@@ -407,8 +408,8 @@ class Plan:
             behind = [
                 Config(
                     f"catch-up, {kind}, {label}",
-                    lambda batch=batch, size=size: catch_up_rate(
-                        fleet, dsn, ids, listeners, batch=batch, window_bytes=size
+                    functools.partial(
+                        catch_up_rate, fleet, dsn, ids, listeners, batch=batch, window_bytes=size
                     ),
                 )
                 for label, size in windows
@@ -448,8 +449,8 @@ async def main(args: argparse.Namespace) -> None:
         f"{plan.burst_listeners} listeners has them all"
     )
     for config in drains:
-        ratio = f"{config.median / baseline.median:5.2f}x batch" if config is not baseline else ""
-        say(f"  {config.label:<50} {config.median:8.3f} s  {ratio:<11}  {config.cpu}")
+        versus = f"{config.median / baseline.median:5.2f}x batch" if config is not baseline else ""
+        say(f"  {config.label:<50} {config.median:8.3f} s  {versus:<11}  {config.cpu}")
         say(f"    {config.every('s')}; {config.served(len(plan.burst) * plan.burst_listeners)}")
     say(f"catch-up against live: {plan.listeners} listeners, {behind:,} entries (deliveries/s)")
     summary = []

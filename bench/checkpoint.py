@@ -44,7 +44,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -201,6 +201,7 @@ async def _controller_run(url: str, checkpoint: str, missed: int) -> dict[str, A
 
 
 def _controller_child(url: str, checkpoint: str, missed: int, out: Connection) -> None:
+    runner: Callable[..., Any]
     try:
         import uvloop
 

@@ -537,6 +537,7 @@ def _fleet_main(conn: Connection, nofile: int) -> None:
 
     faulthandler.enable()
     raise_nofile(nofile)
+    loop_factory: Callable[[], asyncio.AbstractEventLoop]
     try:
         import uvloop
 
@@ -718,8 +719,9 @@ async def serve_publisher(
     import uvicorn
     from starlette.applications import Starlette
 
+    from changefeed.collector import tune_collector
     from changefeed.publisher import Publisher
-    from changefeed.serving import server_config, tune_collector
+    from changefeed.serving import server_config
 
     publisher = Publisher(config)
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)

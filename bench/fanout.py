@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -248,12 +249,10 @@ async def main(args: argparse.Namespace) -> None:
                     settings = publisher_settings(queue_size)
                     async with publisher_process(server, dsn, settings) as served:
                         for label, batch in (("batch listeners", True), ("RFD 5 listeners", False)):
-                            figure, every = await median_of(
-                                rounds,
-                                lambda served=served, batch=batch: measure_publisher(
-                                    fleet, served, dsn, listeners, ids, batch=batch
-                                ),
+                            measure = functools.partial(
+                                measure_publisher, fleet, served, dsn, listeners, ids, batch=batch
                             )
+                            figure, every = await median_of(rounds, measure)
                             results[server, batch] = figure
                             say(
                                 f"  {SERVERS[server]:<28} {label:<16} {figure.rate:>10,.0f} "

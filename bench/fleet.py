@@ -514,7 +514,7 @@ def median_of(runs: list[Figures]) -> Figures:
     """Each figure's median over the runs of one configuration."""
 
     def med(name: str) -> float:
-        return statistics.median(getattr(r, name) for r in runs)
+        return float(statistics.median(getattr(r, name) for r in runs))
 
     first = runs[0]
     return Figures(

@@ -252,7 +252,7 @@ async def changefeed_server(dsn: str, server: str, notsent_lowat: int) -> AsyncI
         runner = uvicorn.Server(settings)
     else:
         runner = DrainingServer(settings, [publisher], notsent_lowat=notsent_lowat)
-    runner.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    runner.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     task = asyncio.create_task(runner.serve())
     await until(lambda: runner.started, 30)
     port = runner.servers[0].sockets[0].getsockname()[1]
@@ -348,7 +348,7 @@ async def measure(args: argparse.Namespace, dsn: str, server: str, rate: float) 
 
 
 def summary(pings: list[Any]) -> dict[str, float]:
-    columns = list(zip(*pings, strict=True)) if pings else [[], [], [], [], []]
+    columns: list[Sequence[Any]] = list(zip(*pings, strict=True)) if pings else [[]] * 5
     latency, own, added, held, censored = (
         sorted(x for x in column if not math.isnan(x)) for column in columns
     )

@@ -60,6 +60,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import asyncpg
+import msgspec
 import orjson
 from common import (
     SERVERS,
@@ -210,8 +211,8 @@ async def measure_floor(dsn: str, rate: float, count: int) -> dict[str, float]:
     received: dict[int, float] = {}
     listener = await asyncpg.connect(dsn)
 
-    def notified(_conn: object, _pid: int, _channel: str, payload: str) -> None:
-        received[int(payload)] = time.monotonic()
+    def notified(_conn: object, _pid: int, _channel: str, payload: object) -> None:
+        received[int(str(payload))] = time.monotonic()
 
     try:
         await listener.add_listener(FLOOR_CHANNEL, notified)
@@ -258,10 +259,11 @@ async def measure_broadcast(
 async def running_publisher(
     dsn: str, send_interval: float | None = None
 ) -> AsyncIterator[tuple[str, Publisher]]:
-    tuning = {} if send_interval is None else {"send_interval": send_interval}
     config = PublisherConfig(
-        dsn=dsn, schema=SCHEMA, resources=(VM,), retention=False, create_schema=False, **tuning
+        dsn=dsn, schema=SCHEMA, resources=(VM,), retention=False, create_schema=False
     )
+    if send_interval is not None:
+        config = msgspec.structs.replace(config, send_interval=send_interval)
     async with serve_publisher(config) as served:
         yield served
 

@@ -365,7 +365,7 @@ async def vm_api(dsn: str) -> AsyncIterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(server_config(app, "127.0.0.1", 0, fast_path=True))
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     async with asyncio.timeout(30):
         while not server.started:  # noqa: ASYNC110 (uvicorn offers no event for it)
