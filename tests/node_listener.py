@@ -18,7 +18,7 @@ import contextlib
 import shutil
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,7 +41,7 @@ class NodeListener:
         log_path: where the listener's own log (stderr) goes.
     """
 
-    def __init__(self, url: str, resources: dict[str, Sequence[str]], log_path: Path) -> None:
+    def __init__(self, url: str, resources: Mapping[str, Sequence[str]], log_path: Path) -> None:
         self.url = url
         self.resources = resources
         self.log_path = log_path

@@ -34,7 +34,10 @@ class PublisherUnderTest:
         return self.server.ws_url + "/changefeeds"
 
 
-WS_PROTOCOLS = {"direct": FanoutWebSocketProtocol, "asgi": "websockets-sansio"}
+WS_PROTOCOLS: dict[str, type[asyncio.Protocol] | str] = {
+    "direct": FanoutWebSocketProtocol,
+    "asgi": "websockets-sansio",
+}
 """uvicorn ``ws`` settings: changefeed's (direct frame writes, what ``changefeed serve``
 runs) and uvicorn's own (every frame an ASGI send, as on any other server)."""
 

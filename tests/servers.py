@@ -55,8 +55,9 @@ async def serve_app(
     }
     settings.update(config)
     server = uvicorn.Server(uvicorn.Config(app, **settings))
-    # Signals belong to pytest, not to servers started inside a test.
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    # Signals belong to pytest, not to servers started inside a test (a no-op context
+    # manager stands in for uvicorn's method, hence the ignore).
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     running = RunningServer(server, task, bound_port)
     try:

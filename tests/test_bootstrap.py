@@ -355,7 +355,7 @@ async def test_filters_are_bound_and_kept_in_next(dsn: str) -> None:
     async with items_server(dsn) as (url, _), httpx.AsyncClient(base_url=url) as client:
         status, page = await get_json(client, "/items?grp=2&limit=4")
         assert status == 200 and page["next"].endswith("&grp=2")
-        ids = []
+        ids: list[int] = []
         while True:
             assert all(item["grp"] == 2 for item in page["items"])
             ids.extend(item["id"] for item in page["items"])

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ async def publish_in_one_transaction(dsn: str, ids: list[str]) -> None:
 
 @contextlib.asynccontextmanager
 async def paced_listeners(
-    url: str, expected: int, rates: list[float]
+    url: str, expected: int, rates: Sequence[float]
 ) -> AsyncIterator[asyncio.subprocess.Process]:
     """The listeners of paced_listeners.py, registered and reading, in another process."""
     proc = await asyncio.create_subprocess_exec(
@@ -197,7 +197,9 @@ async def test_listeners_resuming_from_the_feed_table_share_its_pages(feed_dsn: 
     """Fifty listeners resume from the same old cursor, behind the window: they
     read the feed table together, a page at a time, not fifty times over."""
     async with running_publisher(feed_dsn, window_bytes=50_000, tail_batch=200) as pub:
-        missed = [("vm", [], f"missed-{i:04d}") for i in range(4000)]
+        missed: list[tuple[str, list[str], str]] = [
+            ("vm", [], f"missed-{i:04d}") for i in range(4000)
+        ]
         since = await cursor_before(pub, missed, subs=[])
         stats = pub.publisher.stats()
         assert stats["window"]["entries"] < 1000  # most of what was missed is only in the table

@@ -234,7 +234,7 @@ async def _copy_tables(source: str, target: str) -> None:
             ("servers", "uuid, hostname, status, ram, datacenter"),
             ("vms", "uuid, alias, nics, server_uuid"),
         ):
-            rows = await src.fetch(f"SELECT {columns} FROM vmapi.{table}")
+            rows = [tuple(r) for r in await src.fetch(f"SELECT {columns} FROM vmapi.{table}")]
             await dst.copy_records_to_table(
                 table, schema_name="vmapi", records=rows, columns=columns.split(", ")
             )

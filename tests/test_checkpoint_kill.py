@@ -83,6 +83,7 @@ class Service:
         try:
             async with asyncio.timeout(timeout):
                 while True:
+                    doc: dict[str, Any]  # reversed() of a list of Any-valued dicts is Any
                     for doc in reversed(self.statuses):
                         if predicate(doc):
                             return doc

@@ -250,9 +250,9 @@ async def test_a_page_read_while_keepers_are_widened_is_not_served_after_the_dro
             page = await pages.page(["vm"], position, head)
             got += [e for e in page.entries if e.position > position]
             position = page.through
-        subs = {e.changed_resource_id: set(e.sub_resources) for e in got}
-        assert len(got) == len(subs) == IDS - IDS // 4 - 1 + IDS
-        lost = {i: s for i, s in subs.items() if i.startswith("vm-") and s != {"alias", "disk"}}
+        subs_of = {e.changed_resource_id: set(e.sub_resources) for e in got}
+        assert len(got) == len(subs_of) == IDS - IDS // 4 - 1 + IDS
+        lost = {i: s for i, s in subs_of.items() if i.startswith("vm-") and s != {"alias", "disk"}}
         assert not lost, dict(list(lost.items())[:5])
     finally:
         await conn.close()

@@ -304,7 +304,12 @@ def two_runs(draw: st.DrawFn) -> dict[str, object]:
     }
 
 
-def _entries(rows: list[tuple], cut: Cutoffs) -> list[PlanEntry]:
+Row = tuple[Position, str, str, tuple[str, ...], int]
+"""One of two_runs' rows: (position, resource, changed resource id, sub-resources,
+published: seconds after T0)."""
+
+
+def _entries(rows: list[Row], cut: Cutoffs) -> list[PlanEntry]:
     return [
         PlanEntry(p, r, i, s, garbage=_at(t) < cut.gc, candidate=_at(t) < cut.lag)
         for p, r, i, s, t in rows
@@ -326,7 +331,7 @@ def test_an_incremental_run_after_a_full_one_plans_what_a_full_run_would(
     # is final; entries after it may be in transactions still open.
     first = plan_feed(_entries(rows, run1), run1.head)
     state, _ = simulate(_entries(rows, run1), first, ORIGIN)
-    keys = {}
+    keys: dict[tuple[str, str], Position] = {}
     for e in _entries(rows, run1):
         if e.position <= run1.head and e.candidate and not e.garbage:
             key = (e.resource, e.changed_resource_id)
@@ -617,7 +622,9 @@ async def _insert(conn: asyncpg.Connection, rows: list[tuple[str, str, list[str]
         )
 
 
-async def _staged(conn: asyncpg.Connection, store: CompactionStore, rows: list[tuple]) -> int:
+async def _staged(
+    conn: asyncpg.Connection, store: CompactionStore, rows: list[tuple[object, ...]]
+) -> int:
     snap = await store.snapshot()
     runs = RunLog(conn, "changefeed")
     await runs.ensure()
@@ -706,9 +713,12 @@ async def test_keeper_update_only_widens(feed_dsn: str, server_version: int) -> 
             [(2, r["txid"], r["id"], None, None, ["nic"]) for r in rows],
         )
         assert await store.apply_keepers(run_id, 1) == 2
-        got = dict(
-            await conn.fetch("SELECT changed_resource_id, sub_resources FROM changefeed.feed")
-        )
+        got = {
+            r["changed_resource_id"]: r["sub_resources"]
+            for r in await conn.fetch(
+                "SELECT changed_resource_id, sub_resources FROM changefeed.feed"
+            )
+        }
         assert got == {"a": ["disk", "nic"], "b": []}
     finally:
         await conn.close()

@@ -111,6 +111,7 @@ async def seed_random_feed(
             "SELECT txid, id FROM changefeed.feed ORDER BY txid, id"
             " OFFSET floor(random() * 0.5 * (SELECT count(*) FROM changefeed.feed)) LIMIT 1"
         )
+        assert row is not None  # n > 0: the feed has entries
         await conn.execute(
             "UPDATE changefeed.feed_state SET low_water_txid = $1, low_water_id = $2",
             row["txid"],
@@ -656,8 +657,8 @@ async def test_job_beside_four_writers_and_a_tailer(feed_dsn: str, spark: Any) -
         "apply-keys",
     ]
     # Every phase with a count got to its total, in as many batches as the summary says.
-    for phase in phases.values():
-        assert phase.ended and (phase.total is None or phase.done == phase.total), phase
+    for record in phases.values():
+        assert record.ended and (record.total is None or record.done == record.total), record
     assert phases["apply-gc"].total == summary.collected
     assert phases["apply-gc"].batches == summary.gc_batches > 1
     assert phases["apply-merge"].total >= summary.merged  # a guard may leave one alone

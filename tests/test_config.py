@@ -37,7 +37,7 @@ port = 9000
 
 
 def _keys() -> list[tuple[str, str, type[Any]]]:
-    keys = [
+    keys: list[tuple[str, str, type[Any]]] = [
         ("publisher", f.name, PublisherConfig)
         for f in msgspec.structs.fields(PublisherConfig)
         if f.name != "resources"

@@ -267,11 +267,11 @@ async def test_dns_records_follow_the_vms_and_their_servers(dsn: str) -> None:
 
 
 def test_derive_records_names_vms_by_alias_and_by_their_servers_host_name() -> None:
-    servers = [
+    servers: list[dict[str, Any]] = [
         {"uuid": "s1", "hostname": "CN-1"},
         {"uuid": "s2", "hostname": "x" * 64},  # not a DNS label: no name
     ]
-    vms = [
+    vms: list[dict[str, Any]] = [
         {"uuid": "a", "alias": "web", "nics": [{"ip": "10.0.0.2"}], "server_uuid": "s1"},
         {"uuid": "b", "alias": "cn-1", "nics": [{"ip": "10.0.0.1"}]},  # shares the name
         {"uuid": "c", "alias": "db", "nics": [], "server_uuid": "s1"},  # no IPs: no names
@@ -298,7 +298,7 @@ class _DiesAfterCommit:
 
     def acquire(self, timeout: float | None = None) -> Any:
         @contextlib.asynccontextmanager
-        async def checkout() -> AsyncIterator[asyncpg.Connection]:
+        async def checkout() -> AsyncIterator[asyncpg.pool.PoolConnectionProxy[asyncpg.Record]]:
             async with self.pool.acquire(timeout=timeout) as conn:
                 yield conn
             if self.armed:

@@ -114,7 +114,9 @@ async def test_close_stops_a_controller_run_in_a_task_of_the_applications(dsn: s
         async with asyncio.timeout(10):
             await vms.close()  # returns once run() has
             assert vms.done() and vms.exception() is None
-            assert await runs[0] is None  # a clean stop: run() returns
+            # A clean stop: run() returns. (It is typed to return None, hence the
+            # ignore: the test checks that it does.)
+            assert await runs[0] is None  # type: ignore[func-returns-value]
         assert not runs[1].done()  # the other goes on
         async with asyncio.timeout(10):
             await servers.close()
@@ -265,7 +267,7 @@ async def test_one_controller_stopping_does_not_stop_the_checkpoints_of_the_othe
         listener, vms, servers = service()
         async with vms, servers:
             await servers.wait_synced(20)
-            await wait_until(lambda: calls, 10, message="the rename called back")
+            await wait_until(lambda: bool(calls), 10, message="the rename called back")
             again = listener.status()
             assert again.resumes == 1 and again.bootstraps == 0
         assert calls == [(server_ids[0], "cn-0", "renamed")]

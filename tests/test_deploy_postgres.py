@@ -158,7 +158,8 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
 
         # Retention trims with the publisher's role and raises the low-water mark.
         async def trimmed() -> bool:
-            return await reader.fetchval("SELECT count(*) FROM changefeed.feed") == 0
+            count: int = await reader.fetchval("SELECT count(*) FROM changefeed.feed")
+            return count == 0
 
         await wait_until(trimmed, 10, interval=0.05, message="retention trimmed")
         low_water = await reader.fetchval("SELECT low_water_id FROM changefeed.feed_state")

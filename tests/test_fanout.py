@@ -372,7 +372,8 @@ async def small_buffer_publisher(
             ws_per_message_deflate=False,
         )
     )
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    # Signals belong to pytest: a no-op context manager stands in for uvicorn's.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     running = RunningServer(server, task, sock.getsockname()[1])
     try:
@@ -420,10 +421,16 @@ async def test_a_listener_that_stops_reading_slows_nobody_and_catches_up_later(
             slow_ones.append((slow, len(written)))
             with_slow.append(await _paced_round(feed_dsn, fleet, f"b{pair}", **pacing))
             written += with_slow[-1]["ids"]
-            await wait_until(lambda n=pair + 1: publisher.stats()["catchingUp"] == n)
+
+            def catching_up(n: int = pair + 1) -> bool:
+                caught: int = publisher.stats()["catchingUp"]
+                return caught == n
+
+            await wait_until(catching_up)
 
         def median(rounds: list[dict[str, Any]], key: str) -> float:
-            return statistics.median(r[key] for r in rounds)
+            value: float = statistics.median(r[key] for r in rounds)
+            return value
 
         for key in ("throughput", "p50", "p99"):
             print(
@@ -583,7 +590,8 @@ async def test_draining_server_shutdown_sends_1001_before_uvicorn_closes(feed_ds
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = DrainingServer(server_config(app, "127.0.0.1", port, loop="asyncio"), [publisher])
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    # Signals belong to pytest: a no-op context manager stands in for uvicorn's.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         await wait_until(lambda: server.started, timeout=15)

@@ -81,7 +81,8 @@ class ThreadedPublisher:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_max_size=1 << 20))
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        # Signals belong to pytest: a no-op context manager stands in for uvicorn's.
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():

@@ -248,7 +248,10 @@ async def test_listeners_fail_over_through_nginx(dsn: str, tmp_path: Path) -> No
         for mirror in mirrors:
             await stack.enter_async_context(mirror)
         controllers = [dns.controller, *mirrors]
-        listeners = [dns.listener, *(m.listener for m in mirrors)]
+        listeners = [dns.listener]
+        for mirror in mirrors:
+            assert isinstance(mirror.listener, Listener)  # each was given one above
+            listeners.append(mirror.listener)
         for controller in controllers:
             await controller.wait_synced(20)
 
@@ -261,7 +264,11 @@ async def test_listeners_fail_over_through_nginx(dsn: str, tmp_path: Path) -> No
         assert sum(await holding()) == len(listeners)
 
         writing = asyncio.create_task(writer.run(stop_writing))
-        stack.push_async_callback(asyncio.gather, writing, return_exceptions=True)
+
+        async def stop_writer() -> None:
+            await asyncio.gather(writing, return_exceptions=True)
+
+        stack.push_async_callback(stop_writer)
         stack.callback(stop_writing.set)
         probes: list[Probe] = []
 

@@ -73,7 +73,7 @@ async def test_readyz_reports_a_stuck_tailer(dsn: str) -> None:
             transaction = locker.transaction()
             await transaction.start()
             await locker.execute("LOCK TABLE changefeed.feed IN ACCESS EXCLUSIVE MODE")
-            code, body = 0, {}
+            code, body = 0, dict[str, Any]()
 
             async def not_ready() -> bool:
                 nonlocal code, body

@@ -103,7 +103,9 @@ async def test_bootstrap_then_live_items(dsn: str) -> None:
                 assert (
                     'changefeed_listener_items_delivered_total{listener="tcns:vm"} 2.0' in metrics
                 )
-            assert listener.state is ConnectionState.STOPPED
+            # mypy still holds listener.state to the LIVE asserted above; leaving the
+            # `async with` stopped it.
+            assert listener.state is ConnectionState.STOPPED  # type: ignore[comparison-overlap]
     names = [name for name, _ in events.records]
     for event in ("listener.connecting", "listener.registered", "listener.bootstrapped"):
         assert event in names

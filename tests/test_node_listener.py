@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -117,10 +118,10 @@ async def test_v1_listener_gets_every_vm_change_once_in_feed_order(
             body: dict[str, Any] = (
                 {"alias": f"renamed-{n}"} if n % 2 else {"nics": [{"ip": f"10.2.0.{n + 1}"}]}
             )
-            patches.append(lambda vm=vm, body=body: client.patch(f"/vms/{vm}", json=body))
+            patches.append(functools.partial(client.patch, f"/vms/{vm}", json=body))
         await concurrently(patches)
         doomed = vms[:50]
-        await concurrently([lambda vm=vm: client.delete(f"/vms/{vm}") for vm in doomed])
+        await concurrently([functools.partial(client.delete, f"/vms/{vm}") for vm in doomed])
 
         expected = await feed(dsn)
         assert len(expected) == 300
@@ -161,16 +162,16 @@ async def test_v2_listener_gets_every_vm_and_server_change_once_in_feed_order(
             kind = n % 3
             if kind == 0:
                 writes.append(
-                    lambda vm=vm, n=n: client.patch(f"/vms/{vm}", json={"alias": f"r{n}"})
+                    functools.partial(client.patch, f"/vms/{vm}", json={"alias": f"r{n}"})
                 )
             elif kind == 1:
                 body = {"server_uuid": server}
-                writes.append(lambda vm=vm, body=body: client.patch(f"/vms/{vm}", json=body))
+                writes.append(functools.partial(client.patch, f"/vms/{vm}", json=body))
             else:
                 body = {"status": rng.choice(("running", "unavailable")), "ram": 65536 + n}
-                writes.append(lambda s=server, body=body: client.patch(f"/servers/{s}", json=body))
+                writes.append(functools.partial(client.patch, f"/servers/{server}", json=body))
         await concurrently(writes)
-        await concurrently([lambda vm=vm: client.delete(f"/vms/{vm}") for vm in vms[:20]])
+        await concurrently([functools.partial(client.delete, f"/vms/{vm}") for vm in vms[:20]])
         assert (await client.delete(f"/servers/{servers[4]}")).status_code == 204  # hosts none
 
         expected = await feed(dsn)

@@ -42,7 +42,7 @@ async def _new_feed(server: Any) -> str:
         await admin.execute(f'CREATE DATABASE "{name}"')
     finally:
         await admin.close()
-    dsn = server.dsn_for(name)
+    dsn: str = server.dsn_for(name)
     conn = await asyncpg.connect(dsn)
     try:
         await apply_schema(conn)
@@ -237,17 +237,6 @@ async def _feed_id(dsn: str) -> uuid.UUID:
         await conn.close()
 
 
-async def _kill_tailer(dsn: str) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        await conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE application_name = 'changefeed-tailer' AND datname = current_database()"
-        )
-    finally:
-        await conn.close()
-
-
 async def test_a_batch_that_failed_to_reach_the_listeners_is_not_taken_for_a_restore(
     feed_dsn: str,
 ) -> None:
@@ -383,12 +372,11 @@ async def test_database_restarts_on_a_quiet_feed_do_not_fail_the_publisher(
         for _ in range(4):
             await asyncio.to_thread(own_server.restart)
             since = time.monotonic()
-            await wait_until(
-                lambda since=since: (
-                    tailer.status in ("running", "failed") and (tailer.last_read_at or 0) > since
-                ),
-                timeout=60,
-            )
+
+            def read_since(since: float = since) -> bool:
+                return tailer.status in ("running", "failed") and (tailer.last_read_at or 0) > since
+
+            await wait_until(read_since, timeout=60)
             assert tailer.status == "running", tailer.last_error
         assert pub.publisher.failed == {}
 

@@ -38,7 +38,9 @@ def fresh_verdicts() -> Iterator[None]:
     fast_path.deadlines.cache_clear()
 
 
-def _verdict_lines(caplog: pytest.LogCaptureFixture, event: str) -> list[tuple[str, str, str]]:
+def _verdict_lines(
+    caplog: pytest.LogCaptureFixture, event: str
+) -> list[tuple[str, str, str | None]]:
     return [
         (r.levelname, r.cf_fields["path"], r.cf_fields["why"])  # type: ignore[attr-defined]
         for r in caplog.records

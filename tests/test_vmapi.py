@@ -411,7 +411,7 @@ async def test_a_vm_points_at_its_server_and_a_migration_is_its_own_change(dsn: 
         try:
             servers = []
             for name in ("cn-1", "cn-2"):
-                body = {"hostname": name, "ram": 4096, "datacenter": "dc-1"}
+                body: dict[str, Any] = {"hostname": name, "ram": 4096, "datacenter": "dc-1"}
                 servers.append((await client.post("/servers", json=body)).json()["uuid"])
             cn1, cn2 = servers
             created = await client.post("/vms", json={"alias": "a", "nics": [], "server_uuid": cn1})
