@@ -2,10 +2,10 @@
 
 For each ``--rows N`` the feed is generated in SQL (``generate_series``, two
 connections taking million-entry chunks in turn, indexes built afterwards):
-``N/5`` resource ids plus one hot id holding 1 % of the entries, sub-resource
-sets drawn from five shapes
-(one of them "whole resource"), publication times spread evenly over 48 hours
-ending 4.8 hours ago. The database is then copied (``CREATE DATABASE ...
+``N/5`` resource ids (``N/E`` with ``--entries-per-id E``) plus one hot id
+holding 1 % of the entries, sub-resource sets drawn from five shapes (one of
+them "whole resource"), publication times spread evenly over 48 hours ending
+4.8 hours ago. The database is then copied (``CREATE DATABASE ...
 TEMPLATE``) so that both sides start from the identical feed:
 
 * **job, full**: ``run_compaction`` on ``--master`` (default ``local[2]``),
@@ -30,6 +30,7 @@ phase, seconds per million entries of the feed, the ratios job / sql, and the
 incremental run's time over the full run's.
 
     python bench/compaction.py --rows 1000000 --rows 10000000 --rows 30000000
+    python bench/compaction.py --rows 10000000 --entries-per-id 50   # ids that change often
     python bench/compaction.py --rows 1000000 --standalone       # on a 2-worker cluster
     python bench/compaction.py --rows 1000000 --dsn postgresql://postgres@127.0.0.1:5432/postgres
 
@@ -89,9 +90,10 @@ def with_database(dsn: str, database: str) -> str:
     return urlunsplit(urlsplit(dsn)._replace(path="/" + database))
 
 
-async def generate(dsn: str, rows: int, newest: datetime) -> float:
-    """Create the feed of ``rows`` entries in ``dsn``, the newest published at
-    ``newest``; return seconds taken. Bulk: the indexes are built afterwards."""
+async def generate(dsn: str, rows: int, newest: datetime, ids: int) -> float:
+    """Create the feed of ``rows`` entries over ``ids`` resource ids in ``dsn``, the
+    newest published at ``newest``; return seconds taken. Bulk: the indexes are
+    built afterwards."""
     t0 = time.monotonic()
     conn = await asyncpg.connect(dsn)
     try:
@@ -103,7 +105,7 @@ async def generate(dsn: str, rows: int, newest: datetime) -> float:
         # in turn, so that transaction ids follow publication times, as in life.
         chunks = [(lo, min(lo + _CHUNK - 1, rows)) for lo in range(1, rows + 1, _CHUNK)]
         await asyncio.gather(
-            *(_insert(dsn, chunks[k::2], rows=rows, oldest=oldest) for k in range(2))
+            *(_insert(dsn, chunks[k::2], rows=rows, ids=ids, oldest=oldest) for k in range(2))
         )
         await conn.execute("SET maintenance_work_mem = '512MB'")
         await conn.execute("ALTER TABLE changefeed.feed ADD PRIMARY KEY (txid, id)")
@@ -117,7 +119,9 @@ async def generate(dsn: str, rows: int, newest: datetime) -> float:
 _CHUNK = 1_000_000
 
 
-async def _insert(dsn: str, chunks: list[tuple[int, int]], *, rows: int, oldest: datetime) -> None:
+async def _insert(
+    dsn: str, chunks: list[tuple[int, int]], *, rows: int, ids: int, oldest: datetime
+) -> None:
     """Insert the entries of ``chunks`` (ranges of the series), one transaction each."""
     conn = await asyncpg.connect(dsn)
     try:
@@ -126,7 +130,7 @@ async def _insert(dsn: str, chunks: list[tuple[int, int]], *, rows: int, oldest:
                 _GENERATE,
                 lo,
                 hi,
-                max(1, rows // 5),
+                ids,
                 oldest,
                 1,
                 rows,
@@ -136,9 +140,10 @@ async def _insert(dsn: str, chunks: list[tuple[int, int]], *, rows: int, oldest:
         await conn.close()
 
 
-async def append(dsn: str, rows: int, newest: datetime, ids_of: int) -> float:
-    """``rows`` more entries (the same ids), published over the ``LATER`` seconds
-    before ``newest``, in transactions of 100,000 (indexes in place, as in life)."""
+async def append(dsn: str, rows: int, newest: datetime, ids: int) -> float:
+    """``rows`` more entries (over the same ``ids``), published over the ``LATER``
+    seconds before ``newest``, in transactions of 100,000 (indexes in place, as in
+    life)."""
     t0 = time.monotonic()
     conn = await asyncpg.connect(dsn)
     try:
@@ -148,7 +153,7 @@ async def append(dsn: str, rows: int, newest: datetime, ids_of: int) -> float:
                 _GENERATE,
                 10**12 + start,
                 10**12 + min(start + 99_999, rows),
-                max(1, ids_of // 5),
+                ids,
                 oldest,
                 10**12 + 1,
                 rows,
@@ -334,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standalone", action="store_true", help="a 2-worker cluster")
     parser.add_argument("--cluster-port", type=int, default=18270)
     parser.add_argument("--batch-size", type=int, default=5000)
+    parser.add_argument(
+        "--entries-per-id",
+        type=int,
+        default=5,
+        help="entries per resource id over the 48 hours generated (default 5: --rows / 5 ids)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the benchmark databases")
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per size (medians are shown), default 1"
@@ -390,9 +401,14 @@ def one_size(admin: str, rows: int, spark: Any, args: argparse.Namespace) -> tup
     try:
         asyncio.run(_create(admin, job_db))
         now = asyncio.run(_now(admin))
-        made = asyncio.run(generate(job_dsn, rows, now - timedelta(seconds=LATER)))
+        ids = max(1, rows // args.entries_per_id)
+        made = asyncio.run(generate(job_dsn, rows, now - timedelta(seconds=LATER), ids))
         copied = asyncio.run(copy_database(admin, job_db, sql_db))
-        print(f"\n{rows:,} entries: generated in {made:.1f}s, copied in {copied:.1f}s", flush=True)
+        print(
+            f"\n{rows:,} entries over {ids:,} resource ids: generated in {made:.1f}s,"
+            f" copied in {copied:.1f}s",
+            flush=True,
+        )
         # First run: the durations as they were LATER seconds ago.
         full = side_by_side(
             "full",
@@ -405,7 +421,7 @@ def one_size(admin: str, rows: int, spark: Any, args: argparse.Namespace) -> tup
             args=args,
         )
         more = rows // 10
-        took = [asyncio.run(append(dsn, more, now, rows)) for dsn in (job_dsn, sql_dsn)]
+        took = [asyncio.run(append(dsn, more, now, ids)) for dsn in (job_dsn, sql_dsn)]
         print(f"\n{more:,} more entries, appended in {took[0]:.1f}s", flush=True)
         incremental = side_by_side(
             "incremental",
@@ -463,12 +479,13 @@ async def warm_up(admin: str, spark: Any) -> float:
     try:
         dsn = with_database(admin, name)
         rows, now = 10_000, await _now(admin)
-        await generate(dsn, rows, now - timedelta(seconds=LATER))
+        ids = rows // 5
+        await generate(dsn, rows, now - timedelta(seconds=LATER), ids)
         t0 = time.monotonic()
         await asyncio.to_thread(
             run_compaction, dsn, max_age=MAX_AGE + LATER, compaction_lag=LAG + LATER, spark=spark
         )
-        await append(dsn, rows // 10, now, rows)
+        await append(dsn, rows // 10, now, ids)
         await asyncio.to_thread(
             run_compaction, dsn, max_age=MAX_AGE, compaction_lag=LAG, spark=spark
         )
