@@ -4,8 +4,10 @@ it has caught up.
 
 Listeners that reconnect together, after an outage or a failover, mostly resume
 from the same few cursors: a thousand of them cost a few queries, not a
-thousand. Each query is bounded, since an embedding API's pool may have no
-statement timeout.
+thousand. A registration never takes facts read before it came (``rounds``):
+a query already under way may predate what the listener has seen elsewhere,
+a compaction's announcement among them. Each query is bounded, since an
+embedding API's pool may have no statement timeout.
 
 A publisher that reads a standby (``standby``) asks it, not the primary. A
 standby's "this feed holds no such entry" may only mean it has not replayed
@@ -21,6 +23,7 @@ at all (it is restarting), the primary is.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -32,6 +35,7 @@ from changefeed.schemas import Cursor, PgConnection, Position
 
 from .feed import DB_ERRORS, FeedReader, ResumeFacts
 from .registration import plan_resume
+from .rounds import Rounds
 from .standby import Standby, wait_replayed
 
 __all__ = ["ResumeQueries", "StandbyBehind"]
@@ -76,6 +80,7 @@ class ResumeQueries:
         self._pool = pool
         self._timeout = timeout
         self._standby = standby
+        self._rounds: Rounds[Position, ResumeFacts] = Rounds()
         self._asking: dict[tuple[Position, str], asyncio.Future[ResumeFacts | None]] = {}
         self.confirmed_total = 0
         """Answers of a standby checked again once it had caught up with the primary."""
@@ -146,9 +151,7 @@ class ResumeQueries:
         Raises:
             the database's errors (``feed.DB_ERRORS``), and TimeoutError.
         """
-        facts = await self._shared(position, "", self._facts)
-        assert facts is not None
-        return facts
+        return await self._rounds.ask(position, functools.partial(self._facts, position))
 
     async def _shared(
         self,
@@ -156,6 +159,10 @@ class ResumeQueries:
         target: str,
         ask: Callable[[Position, str], Awaitable[ResumeFacts | None]],
     ) -> ResumeFacts | None:
+        # Joining a query under way is safe here, unlike in ``facts``: its answer is
+        # read once the standby has replayed ``target``, which the caller's own
+        # ``primary_position`` gave (a round that began after it came), so it
+        # covers everything committed before the caller came.
         key = (position, target)
         asked = self._asking.get(key)
         if asked is None:
@@ -171,7 +178,7 @@ class ResumeQueries:
         if not asked.cancelled():
             asked.exception()  # retrieved: every registration that asked has it too
 
-    async def _facts(self, position: Position, _: str) -> ResumeFacts:
+    async def _facts(self, position: Position) -> ResumeFacts:
         try:
             return await self._retried(lambda: self._ask(self._pool(), position))
         except DB_ERRORS as exc:

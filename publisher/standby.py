@@ -35,6 +35,8 @@ from changefeed.backoff import Backoff
 from changefeed.logs import log_event
 from changefeed.schemas import PgConnection
 
+from .rounds import Rounds
+
 __all__ = ["Standby", "format_lsn", "parse_lsn", "replay_target", "wait_replayed"]
 
 log = logging.getLogger(__name__)
@@ -114,8 +116,7 @@ class Standby:
         self._primary = primary
         self.wait = wait
         self._timeout = timeout
-        self._asking: asyncio.Future[str] | None = None
-        self._next: asyncio.Future[str] | None = None
+        self._rounds: Rounds[None, str] = Rounds()
         self.positions_asked = 0
         """Times the primary was asked its WAL position."""
 
@@ -131,37 +132,12 @@ class Standby:
 
         Callers at the same time share one query: a query already under way may
         have been sent before a caller's cursor was issued, so latecomers share
-        the next one, sent as soon as it ends.
+        the next one, sent as soon as it ends (``rounds``).
 
         Raises:
             the database's errors (``feed.DB_ERRORS``), and TimeoutError.
         """
-        if self._asking is None:
-            self._asking = self._start()
-            return await asyncio.shield(self._asking)
-        if self._next is None:
-            loop = asyncio.get_running_loop()
-            self._next = loop.create_future()
-            self._asking.add_done_callback(self._start_next)
-        return await asyncio.shield(self._next)
-
-    def _start(self) -> asyncio.Future[str]:
-        asked = asyncio.ensure_future(self._ask())
-        asked.add_done_callback(self._asked)
-        return asked
-
-    def _asked(self, asked: asyncio.Future[str]) -> None:
-        if self._asking is asked:
-            self._asking = None
-        if not asked.cancelled():
-            asked.exception()  # retrieved: every caller has it too
-
-    def _start_next(self, _: asyncio.Future[str]) -> None:
-        waiting, self._next = self._next, None
-        if waiting is None:
-            return
-        self._asking = self._start()
-        self._asking.add_done_callback(lambda done: _chain(done, waiting))
+        return await self._rounds.ask(None, self._ask)
 
     async def _ask(self) -> str:
         self.positions_asked += 1
@@ -175,15 +151,3 @@ class Standby:
         target = format_lsn(replay_target(parse_lsn(row["lsn"]), row["block"]))
         log_event(log, "standby.primary_position", logging.DEBUG, target=target)
         return target
-
-
-def _chain(done: asyncio.Future[str], waiting: asyncio.Future[str]) -> None:
-    if waiting.done():
-        return
-    if done.cancelled():
-        waiting.cancel()
-    elif (exc := done.exception()) is not None:
-        waiting.set_exception(exc)
-        waiting.exception()  # retrieved here too: a caller that gave up does not leak it
-    else:
-        waiting.set_result(done.result())
