@@ -9,47 +9,73 @@ import pytest
 
 from changefeed.publisher.rounds import Rounds
 
+WAIT = 5.0
+"""Seconds any step of these tests may take, at most (each takes microseconds)."""
+
 
 class Question:
-    """A call whose answer is its round's number; each round waits to be let go."""
+    """A call whose answer is its round's number. Each round says it was asked
+    (``asked``), notes how many callers had come by then, and waits to be let go
+    (``go``)."""
 
     def __init__(self) -> None:
         self.rounds = 0
-        self.asked_at: list[int] = []
+        self.came = 0
+        self.came_before: list[int] = []
+        self.asked = asyncio.Event()
         self.go = asyncio.Event()
-        self.arrived = 0
+        self.everyone = asyncio.Event()
+        self.expected = 0
         self.fail: BaseException | None = None
 
     async def __call__(self) -> int:
         self.rounds += 1
         number = self.rounds
-        self.asked_at.append(self.arrived)  # how many callers had come when it was asked
+        self.came_before.append(self.came)
+        self.asked.set()
         await self.go.wait()
         self.go.clear()
         if self.fail is not None:
             raise self.fail
         return number
 
+    async def next_round(self) -> None:
+        """Let the round under way end, and wait until the next one was asked."""
+        self.asked.clear()
+        self.go.set()
+        await asyncio.wait_for(self.asked.wait(), WAIT)
+
 
 async def _ask(rounds: Rounds[str, int], question: Question) -> int:
-    question.arrived += 1
+    # No await between coming and asking: once ``everyone`` is set, all have asked.
+    question.came += 1
+    if question.came == question.expected:
+        question.everyone.set()
     return await rounds.ask("key", question)
+
+
+async def _round_and_latecomers(
+    rounds: Rounds[str, int], question: Question, late: int
+) -> tuple[asyncio.Task[int], list[asyncio.Task[int]]]:
+    """A first caller whose round is under way, and ``late`` callers who came since."""
+    question.expected = 1 + late
+    first = asyncio.create_task(_ask(rounds, question))
+    await asyncio.wait_for(question.asked.wait(), WAIT)
+    latecomers = [asyncio.create_task(_ask(rounds, question)) for _ in range(late)]
+    await asyncio.wait_for(question.everyone.wait(), WAIT)
+    return first, latecomers
 
 
 async def test_callers_during_a_round_share_the_next_one_asked_after_they_all_came() -> None:
     rounds: Rounds[str, int] = Rounds()
     question = Question()
-    first = asyncio.create_task(_ask(rounds, question))
-    await asyncio.sleep(0)
-    late = [asyncio.create_task(_ask(rounds, question)) for _ in range(50)]
-    await asyncio.sleep(0)
+    first, late = await _round_and_latecomers(rounds, question, 50)
     assert question.rounds == 1  # the fifty wait; nothing more is asked yet
+    await question.next_round()
+    assert await asyncio.wait_for(first, WAIT) == 1
+    assert question.came_before == [1, 51]  # the second round: after all 51 came
     question.go.set()
-    assert await first == 1
-    await asyncio.sleep(0)
-    assert question.rounds == 2 and question.asked_at == [1, 51]
-    question.go.set()
-    assert await asyncio.gather(*late) == [2] * 50
+    assert await asyncio.wait_for(asyncio.gather(*late), WAIT) == [2] * 50
     assert question.rounds == 2
 
 
@@ -57,57 +83,49 @@ async def test_a_caller_after_a_round_ended_gets_a_fresh_one() -> None:
     rounds: Rounds[str, int] = Rounds()
     question = Question()
     question.go.set()
-    assert await _ask(rounds, question) == 1
+    assert await asyncio.wait_for(_ask(rounds, question), WAIT) == 1
     question.go.set()
-    assert await _ask(rounds, question) == 2
+    assert await asyncio.wait_for(_ask(rounds, question), WAIT) == 2
 
 
 async def test_other_keys_do_not_wait() -> None:
     rounds: Rounds[str, int] = Rounds()
     held, other = Question(), Question()
     first = asyncio.create_task(rounds.ask("held", held))
-    await asyncio.sleep(0)
+    await asyncio.wait_for(held.asked.wait(), WAIT)
     other.go.set()
-    assert await asyncio.wait_for(rounds.ask("other", other), 5) == 1
+    assert await asyncio.wait_for(rounds.ask("other", other), WAIT) == 1
     held.go.set()
-    assert await first == 1
+    assert await asyncio.wait_for(first, WAIT) == 1
 
 
 async def test_an_error_reaches_every_caller_of_its_round_only() -> None:
     rounds: Rounds[str, int] = Rounds()
     question = Question()
-    first = asyncio.create_task(_ask(rounds, question))
-    await asyncio.sleep(0)
-    late = [asyncio.create_task(_ask(rounds, question)) for _ in range(3)]
-    await asyncio.sleep(0)
+    first, late = await _round_and_latecomers(rounds, question, 3)
     question.fail = TimeoutError("the database did not answer")
-    question.go.set()
+    await question.next_round()
     with pytest.raises(TimeoutError):
-        await first
-    await asyncio.sleep(0)
+        await asyncio.wait_for(first, WAIT)
     question.go.set()
     for task in late:
         with pytest.raises(TimeoutError):
-            await task
+            await asyncio.wait_for(task, WAIT)
     question.fail = None
     question.go.set()
-    assert await _ask(rounds, question) == 3
+    assert await asyncio.wait_for(_ask(rounds, question), WAIT) == 3
 
 
 async def test_a_caller_that_gives_up_leaves_the_round_to_the_others() -> None:
     rounds: Rounds[str, int] = Rounds()
     question = Question()
-    first = asyncio.create_task(_ask(rounds, question))
-    await asyncio.sleep(0)
-    late = [asyncio.create_task(_ask(rounds, question)) for _ in range(2)]
-    await asyncio.sleep(0)
+    first, late = await _round_and_latecomers(rounds, question, 2)
     first.cancel()
     late[0].cancel()
-    question.go.set()
+    await question.next_round()  # the first round ran on without its caller
     with pytest.raises(asyncio.CancelledError):
         await first
-    await asyncio.sleep(0)
     question.go.set()
-    assert await asyncio.wait_for(late[1], 5) == 2
+    assert await asyncio.wait_for(late[1], WAIT) == 2
     with pytest.raises(asyncio.CancelledError):
         await late[0]
