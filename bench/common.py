@@ -768,7 +768,7 @@ def oldest_uvicorn_python() -> str:
         return str(python)
     say(f"making {venv} (uvicorn {OLDEST_UVICORN} and this tree) ...")
     make = [sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)]
-    subprocess.run(make, check=True)
+    subprocess.run(make, check=True, timeout=120)
     done = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet"),
@@ -777,6 +777,7 @@ def oldest_uvicorn_python() -> str:
         ],
         capture_output=True,
         text=True,
+        timeout=600,
         check=False,
     )
     if done.returncode != 0:
