@@ -81,7 +81,7 @@ class ResumeQueries:
         self._timeout = timeout
         self._standby = standby
         self._rounds: Rounds[Position, ResumeFacts] = Rounds()
-        self._asking: dict[tuple[Position, str], asyncio.Future[ResumeFacts | None]] = {}
+        self._replayed: Rounds[tuple[Position, str], ResumeFacts | None] = Rounds()
         self.confirmed_total = 0
         """Answers of a standby checked again once it had caught up with the primary."""
 
@@ -119,7 +119,15 @@ class ResumeQueries:
         assert self._standby is not None
         self.confirmed_total += 1
         target = await self._standby.primary_position()
-        caught_up = await self._shared(position, target, self._replayed_facts)
+        # Joining a query under way is safe here, unlike in ``facts``: its answer is
+        # read once the standby has replayed ``target``, which this caller's own
+        # ``primary_position`` gave (a round that began after it came), so it
+        # covers everything committed before the caller came.
+        caught_up = await self._replayed.ask(
+            (position, target),
+            functools.partial(self._replayed_facts, position, target),
+            join_running=True,
+        )
         if caught_up is None:
             log_event(
                 log,
@@ -152,31 +160,6 @@ class ResumeQueries:
             the database's errors (``feed.DB_ERRORS``), and TimeoutError.
         """
         return await self._rounds.ask(position, functools.partial(self._facts, position))
-
-    async def _shared(
-        self,
-        position: Position,
-        target: str,
-        ask: Callable[[Position, str], Awaitable[ResumeFacts | None]],
-    ) -> ResumeFacts | None:
-        # Joining a query under way is safe here, unlike in ``facts``: its answer is
-        # read once the standby has replayed ``target``, which the caller's own
-        # ``primary_position`` gave (a round that began after it came), so it
-        # covers everything committed before the caller came.
-        key = (position, target)
-        asked = self._asking.get(key)
-        if asked is None:
-            asked = self._asking[key] = asyncio.ensure_future(ask(position, target))
-            asked.add_done_callback(self._asked)
-        # Shielded: one registration that gives up does not cancel the others' answer.
-        return await asyncio.shield(asked)
-
-    def _asked(self, asked: asyncio.Future[ResumeFacts | None]) -> None:
-        for key, future in list(self._asking.items()):
-            if future is asked:
-                del self._asking[key]
-        if not asked.cancelled():
-            asked.exception()  # retrieved: every registration that asked has it too
 
     async def _facts(self, position: Position) -> ResumeFacts:
         try:

@@ -34,13 +34,20 @@ class Rounds(Generic[K, V]):
         self._running: dict[K, asyncio.Future[V]] = {}
         self._next: dict[K, tuple[asyncio.Future[V], Callable[[], Awaitable[V]]]] = {}
 
-    async def ask(self, key: K, call: Callable[[], Awaitable[V]]) -> V:
+    async def ask(
+        self, key: K, call: Callable[[], Awaitable[V]], *, join_running: bool = False
+    ) -> V:
         """``call()``'s answer for ``key``, shared with the callers of the same round.
 
         ``call`` is made now when no round of ``key`` is under way; otherwise the
         next round makes the ``call`` of the first caller that waits for it.
+        ``join_running``: the round under way will do, for a key that itself
+        says how fresh the answer must be (a replay target read after the
+        caller came).
         """
         running = self._running.get(key)
+        if running is not None and join_running:
+            return await asyncio.shield(running)
         if running is None:
             return await asyncio.shield(self._start(key, call))
         queued = self._next.get(key)

@@ -129,3 +129,14 @@ async def test_a_caller_that_gives_up_leaves_the_round_to_the_others() -> None:
     assert await asyncio.wait_for(late[1], WAIT) == 2
     with pytest.raises(asyncio.CancelledError):
         await late[0]
+
+
+async def test_callers_that_may_join_share_the_round_under_way() -> None:
+    rounds: Rounds[str, int] = Rounds()
+    question = Question()
+    first = asyncio.create_task(rounds.ask("key", question, join_running=True))
+    await asyncio.wait_for(question.asked.wait(), WAIT)
+    joined = asyncio.create_task(rounds.ask("key", question, join_running=True))
+    question.go.set()
+    assert list(await asyncio.wait_for(asyncio.gather(first, joined), WAIT)) == [1, 1]
+    assert question.rounds == 1
