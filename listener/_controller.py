@@ -268,28 +268,20 @@ class Controller(Generic[T]):
     @property
     def items(self) -> int:
         """Change items taken from the listener."""
-        return self._core.items
+        return self._core.counts.items
 
     def stats(self) -> ControllerStats:
         """A snapshot of the work queue and the controller's counters."""
         core = self._core
         queue = core.queue
-        return ControllerStats(
+        return ControllerStats.of(
+            core.counts,
             depth=len(queue),
             pending=queue.pending,
             processing=len(queue.processing),
             adds=queue.adds,
             coalesced=queue.coalesced,
             retries=queue.retries,
-            items=core.items,
-            fetches=core.fetches,
-            fetch_requests=core.fetch_requests,
-            fetch_errors=core.fetch_errors,
-            decode_errors=core.decode_errors,
-            reconciles=core.reconciles,
-            reconcile_errors=core.reconcile_errors,
-            resyncs=core.resyncs,
-            periodic_resyncs=core.periodic_resyncs,
             mirror_items=len(core.mirror),
             synced=self.synced,
         )

@@ -25,7 +25,14 @@ from ._checkpoint import CheckpointStatus
 from ._figures import GAUGE, Labels, figure, nested
 from ._lifecycle import ConnectionState
 
-__all__ = ["BootstrapProgress", "ControllerStats", "Event", "ListenerStatus", "Resynced"]
+__all__ = [
+    "BootstrapProgress",
+    "ControllerCounts",
+    "ControllerStats",
+    "Event",
+    "ListenerStatus",
+    "Resynced",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,29 +200,17 @@ class ListenerStatus:
         return doc
 
 
-@dataclass(frozen=True, slots=True)
-class ControllerStats:
-    """A snapshot of a controller (``controller.stats()``); also what its metrics show
-    (``changefeed_workqueue_*``, ``changefeed_controller_*``, each declared with its
-    field, help and all).
+@dataclass(slots=True)
+class ControllerCounts:
+    """What a controller's core counts, each where it happens (``Reconciler.counts``).
+
+    Declared once, here, with each metric's help; ``ControllerStats`` is these
+    counts as of one moment, with the work queue's figures beside them.
 
     Attributes:
         items: change items taken from the listener.
-        synced: the first bootstrap has been applied and each id it queued processed once.
     """
 
-    depth: int = figure("Ids ready to be processed", GAUGE, metric="workqueue_depth")
-    pending: int = figure(
-        "Ids queued, requeued behind a running worker, or waiting out a retry",
-        GAUGE,
-        metric="workqueue_pending",
-    )
-    processing: int = figure("Ids held by workers", GAUGE, metric="workqueue_processing")
-    adds: int = figure("Ids added to the work queue", metric="workqueue_adds")
-    coalesced: int = figure("Adds of an id already queued", metric="workqueue_coalesced")
-    retries: int = figure(
-        "Rate-limited re-adds after a failed fetch or callback", metric="workqueue_retries"
-    )
     items: int = 0
     fetches: int = figure("Resources fetched", metric="controller_fetches", default=0)
     fetch_requests: int = figure(
@@ -241,10 +236,40 @@ class ControllerStats:
         metric="controller_periodic_resyncs",
         default=0,
     )
+
+
+@dataclass(slots=True, kw_only=True)
+class ControllerStats(ControllerCounts):
+    """A snapshot of a controller (``controller.stats()``): its counts (``ControllerCounts``)
+    and the work queue's figures; also what its metrics show (``changefeed_workqueue_*``,
+    ``changefeed_controller_*``, each declared with its field, help and all).
+
+    Attributes:
+        synced: the first bootstrap has been applied and each id it queued processed once.
+    """
+
+    depth: int = figure("Ids ready to be processed", GAUGE, metric="workqueue_depth")
+    pending: int = figure(
+        "Ids queued, requeued behind a running worker, or waiting out a retry",
+        GAUGE,
+        metric="workqueue_pending",
+    )
+    processing: int = figure("Ids held by workers", GAUGE, metric="workqueue_processing")
+    adds: int = figure("Ids added to the work queue", metric="workqueue_adds")
+    coalesced: int = figure("Adds of an id already queued", metric="workqueue_coalesced")
+    retries: int = figure(
+        "Rate-limited re-adds after a failed fetch or callback", metric="workqueue_retries"
+    )
     mirror_items: int = figure(
         "Resources in the mirror", GAUGE, metric="controller_mirror_items", default=0
     )
     synced: bool = False
+
+    @classmethod
+    def of(cls, counts: ControllerCounts, **now: Any) -> ControllerStats:
+        """``counts`` as they stand, with the figures of this moment (``now``) beside them."""
+        copied = {f.name: getattr(counts, f.name) for f in fields(ControllerCounts)}
+        return cls(**copied, **now)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -7,7 +7,8 @@ what it means, whether it is a counter or a gauge, and the Prometheus
 metric's name. ``_metrics`` reads these declarations to describe the metric
 families, and a snapshot's values at scrape time; the snapshot's
 documentation is the same text. A counter is counted where it happens and
-named once more where ``status()`` or ``stats()`` reads it: nowhere else.
+named once more where ``status()`` reads it (a controller's counts are one
+record, ``ControllerCounts``, copied whole by ``stats()``): nowhere else.
 
 Pure code: no Prometheus here.
 """

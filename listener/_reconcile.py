@@ -63,7 +63,7 @@ from changefeed.schemas import ChangeItem
 from ._backoff import BackoffPolicy
 from ._checkpoint import JsonItems, MirrorCheckpoint, application_view
 from ._errors import ListenerError, RegistrationRefused
-from ._events import Resynced
+from ._events import ControllerCounts, Resynced
 from ._handlers import AddHandler, DeleteHandler, Fetcher, ReconcileHandler, UpdateHandler
 from ._lifecycle import FATAL_HTTP_STATUSES
 from ._mirror import Mirror
@@ -242,15 +242,7 @@ class Reconciler(Generic[T]):
         self._restored = False
         self._replay_until: float | None = None
         """Until then (monotonic), change items make their ids ``forced``."""
-        self.items = 0
-        self.fetches = 0
-        self.fetch_requests = 0
-        self.fetch_errors = 0
-        self.decode_errors = 0
-        self.reconciles = 0
-        self.reconcile_errors = 0
-        self.resyncs = 0
-        self.periodic_resyncs = 0
+        self.counts = ControllerCounts()
 
     def _record(self, key: str) -> IdState:
         """``key``'s record, made if it has none (an id queued without one was queued
@@ -326,7 +318,7 @@ class Reconciler(Generic[T]):
 
     def take(self, items: Sequence[ChangeItem]) -> None:
         """Change items (never more than ``room_left()``): their ids need a fetch."""
-        self.items += len(items)
+        self.counts.items += len(items)
         ids = [item.changed_resource_id for item in items]
         records = self._ids
         if records:
@@ -386,7 +378,7 @@ class Reconciler(Generic[T]):
             record = self._record(key)
             record.fetch = True
             self.queue.add_rate_limited(key, self._failed(record))
-        self.resyncs += 1
+        self.counts.resyncs += 1
         log_event(
             log,
             "controller.resynced",
@@ -415,7 +407,7 @@ class Reconciler(Generic[T]):
         for key in ids:
             self._record(key).resync = True
         self.queue.add_many(ids)
-        self.periodic_resyncs += 1
+        self.counts.periodic_resyncs += 1
         log_event(
             log,
             "controller.periodic_resync",
@@ -540,7 +532,7 @@ class Reconciler(Generic[T]):
                 self._record(key).fetch = True
             if not isinstance(exc, Exception):
                 raise
-            self.fetch_errors += 1
+            self.counts.fetch_errors += 1
             for key in ids:
                 self.queue.add_rate_limited(key, self._failed(self._ids[key]))
             # The default fetch's failures are said in full by their message; anything
@@ -562,8 +554,8 @@ class Reconciler(Generic[T]):
                 self._refusal.set()
             return set(ids)
         batch.fetching = ()
-        self.fetch_requests += 1
-        self.fetches += len(ids)
+        self.counts.fetch_requests += 1
+        self.counts.fetches += len(ids)
         if debug:  # per batch: not even its arguments otherwise
             log_event(
                 log,
@@ -647,7 +639,7 @@ class Reconciler(Generic[T]):
         except Exception as exc:
             if old == seen and record.seen is not UNSEEN:
                 record.attempted = new
-            self.reconcile_errors += 1
+            self.counts.reconcile_errors += 1
             delay = self._failed(record)
             self.queue.add_rate_limited(key, delay)
             log_event(
@@ -661,7 +653,7 @@ class Reconciler(Generic[T]):
                 retry_in=round(delay, 4),
             )
             return False
-        self.reconciles += 1
+        self.counts.reconciles += 1
         self._done_with(record)
         record.attempted = NOTHING
         # The mirror may have moved on during the callback (a resync): the
@@ -691,7 +683,7 @@ class Reconciler(Generic[T]):
         try:
             return self._decode(obj)
         except Exception as exc:
-            self.decode_errors += 1
+            self.counts.decode_errors += 1
             log_event(
                 log,
                 "controller.decode_failed",
