@@ -9,7 +9,10 @@ Thin adapter around ``KeysetQuery`` (the SQL and request parsing) and
 
 ``GET /vms?limit=N[&after=<token>]`` answers ``{"items": [...], "next": ...}``,
 ``GET /vms?ids=a,b`` the items found among the ids (``next`` null), and
-``GET /vms/{id}`` one item or 404. Every failure is an HTTP status with the
+``GET /vms/{id}`` one item or 404. Every answer carries ``Cache-Control:
+no-store`` and ``X-Content-Type-Options: nosniff`` (what a token may read is
+for that token only, and a page is stale the moment it is served). Every
+failure is an HTTP status with the
 protocol's error body: 400 ``bad_request``, 401 ``unauthorized``, 403
 ``forbidden``, 404 ``not_found``, 429 ``busy`` and 503 ``unavailable`` (both
 with ``Retry-After``; the database, or the authorizer, cannot answer now), 500
@@ -35,7 +38,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from changefeed.logs import log_event
-from changefeed.schemas import AccessDenied, AccessGranted, ErrorFrame, PgConnection
+from changefeed.schemas import (
+    PRIVATE_HEADERS,
+    AccessDenied,
+    AccessGranted,
+    ErrorFrame,
+    PgConnection,
+)
 from changefeed.schemas.validation import bounded
 
 from .admission import Admission
@@ -50,6 +59,7 @@ __all__ = [
     "RequestCheck",
     "encode_json",
     "error_response",
+    "private_answers",
     "unavailable_response",
 ]
 
@@ -104,6 +114,19 @@ def error_response(
     """
     frame = ErrorFrame(code, bounded(message), retry_after)
     return JSONResponse(frame.to_json(), status_code=status, headers=headers)
+
+
+def private_answers(
+    endpoint: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """``endpoint`` with the ``PRIVATE_HEADERS`` on each of its answers."""
+
+    async def answer(request: Request) -> Response:
+        response = await endpoint(request)
+        response.headers.update(PRIVATE_HEADERS)
+        return response
+
+    return answer
 
 
 def unavailable_response(exc: BaseException, retry_after: int = 1) -> JSONResponse:
@@ -170,10 +193,12 @@ class BootstrapRoute:
         Raises:
             BootstrapConfigError: ``item`` for a composite key without ``id_column``.
         """
-        routes = [Route(self.path, self.list_endpoint, methods=["GET"])]
+        routes = [Route(self.path, private_answers(self.list_endpoint), methods=["GET"])]
         if item:
             self.query.item_statement()  # refuses a source without an id column
-            routes.append(Route(f"{self.path}/{{id}}", self.item_endpoint, methods=["GET"]))
+            routes.append(
+                Route(f"{self.path}/{{id}}", private_answers(self.item_endpoint), methods=["GET"])
+            )
         return routes
 
     def stats(self) -> dict[str, Any]:

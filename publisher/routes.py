@@ -16,7 +16,7 @@ protocol's error body, never ignored.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,7 +25,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from changefeed.schemas import AccessDenied, ErrorFrame, allows, decide
+from changefeed.bootstrap.route import error_response, private_answers
+from changefeed.schemas import AccessDenied, allows, decide
 
 from .auth import BearerAuth
 from .config import PublisherConfig
@@ -66,36 +67,6 @@ _STUCK_AFTER_MIN = 5.0
 _STUCK_AFTER_POLLS = 10
 
 _STATS_LIMIT_MAX = 100_000
-
-_PRIVATE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
-"""Headers of every answer that depends on the token (the resources it may read, its
-stats, a refusal): no cache keeps it for the next client, and no browser takes the
-JSON for another type."""
-
-Endpoint = Callable[[Request], Awaitable[Response]]
-
-
-def _private(endpoint: Endpoint) -> Endpoint:
-    """``endpoint`` with the ``_PRIVATE`` headers on each of its answers."""
-
-    async def answer(request: Request) -> Response:
-        response = await endpoint(request)
-        response.headers.update(_PRIVATE)
-        return response
-
-    return answer
-
-
-def error_response(
-    status: int,
-    code: str,
-    message: str,
-    headers: dict[str, str] | None = None,
-    retry_after: float | None = None,
-) -> JSONResponse:
-    """An HTTP error with the protocol's error body (``retryAfter`` in it when given)."""
-    frame = ErrorFrame(code, message, retry_after)
-    return JSONResponse(frame.to_json(), status_code=status, headers=headers)
 
 
 class _BadQuery(Exception):
@@ -233,9 +204,9 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return [
-        Route("/changefeeds", _private(resources), methods=["GET"]),
+        Route("/changefeeds", private_answers(resources), methods=["GET"]),
         WebSocketRoute("/changefeeds", ListenerEndpoint(publisher.sessions)),
-        Route("/changefeeds/stats", _private(stats), methods=["GET"]),
+        Route("/changefeeds/stats", private_answers(stats), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

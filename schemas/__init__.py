@@ -6,7 +6,7 @@ versioned feed-table migrations (``sql/``, ``migrations``). Pure code except
 ``migrations``, which talks to PostgreSQL.
 """
 
-from .access import AccessDenied, AccessGranted, allows, decide
+from .access import PRIVATE_HEADERS, AccessDenied, AccessGranted, allows, decide
 from .closecodes import ERROR_CLOSE_CODES, CloseCode
 from .cursor import ORIGIN, Cursor, CursorCodec, ForeignCursor, Position, stamp_of
 from .errors import CursorError, ProtocolError
@@ -35,6 +35,7 @@ from .validation import load_schema, validate
 __all__ = [
     "ERROR_CLOSE_CODES",
     "ORIGIN",
+    "PRIVATE_HEADERS",
     "RESUME_REASONS",
     "AccessDenied",
     "AccessGranted",

@@ -27,6 +27,7 @@ from .models import ErrorFrame
 __all__ = [
     "ACCESS_STATUS",
     "AUTH_RETRY_AFTER",
+    "PRIVATE_HEADERS",
     "AccessDenied",
     "AccessGranted",
     "allows",
@@ -39,6 +40,10 @@ ACCESS_STATUS: dict[str, int] = {"unauthorized": 401, "forbidden": 403, "unavail
 AUTH_RETRY_AFTER = 1
 """Seconds a refusal for an unavailable authorizer asks the client to wait (``Retry-After``,
 ``retryAfter``): a lower bound; listeners add their own growing, jittered back-off."""
+
+PRIVATE_HEADERS: dict[str, str] = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+"""Headers of every answer that depends on the token (what it may read, a refusal): no
+cache keeps it for the next client, and no browser takes the JSON for another type."""
 
 _QUOTED = 64
 

@@ -221,7 +221,8 @@ async def test_a_bootstrap_route_built_as_documented_checks_the_resource_it_serv
     """``BootstrapRoute("/vms", ..., authorize=publisher.authorize_request)``, as
     docs/bootstrap.md builds it, names no resource: the publisher finds the one whose
     ``bootstrap_route`` serves the path. A token allowed only ``network`` gets 403 on
-    the list and on an item (it got 200, and every VM), one allowed ``vm`` gets them."""
+    the list and on an item (it got 200, and every VM), one allowed ``vm`` gets them;
+    none of those answers may be cached or sniffed."""
     import uuid
 
     import asyncpg
@@ -254,9 +255,14 @@ async def test_a_bootstrap_route_built_as_documented_checks_the_resource_it_serv
                 refused = await http.get(path, headers=bearer(HASHED))
                 assert refused.status_code == 403, (path, refused.text)
                 assert refused.json()["error"]["code"] == "forbidden"
+                answers = [refused, await http.get(path)]
                 for token in (DNS, OPS):
-                    assert (await http.get(path, headers=bearer(token))).status_code == 200
-                assert (await http.get(path)).status_code == 401
+                    answers.append(await http.get(path, headers=bearer(token)))
+                assert [a.status_code for a in answers] == [403, 401, 200, 200], path
+                # What a token may read is for that token only, as on /changefeeds.
+                for answer in answers:
+                    assert answer.headers["Cache-Control"] == "no-store", path
+                    assert answer.headers["X-Content-Type-Options"] == "nosniff", path
             listed = await http.get("/vms", headers=bearer(DNS))
             assert [item["uuid"] for item in listed.json()["items"]] == [str(vm_id)]
         # A route given as an absolute URL counts by its path; a path no bootstrap
