@@ -166,8 +166,14 @@ class Checkpointer:
             checkpoint = await self._load()
         except CheckpointRefused as exc:
             self._update(last_error=f"load: {type(exc).__name__}: {exc}")
+            # A refusal says all in its message, and it is raised to the caller,
+            # which reports it (``changefeed listen`` in one line): no traceback here.
             log_event(
-                log, "listener.checkpoint.refused", logging.ERROR, exc=exc, listener=self._name
+                log,
+                "listener.checkpoint.refused",
+                logging.ERROR,
+                listener=self._name,
+                error=str(exc),
             )
             raise
         except Exception as exc:
