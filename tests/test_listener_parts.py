@@ -243,7 +243,7 @@ async def test_ids_named_by_change_items_keep_no_record_and_leave_none() -> None
     assert rec.pending() == {"id-1", "id-2"} and rec.room() == 98
     worker = asyncio.create_task(rec.work())
     await asyncio.wait_for(rec.queue.wait_idle(), 1)
-    assert rec.fetches == 2 and rec.pending() == set() and len(rec.mirror) == 0
+    assert rec.counts.fetches == 2 and rec.pending() == set() and len(rec.mirror) == 0
     rec.stop()
     await asyncio.wait_for(worker, 1)
 
@@ -252,7 +252,7 @@ async def test_a_parked_controller_marks_items_pending_and_a_waiting_one_takes_n
     rec = core({})
     assert rec.room() == 1 << 30  # not running yet: the dispatch does not wait for it
     rec.changed([item(1)])
-    assert rec.items == 0 and rec.pending() == set()
+    assert rec.counts.items == 0 and rec.pending() == set()
     rec.intake = Intake.OPEN
     rec.stop()  # it ran and stopped: parked
     assert rec.intake is Intake.PARKED
