@@ -345,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         default=5,
         help="entries per resource id over the 48 hours generated (default 5: --rows / 5 ids)",
     )
+    parser.add_argument(
+        "--keepers",
+        choices=("auto", "lookup", "scan", "both"),
+        default="auto",
+        help="how the incremental run finds previous keepers; both: each, on copies of one"
+        " state (default auto: the job picks)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the benchmark databases")
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs per size (medians are shown), default 1"
@@ -397,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
 def one_size(admin: str, rows: int, spark: Any, args: argparse.Namespace) -> tuple[Step, Step]:
     tag = uuid.uuid4().hex[:8]
     job_db, sql_db = f"cfbench_job_{tag}", f"cfbench_sql_{tag}"
+    lookup_db, sql_lookup_db = f"cfbench_lookup_{tag}", f"cfbench_sql_lookup_{tag}"
     job_dsn, sql_dsn = with_database(admin, job_db), with_database(admin, sql_db)
     try:
         asyncio.run(_create(admin, job_db))
@@ -423,6 +431,12 @@ def one_size(admin: str, rows: int, spark: Any, args: argparse.Namespace) -> tup
         more = rows // 10
         took = [asyncio.run(append(dsn, more, now, ids)) for dsn in (job_dsn, sql_dsn)]
         print(f"\n{more:,} more entries, appended in {took[0]:.1f}s", flush=True)
+        if args.keepers == "both":
+            # The same state for the other way of finding the previous keepers (the
+            # copy holds the unlogged index of kept entries too), and for the plain
+            # SQL it is checked against (its cutoffs are that run's own).
+            asyncio.run(copy_database(admin, job_db, lookup_db))
+            asyncio.run(copy_database(admin, sql_db, sql_lookup_db))
         incremental = side_by_side(
             "incremental",
             rows,
@@ -432,14 +446,56 @@ def one_size(admin: str, rows: int, spark: Any, args: argparse.Namespace) -> tup
             max_age=MAX_AGE,
             lag=LAG,
             args=args,
+            keepers="scan" if args.keepers == "both" else args.keepers,
         )
         if incremental.summary.full:
             raise SystemExit(f"the second run was not incremental: {incremental.summary.scope}")
+        if args.keepers == "both":
+            compare_keeper_reads(
+                incremental,
+                with_database(admin, lookup_db),
+                sql_dsn=with_database(admin, sql_lookup_db),
+                spark=spark,
+                args=args,
+            )
         return full, incremental
     finally:
         if not args.keep:
             asyncio.run(drop_database(admin, job_db))
             asyncio.run(drop_database(admin, sql_db))
+            asyncio.run(drop_database(admin, lookup_db))
+            asyncio.run(drop_database(admin, sql_lookup_db))
+
+
+def compare_keeper_reads(
+    scanned: Step, dsn: str, *, sql_dsn: str, spark: Any, args: argparse.Namespace
+) -> None:
+    """The incremental run again, on a copy of the same state, with its previous keepers
+    looked up by the index of kept entries instead of found by a scan of the feed;
+    it must end in the feed plain SQL makes with its cutoffs (on its own copy)."""
+    print(f"[incremental run, keepers looked up: load average {os.getloadavg()[0]:.2f}]")
+    t1 = time.monotonic()
+    summary = run_compaction(
+        dsn,
+        max_age=MAX_AGE,
+        compaction_lag=LAG,
+        spark=spark,
+        batch_size=args.batch_size,
+        keepers="lookup",
+    )
+    took = time.monotonic() - t1
+    print(summary.to_text(), flush=True)
+    assert summary.as_of is not None
+    asyncio.run(sql_baseline(sql_dsn, summary.as_of, MAX_AGE, LAG))
+    if asyncio.run(fingerprint(dsn)) != asyncio.run(fingerprint(sql_dsn)):
+        raise SystemExit("the job with keepers looked up and plain SQL disagree")
+    print(
+        f"previous keepers: scanned {scanned.job:.1f}s"
+        f" (scan-delta {scanned.summary.phases.get('scan-delta', 0.0):.1f}s),"
+        f" looked up {took:.1f}s (scan-delta {summary.phases.get('scan-delta', 0.0):.1f}s):"
+        f" looked up / scanned {took / scanned.job:.2f}",
+        flush=True,
+    )
 
 
 def side_by_side(
@@ -452,11 +508,17 @@ def side_by_side(
     max_age: float,
     lag: float,
     args: argparse.Namespace,
+    keepers: str = "auto",
 ) -> Step:
     print(f"[{name} run: load average {os.getloadavg()[0]:.2f}]", flush=True)
     t1 = time.monotonic()
     summary = run_compaction(
-        job_dsn, max_age=max_age, compaction_lag=lag, spark=spark, batch_size=args.batch_size
+        job_dsn,
+        max_age=max_age,
+        compaction_lag=lag,
+        spark=spark,
+        batch_size=args.batch_size,
+        keepers=keepers,
     )
     job = time.monotonic() - t1
     assert summary.as_of is not None

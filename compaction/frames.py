@@ -34,6 +34,7 @@ from .plan import GcRegion
 from .scope import Cutoffs, Scope
 
 __all__ = [
+    "KEEPER_READS",
     "block_ranges",
     "delta_conditions",
     "delta_predicates",
@@ -239,6 +240,10 @@ lookups) where a feed page holds some 74 entries to scan, and a lookup costs
 about as much as scanning a few dozen entries. Both forms give the same result
 (tests/test_compaction_spark.py runs each); bench/compaction.py does not compare
 them."""
+
+
+KEEPER_READS = ("auto", "lookup", "scan")
+"""The ways an incremental run may be told to find previous keepers (``keepers=``)."""
 
 
 def keepers_by_scan(touched_pages: int, feed_pages: int) -> bool:

@@ -54,6 +54,7 @@ from changefeed.schemas.errors import ProtocolError
 from .apply import CompactionStore, FeedSnapshot, SharedWalk
 from .errors import CompactionError
 from .frames import (
+    KEEPER_READS,
     _ts,
     block_ranges,
     delta_conditions,
@@ -196,6 +197,7 @@ def run_compaction(
     full: bool = False,
     replay_wait: float = 60.0,
     rng: random.Random | None = None,
+    keepers: str = "auto",
 ) -> CompactionSummary:
     """Garbage-collect and compact one feed table with Spark; return what was done.
 
@@ -226,6 +228,11 @@ def run_compaction(
             the widened keepers; past that the run stops before the drops.
         rng: random source of the waits before a batch that met a lock is
             tried again; seed it in tests. None: a fresh ``random.Random()``.
+        keepers: how an incremental run finds the previous keepers of the ids
+            its changes touch: ``"lookup"`` (by the index of kept entries),
+            ``"scan"`` (one scan of the feed), or ``"auto"``, which picks by
+            how much of the feed the touched ids fill (``frames.LOOKUP_SHARE``).
+            Both find the same entries; only the time differs.
 
     Must be called from a thread without a running event loop (in async code:
     ``await asyncio.to_thread(run_compaction, ...)``).
@@ -235,6 +242,8 @@ def run_compaction(
             the way (the feed is consistent; run again to finish).
     """
     check_durations(max_age, compaction_lag, batch_size)
+    if keepers not in KEEPER_READS:
+        raise CompactionError(f"keepers must be one of {', '.join(KEEPER_READS)}, got {keepers!r}")
     if not replay_wait >= 0:
         raise CompactionError(f"replay_wait must not be negative, got {replay_wait!r}")
     try:
@@ -256,7 +265,13 @@ def run_compaction(
         schema=schema, dry_run=dry_run, max_age=max_age, compaction_lag=compaction_lag
     )
     settings = _Settings(
-        batch_size, partitions, lock_wait, full or dry_run, replay_wait, rng or random.Random()
+        batch_size,
+        partitions,
+        lock_wait,
+        full or dry_run,
+        replay_wait,
+        rng or random.Random(),
+        keepers,
     )
     clock = _Clock(summary, progress or NullProgress())
     clock.note("start", url=target.url, schema=schema, dry_run=dry_run, master=master)
@@ -298,6 +313,7 @@ class _Settings:
     full: bool
     replay_wait: float
     rng: random.Random
+    keepers: str
 
 
 _MEMBERS = ("txid", "id", "resource", "changed_resource_id", "sub_resources")
@@ -543,7 +559,11 @@ class _Run:
             finally:
                 sizes.unpersist()
             pages = runner.run(store.table_pages(touched))
-            scan = keepers_by_scan(pages, self.snap.blocks)
+            chosen = self.settings.keepers
+            if chosen == "auto":
+                scan = keepers_by_scan(pages, self.snap.blocks)
+            else:
+                scan = chosen == "scan"
             self.summary.keepers = "scanned" if scan else "looked up"
             kept = old_keepers(
                 spark,

@@ -463,6 +463,7 @@ def test_find_jdbc_jar(tmp_path: object) -> None:
         ({"max_age": 800_000 * 86400, "compaction_lag": 60}, r"max_age must be at most 100 years"),
         ({"max_age": 600, "compaction_lag": 60, "batch_size": 0}, "batch_size"),
         ({"max_age": 600, "compaction_lag": 60, "schema": "Bad-Name"}, "schema name"),
+        ({"max_age": 600, "compaction_lag": 60, "keepers": "index"}, "keepers must be one of"),
     ],
 )
 def test_run_compaction_refuses_bad_arguments(kwargs: dict[str, object], message: str) -> None:

@@ -367,7 +367,10 @@ async def test_incremental_runs_leave_the_feed_a_full_run_would(
     try:
         for seed in range(4):
             keepers = "looked up" if seed % 2 else "scanned"
-            # Pages of touched ids against the feed's: 0 never scans, 10**9 always does.
+            # Each way asked for by name, and, on the last two feeds, picked by the
+            # threshold (pages of touched ids against the feed's: 0 never scans,
+            # 10**9 always does).
+            asked = "auto" if seed >= 2 else "lookup" if seed % 2 else "scan"
             monkeypatch.setattr(frames, "LOOKUP_SHARE", 0 if seed % 2 else 10**9)
             rng = random.Random(1000 + seed)
             await reset_feed(conn)
@@ -383,7 +386,7 @@ async def test_incremental_runs_leave_the_feed_a_full_run_would(
             owed = {c: await resume(conn, c) for c in cursors if c >= low_before}
 
             second = await asyncio.to_thread(
-                compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800
+                compact, feed_dsn, spark, max_age=12 * 3600, compaction_lag=1800, keepers=asked
             )
             assert not second.full, f"seed {seed}: {second.scope}"
             assert second.keepers == keepers, f"seed {seed}"
