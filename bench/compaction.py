@@ -21,7 +21,10 @@ Then 10 % more entries arrive (published over the last 4.8 hours, as in the
 4.8 hours since) on both copies, and time moves on: the durations are 24 h and
 10 min again.
 
-* **job, incremental**: the second run reads only what changed since the first;
+* **job, incremental**: the second run reads only what changed since the first
+  (``--keepers both``: once finding the previous keepers by a scan of the feed,
+  then on a copy of the same state by looking them up, each checked against
+  plain SQL);
 * **sql**: the same work as plain SQL on the other copy (SQL has no
   incremental form: the same four statements over the whole table).
 
@@ -32,6 +35,7 @@ incremental run's time over the full run's.
     python bench/compaction.py --rows 1000000 --rows 10000000 --rows 30000000
     python bench/compaction.py --rows 10000000 --entries-per-id 50   # ids that change often
     python bench/compaction.py --rows 1000000 --standalone       # on a 2-worker cluster
+    python bench/compaction.py --rows 10000000 --keepers both    # look-up against scan
     python bench/compaction.py --rows 1000000 --dsn postgresql://postgres@127.0.0.1:5432/postgres
 
 Without ``--dsn`` an embedded PostgreSQL is started on a throwaway directory.

@@ -343,6 +343,13 @@ def _parser() -> argparse.ArgumentParser:
         help="read partitions (default: one per 64 MiB)",
     )
     compact.add_argument(
+        "--keepers",
+        choices=["auto", "lookup", "scan"],
+        default="auto",
+        help="how an incremental run finds the previous keepers of the ids it touches"
+        " (default auto: by how much of the feed they fill)",
+    )
+    compact.add_argument(
         "--progress",
         choices=["auto", "bar", "log"],
         default="auto",
@@ -498,6 +505,7 @@ def _compact(args: argparse.Namespace) -> int:
                 progress=progress,
                 full=args.full,
                 replay_wait=replay_wait,
+                keepers=args.keepers,
             )
         except CompactionError as exc:
             raise CommandError(str(exc)) from None

@@ -234,12 +234,12 @@ def survey_feed(
 LOOKUP_SHARE = 100
 """An incremental run looks its previous keepers up one by one (two index probes
 each) while the pages of the ids its changes touch are at most 1/LOOKUP_SHARE of
-the feed's pages; past that, it scans the feed once. The threshold is an
-estimate, not a benchmark's figure: a touched page holds some 185 ids (as many
-lookups) where a feed page holds some 74 entries to scan, and a lookup costs
-about as much as scanning a few dozen entries. Both forms give the same result
-(tests/test_compaction_spark.py runs each); bench/compaction.py does not compare
-them."""
+the feed's pages; past that, it scans the feed once. A touched page holds some
+185 ids (as many lookups) where a feed page holds some 74 entries to scan, and a
+lookup costs about as much as scanning a few dozen entries. The threshold errs
+towards the scan: where a third of the ids were touched, the two cost the same
+(``bench/compaction.py --keepers both``; docs/compaction.md has the figures).
+Both forms give the same result (tests/test_compaction_spark.py runs each)."""
 
 
 KEEPER_READS = ("auto", "lookup", "scan")

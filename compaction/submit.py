@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--full", action="store_true", help="read the whole feed")
     parser.add_argument("--replay-wait", type=_duration, default=60.0, help="default 60s")
+    parser.add_argument("--keepers", choices=["auto", "lookup", "scan"], default="auto")
     parser.add_argument(
         "--progress", action="store_true", help="progress as JSON log lines on stderr"
     )
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=LogProgress() if args.progress else None,
             full=args.full,
             replay_wait=args.replay_wait,
+            keepers=args.keepers,
         )
     except CompactionError as exc:
         print(f"changefeed-compaction: {exc}", file=sys.stderr)
