@@ -344,8 +344,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     compact.add_argument(
         "--keepers",
-        choices=["auto", "lookup", "scan"],
         default="auto",
+        metavar="auto|lookup|scan",
         help="how an incremental run finds the previous keepers of the ids it touches"
         " (default auto: by how much of the feed they fill)",
     )
@@ -475,6 +475,7 @@ def _compact(args: argparse.Namespace) -> int:
     from changefeed.compaction import (
         CompactionError,
         check_durations,
+        check_keepers,
         parse_duration,
         run_compaction,
     )
@@ -487,6 +488,7 @@ def _compact(args: argparse.Namespace) -> int:
         check_durations(
             max_age, lag, args.batch_size, names=("--max-age", "--compaction-lag", "--batch-size")
         )
+        check_keepers(args.keepers, "--keepers")
     except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
     dsn = _dsn(args)

@@ -23,7 +23,7 @@ from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
 from .durations import parse_duration
 from .errors import CompactionError
 from .jdbc import JdbcTarget, find_jdbc_jar, jdbc_from_dsn
-from .job import check_durations, run_compaction
+from .job import check_durations, check_keepers, run_compaction
 from .plan import (
     GcRegion,
     Notification,
@@ -62,6 +62,7 @@ __all__ = [
     "RunLog",
     "Scope",
     "check_durations",
+    "check_keepers",
     "choose_scope",
     "covers",
     "find_jdbc_jar",

@@ -125,6 +125,16 @@ class _Clock:
             yield
 
 
+def check_keepers(keepers: str, name: str = "keepers") -> None:
+    """Refuse a ``keepers`` the job does not know (``name``: what the caller calls it).
+
+    Raises:
+        CompactionError: not one of ``frames.KEEPER_READS``.
+    """
+    if keepers not in KEEPER_READS:
+        raise CompactionError(f"{name} must be one of {', '.join(KEEPER_READS)}, got {keepers!r}")
+
+
 def check_durations(
     max_age: float,
     compaction_lag: float,
@@ -242,8 +252,7 @@ def run_compaction(
             the way (the feed is consistent; run again to finish).
     """
     check_durations(max_age, compaction_lag, batch_size)
-    if keepers not in KEEPER_READS:
-        raise CompactionError(f"keepers must be one of {', '.join(KEEPER_READS)}, got {keepers!r}")
+    check_keepers(keepers)
     if not replay_wait >= 0:
         raise CompactionError(f"replay_wait must not be negative, got {replay_wait!r}")
     try:

@@ -22,6 +22,7 @@ import sys
 
 from changefeed.compaction.durations import parse_duration
 from changefeed.compaction.errors import CompactionError
+from changefeed.compaction.frames import KEEPER_READS
 from changefeed.compaction.job import run_compaction
 from changefeed.compaction.progress_log import LogProgress
 from changefeed.logs import configure_logging
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--full", action="store_true", help="read the whole feed")
     parser.add_argument("--replay-wait", type=_duration, default=60.0, help="default 60s")
-    parser.add_argument("--keepers", choices=["auto", "lookup", "scan"], default="auto")
+    parser.add_argument("--keepers", choices=KEEPER_READS, default="auto")
     parser.add_argument(
         "--progress", action="store_true", help="progress as JSON log lines on stderr"
     )

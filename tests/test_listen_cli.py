@@ -151,6 +151,7 @@ def test_the_dash_hint_names_the_spelling_of_an_option_that_was_typed(
             ["compact", "--max-age", "1m", "--compaction-lag", "10m"],
             "changefeed compact: --max-age (60s) must not be shorter than --compaction-lag",
         ),
+        (["compact", "--keepers", "index"], "changefeed compact: --keepers must be one of"),
         (["db", "init", "--dsn", "not a dsn"], "changefeed db: --dsn: not a usable PostgreSQL DSN"),
         (
             ["db", "init", "--dsn", "postgresql://u@127.0.0.1:port/x"],
