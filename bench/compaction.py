@@ -478,16 +478,9 @@ def compare_keeper_reads(
     looked up by the index of kept entries instead of found by a scan of the feed;
     it must end in the feed plain SQL makes with its cutoffs (on its own copy)."""
     print(f"[incremental run, keepers looked up: load average {os.getloadavg()[0]:.2f}]")
-    t1 = time.monotonic()
-    summary = run_compaction(
-        dsn,
-        max_age=MAX_AGE,
-        compaction_lag=LAG,
-        spark=spark,
-        batch_size=args.batch_size,
-        keepers="lookup",
+    summary, took = timed_job(
+        dsn, max_age=MAX_AGE, lag=LAG, spark=spark, args=args, keepers="lookup"
     )
-    took = time.monotonic() - t1
     print(summary.to_text(), flush=True)
     assert summary.as_of is not None
     asyncio.run(sql_baseline(sql_dsn, summary.as_of, MAX_AGE, LAG))
@@ -500,6 +493,22 @@ def compare_keeper_reads(
         f" looked up / scanned {took / scanned.job:.2f}",
         flush=True,
     )
+
+
+def timed_job(
+    dsn: str, *, max_age: float, lag: float, spark: Any, args: argparse.Namespace, keepers: str
+) -> tuple[CompactionSummary, float]:
+    """One run of the job, and the seconds it took."""
+    t1 = time.monotonic()
+    summary = run_compaction(
+        dsn,
+        max_age=max_age,
+        compaction_lag=lag,
+        spark=spark,
+        batch_size=args.batch_size,
+        keepers=keepers,
+    )
+    return summary, time.monotonic() - t1
 
 
 def side_by_side(
@@ -515,16 +524,9 @@ def side_by_side(
     keepers: str = "auto",
 ) -> Step:
     print(f"[{name} run: load average {os.getloadavg()[0]:.2f}]", flush=True)
-    t1 = time.monotonic()
-    summary = run_compaction(
-        job_dsn,
-        max_age=max_age,
-        compaction_lag=lag,
-        spark=spark,
-        batch_size=args.batch_size,
-        keepers=keepers,
+    summary, job = timed_job(
+        job_dsn, max_age=max_age, lag=lag, spark=spark, args=args, keepers=keepers
     )
-    job = time.monotonic() - t1
     assert summary.as_of is not None
     sql = asyncio.run(sql_baseline(sql_dsn, summary.as_of, max_age, lag))
     step = Step(name, rows, summary, job, sql)
