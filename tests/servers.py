@@ -20,6 +20,14 @@ def _free_socket(port: int) -> socket.socket:
     return sock
 
 
+def leave_signals_to_pytest(server: uvicorn.Server) -> None:
+    """Keep ``server`` (started inside a test) off the process's signal handlers, which
+    belong to pytest: a no-op context manager stands in for uvicorn's
+    ``capture_signals`` (a private name, listed in changefeed/uvicorn_private.py;
+    hence the ignore)."""
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+
+
 class RunningServer:
     """A uvicorn server started by ``serve_app``; ``url`` is its http base URL."""
 
@@ -55,9 +63,7 @@ async def serve_app(
     }
     settings.update(config)
     server = uvicorn.Server(uvicorn.Config(app, **settings))
-    # Signals belong to pytest, not to servers started inside a test (a no-op context
-    # manager stands in for uvicorn's method, hence the ignore).
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+    leave_signals_to_pytest(server)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     running = RunningServer(server, task, bound_port)
     try:

@@ -39,7 +39,7 @@ from publisher_fixtures import (
     running_publisher,
     write,
 )
-from servers import RunningServer
+from servers import RunningServer, leave_signals_to_pytest
 from starlette.applications import Starlette
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -372,8 +372,7 @@ async def small_buffer_publisher(
             ws_per_message_deflate=False,
         )
     )
-    # Signals belong to pytest: a no-op context manager stands in for uvicorn's.
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+    leave_signals_to_pytest(server)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     running = RunningServer(server, task, sock.getsockname()[1])
     try:
@@ -590,8 +589,7 @@ async def test_draining_server_shutdown_sends_1001_before_uvicorn_closes(feed_ds
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = DrainingServer(server_config(app, "127.0.0.1", port, loop="asyncio"), [publisher])
-    # Signals belong to pytest: a no-op context manager stands in for uvicorn's.
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+    leave_signals_to_pytest(server)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         await wait_until(lambda: server.started, timeout=15)

@@ -13,7 +13,6 @@ listener registered before the fuzzing still receives items after it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import socket
@@ -32,6 +31,7 @@ from helpers import LogRecords
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from publisher_fixtures import NETWORK, VM, registration
+from servers import leave_signals_to_pytest
 from starlette.applications import Starlette
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
@@ -81,8 +81,7 @@ class ThreadedPublisher:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_max_size=1 << 20))
-        # Signals belong to pytest: a no-op context manager stands in for uvicorn's.
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+        leave_signals_to_pytest(server)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():

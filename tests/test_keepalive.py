@@ -31,6 +31,7 @@ from publisher_fixtures import (
     registration,
     running_publisher,
 )
+from servers import leave_signals_to_pytest
 from starlette.applications import Starlette
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
@@ -294,8 +295,7 @@ async def test_a_draining_server_bounds_what_the_kernel_holds_unsent_for_each_co
     server = DrainingServer(
         server_config(Starlette(), "127.0.0.1", 0, loop="asyncio"), [], notsent_lowat=24_576
     )
-    # Signals belong to pytest: a no-op context manager stands in for uvicorn's.
-    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+    leave_signals_to_pytest(server)
     task = asyncio.create_task(server.serve())
     try:
         await wait_until(lambda: server.started, timeout=15)
