@@ -741,8 +741,10 @@ async def serve_publisher(
 _BENCH = Path(__file__).resolve().parent
 
 OLDEST_UVICORN = "0.35.0"
-"""The oldest uvicorn the publisher supports (``[serve]`` in pyproject.toml, run by
-tests/test_asgi_servers.py): measured from a venv of its own (``oldest_uvicorn_python``)."""
+"""The oldest uvicorn the publisher supports (``changefeed.fast_path.OLDEST_UVICORN``,
+which tests/test_bench_smoke.py holds this to; not imported, since a benchmark's
+workers may import an older tree's package): measured from a venv of its own
+(``oldest_uvicorn_python``)."""
 
 SERVERS = {
     "uvicorn-fast": "uvicorn, fast path",

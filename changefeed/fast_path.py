@@ -44,9 +44,21 @@ from typing import Any
 
 from changefeed.logs import log_event
 
-__all__ = ["TESTED_UVICORN", "Verdict", "deadlines", "fast_path", "uvicorn_version"]
+__all__ = [
+    "OLDEST_UVICORN",
+    "TESTED_UVICORN",
+    "Verdict",
+    "deadlines",
+    "fast_path",
+    "uvicorn_version",
+]
 
 log = logging.getLogger("changefeed.serving")
+
+OLDEST_UVICORN = "0.35.0"
+"""The oldest uvicorn the publisher supports, through plain ASGI (the floor of the
+``serve`` extra in pyproject.toml; tests/test_install_shape.py keeps the two
+equal): CI and the benchmarks run it."""
 
 TESTED_UVICORN = ((0, 54), (0, 55))
 """uvicorn versions the fast path and the deadlines were tested on: from the

@@ -50,7 +50,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from wheel_envs import Served, Venvs, serve, server_command
 
-from changefeed.fast_path import TESTED_UVICORN
+from changefeed.fast_path import OLDEST_UVICORN, TESTED_UVICORN
 from changefeed.publisher import publish_many
 from changefeed.schemas import Ack, ChangeItem, apply_schema, validate
 
@@ -103,7 +103,7 @@ SERVERS = {
         "uvicorn-0.35",
         "publisher",
         (
-            "uvicorn[standard]==0.35.0",
+            f"uvicorn[standard]=={OLDEST_UVICORN}",
             *lower_bounds(),
         ),
         "uvicorn",

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from changefeed import fast_path
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -45,10 +47,11 @@ async def test_the_benchmark_runs(bench: str, dsn: str) -> None:
         # (the oldest uvicorn among them).
         sys.path.insert(0, str(BENCH))
         try:
-            from common import SERVERS
+            from common import OLDEST_UVICORN, SERVERS
         finally:
             sys.path.remove(str(BENCH))
-        assert "uvicorn 0.35.0, plain ASGI" in SERVERS.values()
+        assert OLDEST_UVICORN == fast_path.OLDEST_UVICORN
+        assert f"uvicorn {OLDEST_UVICORN}, plain ASGI" in SERVERS.values()
         for label in SERVERS.values():
             assert f"{label}, batch" in text and f"{label}, RFD 5" in text, (label, text[-3000:])
 

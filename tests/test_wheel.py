@@ -31,6 +31,8 @@ from helpers import free_port
 from publisher_fixtures import receive_items, register, registration
 from wheel_envs import Venv, Venvs, clean_env, serve, server_command
 
+from changefeed.fast_path import OLDEST_UVICORN
+
 pytestmark = pytest.mark.slow
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -220,7 +222,7 @@ def test_the_fast_path_asked_of_an_untested_uvicorn_is_plain_asgi_and_says_why(
 ) -> None:
     """uvicorn 0.35 (supported, through plain ASGI) is outside the versions the fast
     path was tested on: asking for it gives uvicorn's own protocol and one warning."""
-    old = wheel_venvs.get("uvicorn-0.35", "publisher", "uvicorn[standard]==0.35.0")
+    old = wheel_venvs.get("uvicorn-0.35", "publisher", f"uvicorn[standard]=={OLDEST_UVICORN}")
     code = (
         "from changefeed.logs import configure_logging\n"
         "configure_logging('info', json_output=True)\n"
@@ -232,7 +234,7 @@ def test_the_fast_path_asked_of_an_untested_uvicorn_is_plain_asgi_and_says_why(
     assert done.stdout.strip() == "uvicorn.protocols.websockets.websockets_sansio_impl"
     [line] = [json.loads(x) for x in done.stderr.splitlines() if '"serving.fast_path"' in x]
     assert line["level"] == "warning" and line["path"] == "plain ASGI"
-    assert line["why"] == "uvicorn 0.35.0 is outside the tested versions (>=0.54,<0.55)"
+    assert line["why"] == f"uvicorn {OLDEST_UVICORN} is outside the tested versions (>=0.54,<0.55)"
 
 
 def test_without_httptools_the_fast_path_runs_on_h11_and_the_deadlines_name_it(
