@@ -1,11 +1,11 @@
 """Publisher configuration: a typed model, loaded from TOML and/or built in Python.
 
 Every key is declared once, in the model: its type, its bounds, its unit and
-its documentation (``Annotated[..., _doc(...)]``, a ``msgspec.Meta``). msgspec
+its documentation (``Annotated[..., key_doc(...)]``, a ``msgspec.Meta``). msgspec
 parses a TOML document into it (types, unknown keys, required keys, bounds),
 the same checks refuse a value built in Python, the config reference in docs/
-is generated from it (``config_reference``), and a bad value is refused with
-a ``ConfigError`` that names the key and the file. Durations are the one
+is generated from it (``config_reference.py``), and a bad value is refused
+with a ``ConfigError`` that names the key and the file (``config_errors.py``). Durations are the one
 thing msgspec does not read: a string such as ``"24h"`` is turned into
 seconds first, for the keys the model marks as durations.
 
@@ -23,21 +23,19 @@ TOML layout::
 
 from __future__ import annotations
 
-import functools
-import math
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-import msgspec.inspect as mi
-from msgspec import Meta
 
 from changefeed.durations import seconds_of, too_long
 from changefeed.schemas import ProtocolError, quote_schema
 from changefeed.tcp_liveness import NOTSENT_LOWAT
 
+from .config_errors import explained, known_keys
+from .config_keys import declared, duration_keys, key_doc
 from .errors import ConfigError
 
 __all__ = [
@@ -45,7 +43,6 @@ __all__ = [
     "ResourceConfig",
     "ServerConfig",
     "config_from_dict",
-    "config_reference",
     "load_config",
     "load_service_config",
     "parse_duration",
@@ -75,46 +72,23 @@ def parse_duration(value: Any, key: str = "duration", source: str | None = None)
     return seconds
 
 
-def _doc(
-    text: str,
-    unit: str = "",
-    kind: str = "",
-    *,
-    duration: bool = False,
-    ge: int | None = None,
-    gt: int | None = None,
-    le: int | None = None,
-    lt: int | None = None,
-) -> Meta:
-    """A key's declaration besides its type: its documentation and unit, ``kind``
-    naming its type in the reference when the type hint alone would mislead (a key
-    the model leaves None until checked), whether TOML gives it as a duration, and
-    its bounds (which msgspec checks when it parses a file)."""
-    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt}
-    declared: dict[str, Any] = {k: v for k, v in bounds.items() if v is not None}
-    declared["description"] = text
-    declared["extra"] = {"unit": unit, "kind": kind, "duration": duration}
-    meta: Meta = Meta(**declared)
-    return meta
-
-
 class ResourceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A resource with a change feed (one ``[[resources]]`` table)."""
 
     name: Annotated[
         str,
-        _doc("Resource name listeners register for, e.g. `vm`."),
+        key_doc("Resource name listeners register for, e.g. `vm`."),
     ]
     bootstrap_route: Annotated[
         str,
-        _doc(
+        key_doc(
             "Keyset-paginated list route listeners hydrate from: a path on this API "
             "(`/vms`) or an absolute URL on the API that owns the resource."
         ),
     ]
     sub_resources: Annotated[
         tuple[str, ...],
-        _doc('Sub-resources a change may name, e.g. `["nic", "alias"]`.'),
+        key_doc('Sub-resources a change may name, e.g. `["nic", "alias"]`.'),
     ] = ()
 
 
@@ -123,11 +97,11 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     resources: Annotated[
         tuple[ResourceConfig, ...],
-        _doc("The resources this publisher has change feeds for."),
+        key_doc("The resources this publisher has change feeds for."),
     ] = ()
     dsn: Annotated[
         str | None,
-        _doc(
+        key_doc(
             "PostgreSQL DSN of the feed database. Required, even with a pool: the tailer "
             "opens its own connection (LISTEN); an embedding API's pool serves the other queries.",
             kind="string",
@@ -135,7 +109,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = None
     read_dsn: Annotated[
         str | None,
-        _doc(
+        key_doc(
             "PostgreSQL DSN of a hot standby of `dsn` to read the feed from: tailing, "
             "catch-up pages and resume checks go there, and `dsn` (the primary) keeps only "
             "the doorbell (LISTEN), schema changes, retention and the writers' age. "
@@ -147,7 +121,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = None
     standby_wait: Annotated[
         float,
-        _doc(
+        key_doc(
             "With `read_dsn`: how long a registration whose cursor the standby has not "
             "replayed yet (a fresher publisher issued it) is held while the standby catches "
             "up; after that it is answered `unavailable` (4010) with `retryAfter`, never "
@@ -160,27 +134,29 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 5.0
     schema: Annotated[
         str,
-        _doc("Schema holding the feed table."),
+        key_doc("Schema holding the feed table."),
     ] = "changefeed"
     create_schema: Annotated[
         bool,
-        _doc("Create or upgrade the feed schema at start-up."),
+        key_doc("Create or upgrade the feed schema at start-up."),
     ] = True
     max_age: Annotated[
         float,
-        _doc("RFD 5 max age: entries older than this are trimmed.", "seconds", duration=True, gt=0),
+        key_doc(
+            "RFD 5 max age: entries older than this are trimmed.", "seconds", duration=True, gt=0
+        ),
     ] = 86400.0
     retention: Annotated[
         bool,
-        _doc("Trim entries older than max_age inline. Turn off when the Spark job does it."),
+        key_doc("Trim entries older than max_age inline. Turn off when the Spark job does it."),
     ] = True
     retention_interval: Annotated[
         float,
-        _doc("How often inline retention runs.", "seconds", duration=True, gt=0),
+        key_doc("How often inline retention runs.", "seconds", duration=True, gt=0),
     ] = 60.0
     poll_interval: Annotated[
         float,
-        _doc(
+        key_doc(
             "Tailer poll when no doorbell (NOTIFY) rings; bounds latency if one is lost.",
             "seconds",
             duration=True,
@@ -189,11 +165,11 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 0.5
     tail_batch: Annotated[
         int,
-        _doc("Entries read per tailer query.", "entries", ge=1),
+        key_doc("Entries read per tailer query.", "entries", ge=1),
     ] = 1000
     queue_size: Annotated[
         int,
-        _doc(
+        key_doc(
             "Items queued for one live listener at most. A listener whose queue cannot take "
             "the next batch is not evicted: it catches up from the window or the feed table, "
             "at its own pace (docs/fanout.md).",
@@ -203,7 +179,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 4096
     window_bytes: Annotated[
         int,
-        _doc(
+        key_doc(
             "Memory for the window of recently tailed entries that listeners catch up from, "
             "shared by all of them (a quarter as much again for pages of the feed table read "
             "for listeners further behind).",
@@ -213,7 +189,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 64 << 20
     window_max_age: Annotated[
         float,
-        _doc(
+        key_doc(
             "Entries older than this (by their published time) leave the window of recent "
             "entries; listeners further behind read the feed table. A memory bound, not a "
             "rule the Spark job depends on: below the job's rewrite horizon catch-up reads "
@@ -225,7 +201,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 300.0
     stall_timeout: Annotated[
         float,
-        _doc(
+        key_doc(
             "A listener that has items to take and takes nothing at all for this long is "
             "evicted (4009). What it takes is what TCP shows: a receiver's kernel reopens a "
             "full window only once a good part of its buffer is free (on loopback 64 KiB or "
@@ -239,11 +215,11 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 60.0
     max_batch: Annotated[
         int,
-        _doc("Items per frame for listeners that registered with batch.", "items", ge=1),
+        key_doc("Items per frame for listeners that registered with batch.", "items", ge=1),
     ] = 256
     send_interval: Annotated[
         float,
-        _doc(
+        key_doc(
             "Longest wait between two flushes of the listeners' send queues. A flush may "
             "start once three times the previous one's cost has passed since it started: "
             "with few listeners a change goes out at once; with many, changes read "
@@ -256,11 +232,11 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 0.002
     max_frame_bytes: Annotated[
         int,
-        _doc("Largest frame accepted from a listener.", "bytes", ge=1),
+        key_doc("Largest frame accepted from a listener.", "bytes", ge=1),
     ] = 65536
     registration_timeout: Annotated[
         float,
-        _doc(
+        key_doc(
             "A connection that sends no registration by then is closed.",
             "seconds",
             duration=True,
@@ -269,7 +245,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 10.0
     close_timeout: Annotated[
         float,
-        _doc(
+        key_doc(
             "How long the publisher waits to hand a closing listener its error and close "
             "frames (an evicted listener may not be reading) before it lets the connection go.",
             "seconds",
@@ -279,15 +255,15 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 10.0
     max_registrations: Annotated[
         int,
-        _doc("Registrations (change kinds) allowed on one connection.", ge=1),
+        key_doc("Registrations (change kinds) allowed on one connection.", ge=1),
     ] = 32
     max_connections: Annotated[
         int,
-        _doc("Listener connections one publisher process accepts.", ge=1),
+        key_doc("Listener connections one publisher process accepts.", ge=1),
     ] = 10000
     replay_limit: Annotated[
         int,
-        _doc(
+        key_doc(
             "A resume more entries behind than this (estimated from entry identities) is "
             "answered resumed=false (reason too_far_behind): bootstrapping is then cheaper.",
             "entries",
@@ -296,7 +272,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 1000000
     db_retry_budget: Annotated[
         float,
-        _doc(
+        key_doc(
             "After this long without the database the publisher reports itself unavailable "
             "(it keeps retrying).",
             "seconds",
@@ -306,7 +282,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 30.0
     cursor_key: Annotated[
         str | None,
-        _doc(
+        key_doc(
             "Key of the cursors' digest. By default the key made with the feed and kept in "
             "its database (every instance reads it there, and nobody else knows it); set "
             "one only to manage it yourself, at least 16 characters, the same on every "
@@ -315,7 +291,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = None
     auth_tokens: Annotated[
         tuple[str, ...],
-        _doc(
+        key_doc(
             "Bearer tokens accepted on /changefeeds, /changefeeds/stats and bootstrap routes, "
             "each allowed to read every resource; `sha256:<hex>` gives a token by its SHA-256. "
             "No tokens here or in token_resources: no auth (docs/security.md)."
@@ -323,7 +299,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = ()
     token_resources: Annotated[
         dict[str, tuple[str, ...]],
-        _doc(
+        key_doc(
             'Bearer tokens allowed to read only some resources: `{"<token>" = ["vm"]}` '
             '(a `[publisher.token_resources]` table; keys may be `"sha256:<hex>"`). '
             "Other resources are refused with `forbidden` (close code 4004)."
@@ -347,15 +323,15 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     host: Annotated[
         str,
-        _doc("Address to listen on."),
+        key_doc("Address to listen on."),
     ] = "127.0.0.1"
     port: Annotated[
         int,
-        _doc("TCP port to listen on.", ge=1, le=65535),
+        key_doc("TCP port to listen on.", ge=1, le=65535),
     ] = 8080
     ping_interval: Annotated[
         float,
-        _doc(
+        key_doc(
             "Websocket ping interval; keep load balancer idle timeouts above it.",
             "seconds",
             duration=True,
@@ -364,7 +340,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 20.0
     ping_timeout: Annotated[
         float,
-        _doc(
+        key_doc(
             "Each ping's deadline. A listener that makes no progress (takes none of what was "
             "sent, sends nothing) through three deadlines in a row, answering no ping, is "
             "evicted (`keepalive_timeout`): 60 s at the defaults, 80 s after its last sign.",
@@ -375,7 +351,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 20.0
     notsent_lowat: Annotated[
         int,
-        _doc(
+        key_doc(
             "Bytes the kernel may hold unsent for each connection (TCP_NOTSENT_LOWAT); the "
             "rest waits in the publisher, so that a ping or a pong to a listener catching up "
             "waits behind little more than the listener's own receive buffer. 0: the host's "
@@ -387,7 +363,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = NOTSENT_LOWAT
     drain_grace: Annotated[
         float,
-        _doc(
+        key_doc(
             "On SIGTERM, time allowed for listeners to be closed with 1001 before exit.",
             "seconds",
             duration=True,
@@ -396,7 +372,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 5.0
     header_timeout: Annotated[
         float,
-        _doc(
+        key_doc(
             "An HTTP connection whose request line and headers have not all arrived this long "
             "after it was accepted (or after its previous response) is closed, with 408 if it "
             "sent part of them; so is one whose request body stops arriving for this long. "
@@ -409,7 +385,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 15.0
     header_max_bytes: Annotated[
         int,
-        _doc(
+        key_doc(
             "An HTTP request whose line and headers have not ended within this many bytes "
             "is answered 431 and the connection closed, before the server parses more of "
             "them (the same layer as header_timeout, and off with it).",
@@ -423,51 +399,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _check_fields(self, "server")
 
 
-# -- the declarations, read ------------------------------------------------------------
-
-
-@functools.cache
-def _keys(cls: type[msgspec.Struct]) -> dict[str, tuple[mi.Type, Meta]]:
-    """Each key of ``cls``: its type (msgspec's view of it) and its declaration."""
-    keys: dict[str, tuple[mi.Type, Meta]] = {}
-    for info, f in zip(
-        mi.type_info(cls).fields,  # type: ignore[attr-defined]
-        msgspec.structs.fields(cls),
-        strict=True,
-    ):
-        metas = [m for m in getattr(f.type, "__metadata__", ()) if isinstance(m, Meta)]
-        kind = info.type.type if isinstance(info.type, mi.Metadata) else info.type
-        keys[f.name] = (kind, metas[0] if metas else Meta())
-    return keys
-
-
-def _durations(cls: type[msgspec.Struct]) -> set[str]:
-    return {name for name, (_, meta) in _keys(cls).items() if (meta.extra or {}).get("duration")}
-
-
-def _bound_error(meta: Meta, value: Any) -> str | None:
-    """What is wrong with ``value`` under the bounds ``meta`` declares (None: nothing)."""
-    seconds = " seconds" if (meta.extra or {}).get("duration") else ""
-    if isinstance(value, float) and math.isnan(value):
-        return "must be a number, not NaN"
-    low, high = meta.ge if meta.ge is not None else meta.gt, meta.le
-    if high is None and meta.lt is not None:
-        high = meta.lt - 1
-    too_low = (meta.ge is not None and value < meta.ge) or (
-        meta.gt is not None and value <= meta.gt
-    )
-    too_high = (meta.le is not None and value > meta.le) or (
-        meta.lt is not None and value >= meta.lt
-    )
-    if not (too_low or too_high):
-        return None
-    if low is not None and high is not None:
-        return f"must be {low}-{high}, got {value!r}"
-    if meta.gt is not None:
-        return f"must be more than {meta.gt}{seconds}"
-    if meta.ge is not None:
-        return f"must be at least {meta.ge}{seconds}" if meta.ge else "must not be negative"
-    return f"must be at most {high}"
+# -- a config built in Python ---------------------------------------------------------
 
 
 def _check_fields(config: msgspec.Struct, prefix: str) -> None:
@@ -478,14 +410,14 @@ def _check_fields(config: msgspec.Struct, prefix: str) -> None:
     A value msgspec would convert is stored converted, as from a file: a list
     for a tuple, a table for a ``ResourceConfig``, an integer for a number.
     """
-    keys = _keys(type(config))
+    keys = declared(type(config))
     for f in msgspec.structs.fields(type(config)):
         given = getattr(config, f.name)
         value = _as_tables(given)
         try:
             converted = msgspec.convert(value, f.type)
         except msgspec.ValidationError as exc:
-            raise _explained(
+            raise explained(
                 exc, value, under=f".{f.name}", cls=type(config), prefix=prefix, source=None
             ) from None
         if converted is not given:
@@ -577,40 +509,6 @@ def _check_tokens(config: PublisherConfig, source: str | None) -> None:
 
 _S = TypeVar("_S", bound=msgspec.Struct)
 
-_TYPE_WORDS = {
-    "int": "an integer",
-    "float": "a number",
-    "bool": "true or false",
-    "str": "a string",
-    "str | null": "a string",
-    "array": "a list of strings",
-    "object": "a table",
-}
-_FAILURE = re.compile(r"^(?P<what>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$")
-"""msgspec's complaint, and where: ``- at `$.path```, or ``- at `key` in `$.path``` for
-a table's key (a config built in Python may have a key that is not a string)."""
-_EXPECTED = re.compile(r"^Expected `(?P<type>[^`]+)`(?:, got `[^`]+`| (?P<bound>[<>]=?) .*)$")
-
-
-def _at(doc: Any, path: str) -> Any:
-    """The value at a msgspec path (``.queue_size``, ``.resources[0].name``) of ``doc``."""
-    for part in re.findall(r"\.(\w+)|\[(\d+)\]", path):
-        name, index = part
-        try:
-            doc = doc[int(index)] if index else doc[name]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return doc
-
-
-def _key(prefix: str, path: str) -> str:
-    """The dotted key of a msgspec path under ``prefix``: ``publisher.queue_size``,
-    ``resources[0].name`` (a path into a table of values names the table)."""
-    path = path.split("[...]", 1)[0]
-    if path.startswith(".resources"):
-        return path[1:]
-    return f"{prefix}{path}"
-
 
 def _convert(cls: type[_S], doc: dict[str, Any], prefix: str, source: str | None) -> _S:
     """``doc`` as ``cls``, or a ``ConfigError`` naming the key and the file."""
@@ -619,50 +517,7 @@ def _convert(cls: type[_S], doc: dict[str, Any], prefix: str, source: str | None
     except ConfigError as exc:  # a check of the model's own, in __post_init__
         raise ConfigError(exc.key, exc.message, source) from None
     except msgspec.ValidationError as exc:
-        raise _explained(exc, doc, under="", cls=cls, prefix=prefix, source=source) from None
-
-
-def _explained(
-    exc: msgspec.ValidationError,
-    doc: Any,
-    *,
-    under: str,
-    cls: type[msgspec.Struct],
-    prefix: str,
-    source: str | None,
-) -> ConfigError:
-    """msgspec's complaint about ``doc`` (found at the msgspec path ``under`` of a
-    ``cls``) as a ``ConfigError`` naming the key, in the words a file's reader knows."""
-    failure = _FAILURE.match(str(exc))
-    assert failure is not None
-    what, inner = failure.group("what"), failure.group("path") or ""
-    path = under + inner
-    key = _key(prefix, path)
-    struct = ResourceConfig if key.startswith("resources[") else cls
-    if unknown := re.match(r"Object contains unknown field `(\w+)`", what):
-        known = ", ".join(sorted(n for n in _keys(struct) if n != "resources"))
-        return ConfigError(f"{key}.{unknown.group(1)}", f"unknown key (known: {known})", source)
-    if missing := re.match(r"Object missing required field `(\w+)`", what):
-        return ConfigError(f"{key}.{missing.group(1)}", "is required", source)
-    value = _at(doc, inner)
-    expected = _EXPECTED.match(what)
-    if expected is not None and expected.group("bound"):
-        name = key.rsplit(".", 1)[-1]
-        problem = _bound_error(_keys(struct)[name][1], value)
-        return ConfigError(key, problem or what, source)
-    if failure.group("key"):
-        example = ' such as {"<token>" = ["vm"]}' if "token" in key else ""
-        return ConfigError(key, f"expected a table{example}: its keys must be strings", source)
-    if expected is not None:
-        words = _TYPE_WORDS.get(expected.group("type"), f"`{expected.group('type')}`")
-        if "[...]" in path or expected.group("type") == "object":
-            words = 'a table such as {"<token>" = ["vm"]}' if "token" in key else words
-        if key == "resources":
-            words = "a list of [[resources]] tables"
-        # Under a table's keys ([...]) msgspec does not say which key: no value to show.
-        got = "" if "[...]" in inner else f", got {value!r}"
-        return ConfigError(key, f"expected {words}{got}", source)
-    return ConfigError(key, what, source)
+        raise explained(exc, doc, under="", cls=cls, prefix=prefix, source=source) from None
 
 
 def _table(doc: dict[str, Any], name: str, source: str | None) -> dict[str, Any]:
@@ -672,7 +527,7 @@ def _table(doc: dict[str, Any], name: str, source: str | None) -> dict[str, Any]
         raise ConfigError(name, f"expected a table, got {table!r}", source)
     cls = PublisherConfig if name == "publisher" else ServerConfig
     return {
-        key: parse_duration(value, f"{name}.{key}", source) if key in _durations(cls) else value
+        key: parse_duration(value, f"{name}.{key}", source) if key in duration_keys(cls) else value
         for key, value in table.items()
     }
 
@@ -684,8 +539,9 @@ def config_from_dict(doc: dict[str, Any], source: str | None = None) -> Publishe
             raise ConfigError(key, "unknown table (known: publisher, resources, server)", source)
     publisher = _table(doc, "publisher", source)
     if "resources" in publisher:  # they are [[resources]] tables of their own
-        known = ", ".join(sorted(n for n in _keys(PublisherConfig) if n != "resources"))
-        raise ConfigError("publisher.resources", f"unknown key (known: {known})", source)
+        raise ConfigError(
+            "publisher.resources", f"unknown key (known: {known_keys(PublisherConfig)})", source
+        )
     resources = doc.get("resources", [])
     if not isinstance(resources, list):
         raise ConfigError("resources", "expected [[resources]] tables", source)
@@ -695,75 +551,6 @@ def config_from_dict(doc: dict[str, Any], source: str | None = None) -> Publishe
 def server_config_from_dict(doc: dict[str, Any], source: str | None = None) -> ServerConfig:
     """The ``[server]`` table of a parsed TOML document."""
     return _convert(ServerConfig, _table(doc, "server", source), "server", source)
-
-
-# -- the reference ----------------------------------------------------------------------------
-
-
-def _type_name(cls: type[msgspec.Struct], name: str) -> str:
-    kind, meta = _keys(cls)[name]
-    if (meta.extra or {}).get("kind"):
-        return str((meta.extra or {})["kind"])
-    if (meta.extra or {}).get("duration"):
-        return "duration"
-    if isinstance(kind, mi.VarTupleType):
-        return "list of strings"
-    if isinstance(kind, mi.DictType):
-        return "table of lists of strings"
-    if isinstance(kind, mi.UnionType):
-        return "string (optional)"
-    words = {mi.BoolType: "boolean", mi.IntType: "integer", mi.FloatType: "number"}
-    return words.get(type(kind), "string")
-
-
-def config_reference() -> str:
-    """The config reference (docs/config.md), generated from the model itself."""
-    lines = [
-        "# Configuration reference",
-        "",
-        "Generated from the config model, `changefeed.publisher.config.config_reference()`;",
-        "tests/test_config.py keeps this file and the model in step.",
-        "",
-        'Durations are seconds as a number, or a string such as `"500ms"`, `"30s"`, `"10m"`,',
-        '`"24h"`, `"7d"`, of at most 100 years (`"36500d"`). Unknown keys and wrong types',
-        "are refused with an error naming the file and the key. The same keys built in",
-        "Python (`PublisherConfig(...)`, `ServerConfig(...)`; durations as seconds) are",
-        "checked the same way, with a `ConfigError` naming the key.",
-        "",
-    ]
-    sections: list[tuple[str, type[msgspec.Struct], set[str]]] = [
-        ("[publisher]", PublisherConfig, {"resources"}),
-        ("[[resources]]", ResourceConfig, set()),
-        ("[server] (only `changefeed serve`)", ServerConfig, set()),
-    ]
-    for title, cls, skip in sections:
-        lines += [
-            f"## {title}",
-            "",
-            "| key | type | default | unit | meaning |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for f in msgspec.structs.fields(cls):
-            if f.name in skip:
-                continue
-            meta = _keys(cls)[f.name][1]
-            if f.default_factory is not msgspec.NODEFAULT:
-                default = "(none)"
-            elif f.default is msgspec.NODEFAULT:
-                default = "required"
-            elif f.default in (None, ()):
-                default = "(none)"
-            elif isinstance(f.default, bool):
-                default = f"`{str(f.default).lower()}`"
-            else:
-                default = f"`{f.default!r}`".replace("'", '"')
-            unit = (meta.extra or {}).get("unit", "")
-            lines.append(
-                f"| `{f.name}` | {_type_name(cls, f.name)} | {default} | {unit} | "
-                f"{meta.description or ''} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
 
 
 def load_config(path: str | Path) -> PublisherConfig:

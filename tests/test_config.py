@@ -14,10 +14,10 @@ import pytest
 from changefeed.publisher import ConfigError, PublisherConfig, ResourceConfig
 from changefeed.publisher.config import (
     ServerConfig,
-    config_reference,
     load_service_config,
     parse_duration,
 )
+from changefeed.publisher.config_reference import config_reference
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
