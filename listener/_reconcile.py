@@ -65,21 +65,17 @@ from ._checkpoint import JsonItems, MirrorCheckpoint, application_view
 from ._errors import ListenerError, RegistrationRefused
 from ._events import ControllerCounts, Resynced
 from ._handlers import AddHandler, DeleteHandler, Fetcher, ReconcileHandler, UpdateHandler
+from ._idstate import NOTHING, UNSEEN, IdState
 from ._lifecycle import FATAL_HTTP_STATUSES
 from ._mirror import Mirror
 from ._workqueue import WorkQueue
 
-__all__ = ["IdState", "Intake", "Reconciler", "T", "log"]
+__all__ = ["Intake", "Reconciler", "T", "log"]
 
 # The controller's logger: its events keep one logger name, whichever part logs them.
 log = logging.getLogger("changefeed.listener.controller")
 
 T = TypeVar("T", default=Any)
-
-UNSEEN: Any = object()
-"""``IdState.seen``: the application's view is the mirror's."""
-NOTHING: Any = object()
-"""``IdState.attempted``: no failed callback is on record."""
 
 
 class _Undecodable:
@@ -87,49 +83,6 @@ class _Undecodable:
 
 
 UNDECODABLE = _Undecodable()
-
-
-class IdState:
-    """Where one id stands, beyond "queued because a change item named it".
-
-    Attributes:
-        fetch: fetch it before its next callback. An id queued without a
-            record needs a fetch; one with a record, only when this says so.
-        seen: the state the application last saw, once the mirror has moved
-            past it: its next callback's ``old`` (``UNSEEN``: the mirror's).
-        attempted: the ``new`` of a callback that raised: the application may
-            hold part of it, even if the mirror goes back to what it saw.
-        resync: a periodic resync hands it out again (``old == new``).
-        forced: called back even when unchanged, after a restore: the process
-            that saved the checkpoint may have told the application of a state
-            in between.
-        failures: consecutive failed fetches or callbacks (the back-off exponent).
-        awaited: the first sync waits for it to be processed once.
-        skip: ... and its next completion does not count (a fetch that started
-            before the bootstrap: it is queued again).
-    """
-
-    __slots__ = ("attempted", "awaited", "failures", "fetch", "forced", "resync", "seen", "skip")
-
-    def __init__(self, fetch: bool) -> None:
-        self.fetch = fetch
-        self.seen: Any = UNSEEN
-        self.attempted: Any = NOTHING
-        self.resync = False
-        self.forced = False
-        self.failures = 0
-        self.awaited = False
-        self.skip = False
-
-    @property
-    def pending(self) -> bool:
-        """Its state may be newer than the application's view: a checkpoint lists it."""
-        return self.fetch or self.forced or self.seen is not UNSEEN or self.attempted is not NOTHING
-
-    @property
-    def idle(self) -> bool:
-        """Nothing to remember: the record can go."""
-        return not (self.pending or self.resync or self.failures or self.awaited or self.skip)
 
 
 class Intake(enum.Enum):
@@ -232,9 +185,9 @@ class Reconciler(Generic[T]):
         longer read the resource, and retrying cannot heal that."""
         self._refusal = asyncio.Event()
         self.intake = Intake.WAITING
+        """On a shared listener: whether it takes what the dispatch hands it."""
         self.route: str | None = None
         """The route of the last bootstrap (a default fetch asks the latest ack's first)."""
-        """On a shared listener: whether it takes what the dispatch hands it."""
         self.synced = asyncio.Event()
         self._resynced_once = False
         self._awaiting = 0
