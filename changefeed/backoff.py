@@ -23,7 +23,11 @@ tenacity's own ``wait_exponential_jitter`` adds its jitter from the global
 ``random`` and has no floor for a server's hint, hence this wait. Where a
 part waits between two steps of a longer life (the listener's connection
 loop, a controller's per-id retries through its work queue), it calls
-``delay`` itself: that is the same arithmetic.
+``delay`` itself: that is the same arithmetic. A part whose connection comes
+and goes for a long life (the publisher's tailer and doorbell) counts its
+failures in a ``FailureStreak``, which starts over once a connection has
+stayed up: a blip after a healthy hour is retried at the schedule's start,
+not where the last outage left it.
 
 Pure code apart from tenacity's loop. It must never sleep, read a clock, or
 hand out a delay above ``maximum`` plus the capped hint.
@@ -46,6 +50,7 @@ __all__ = [
     "MAX_RETRY_AFTER",
     "Backoff",
     "BackoffError",
+    "FailureStreak",
     "WaitBackoff",
     "finite_number",
     "retry_after_floor",
@@ -139,6 +144,56 @@ class Backoff:
         return retry_after_floor(retry_after) + self.draw(failures, rng)[0]
 
 
+class FailureStreak:
+    """Consecutive failures of a connection that comes and goes: the count a
+    ``Backoff`` is drawn for.
+
+    It starts over once a connection has stayed up ``reset_after`` seconds, so
+    that a blip after a healthy stretch is retried at the start of the schedule;
+    a connection that fails again at once keeps climbing it (a server that
+    accepts and drops every connection is not hammered).
+
+    Args:
+        reset_after: seconds a connection must stay up to start the count over
+            (the default suits a server connection of the publisher's: long past
+            any hand-shake, short against an hour of health).
+    """
+
+    __slots__ = ("_up_since", "count", "reset_after", "resets")
+
+    def __init__(self, reset_after: float = 5.0) -> None:
+        self.reset_after = reset_after
+        self.count = 0
+        """Consecutive failures so far."""
+        self.resets = 0
+        """Times a count of one or more started over."""
+        self._up_since: float | None = None
+
+    def up(self, now: float) -> None:
+        """A connection works, from ``now`` (monotonic seconds) if it did not already."""
+        if self._up_since is None:
+            self._up_since = now
+
+    def up_for(self, now: float) -> float:
+        """Seconds the current connection has worked (0 when none does)."""
+        return 0.0 if self._up_since is None else max(0.0, now - self._up_since)
+
+    def failed(self, now: float) -> int:
+        """A connection (or an attempt at one) failed at ``now``: the consecutive
+        failures, this one included."""
+        if self._up_since is not None and now - self._up_since >= self.reset_after:
+            self.reset()
+        self._up_since = None
+        self.count += 1
+        return self.count
+
+    def reset(self) -> None:
+        """Start the count over."""
+        if self.count:
+            self.resets += 1
+        self.count = 0
+
+
 class WaitBackoff(wait_base):
     """tenacity's wait for a ``Backoff``: the policy's delay for the failures so far,
     plus the Retry-After the last failure carries (its ``retry_after`` attribute).
@@ -178,6 +233,7 @@ def retrying(
     stop: stop_base | Callable[[RetryCallState], bool] | None = None,
     rng: random.Random | None = None,
     before_sleep: Callable[[RetryCallState], Any] | None = None,
+    failures: Callable[[RetryCallState], int] | None = None,
 ) -> AsyncRetrying:
     """An ``AsyncRetrying`` waiting by ``policy`` (the last error is re-raised when it
     gives up).
@@ -187,10 +243,14 @@ def retrying(
         stop: when to give up (default: never).
         rng: source of the jitter.
         before_sleep: called before each wait (log, count).
+        failures: the failures the schedule counts (default: tenacity's attempt
+            number; a ``FailureStreak``'s count where the retried call is a
+            connection's whole life).
     """
     options: dict[str, Any] = {}
     if stop is not None:
         options["stop"] = stop
     if before_sleep is not None:
         options["before_sleep"] = before_sleep
-    return AsyncRetrying(wait=WaitBackoff(policy, rng), retry=retry, reraise=True, **options)
+    wait = WaitBackoff(policy, rng, failures)
+    return AsyncRetrying(wait=wait, retry=retry, reraise=True, **options)

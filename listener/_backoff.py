@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from changefeed.backoff import Backoff
+from changefeed.backoff import Backoff, FailureStreak
 
 from ._checks import is_number
 from ._errors import ListenerConfigError
@@ -80,40 +80,43 @@ class RegistrationBackoff:
 
     def __init__(self, policy: BackoffPolicy | None = None, rng: random.Random | None = None):
         self.policy = policy or BackoffPolicy()
-        self._rng = rng or random.Random()
-        self.failures = 0
-        """Consecutive failures since the last reset."""
+        self.rng = rng or random.Random()
+        """The jitter's source, which the bootstrap walks' retries draw from too."""
+        self.streak = FailureStreak(self.policy.reset_after)
+        """Consecutive failures, started over by a healthy connection."""
         self.delay = 0.0
         """The last delay handed out (0 before any failure or after a reset)."""
         self.ceiling = 0.0
         """The ceiling the last delay was drawn under."""
-        self.resets = 0
-        self._healthy_since: float | None = None
+
+    @property
+    def failures(self) -> int:
+        """Consecutive failures since the last reset."""
+        return self.streak.count
+
+    @property
+    def resets(self) -> int:
+        """Times the schedule started over."""
+        return self.streak.resets
 
     def healthy(self, now: float) -> None:
         """A connection became live at ``now`` (monotonic seconds)."""
-        if self._healthy_since is None:
-            self._healthy_since = now
+        self.streak.up(now)
 
     def healthy_for(self, now: float) -> float:
         """Seconds the current connection has been live (0 when not live)."""
-        return 0.0 if self._healthy_since is None else max(0.0, now - self._healthy_since)
+        return self.streak.up_for(now)
 
     def failure(self, now: float, retry_after: float | None = None) -> float:
         """A connection (attempt) ended at ``now``; return the delay before the next
         one: the drawn delay, plus the publisher's ``retry_after`` when it gave one."""
-        if self._healthy_since is not None and now - self._healthy_since >= self.policy.reset_after:
-            self.reset()
-        self._healthy_since = None
-        self.failures += 1
-        self.ceiling = self.policy.ceiling(self.failures)
-        self.delay = self.policy.delay(self.failures, self._rng, retry_after)
+        failures = self.streak.failed(now)
+        self.ceiling = self.policy.ceiling(failures)
+        self.delay = self.policy.delay(failures, self.rng, retry_after)
         return self.delay
 
     def reset(self) -> None:
         """Start the schedule over."""
-        if self.failures:
-            self.resets += 1
-        self.failures = 0
+        self.streak.reset()
         self.delay = 0.0
         self.ceiling = 0.0

@@ -28,13 +28,14 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
-from tenacity import RetryCallState, retry_if_exception_type
+from tenacity import RetryCallState
 
-from changefeed.backoff import Backoff, retrying
+from changefeed.backoff import Backoff, FailureStreak, retrying
 from changefeed.logs import log_event
 
 from .feed import DB_ERRORS
@@ -83,18 +84,27 @@ class Doorbell:
         self._resting = False
         self._changed = asyncio.Event()
         self._rng = rng or random.Random()
+        self._failures = FailureStreak()
 
     async def run(self) -> None:
         """LISTEN forever, reconnecting with back-off whenever the primary goes away."""
         reconnecting = retrying(
             _RECONNECT,
-            retry=retry_if_exception_type(DB_ERRORS),
+            retry=self._retryable,
             rng=self._rng,
             before_sleep=self._on_retry,
+            failures=lambda _: self._failures.count,
         )
         async for attempt in reconnecting:
             with attempt:
                 await self._listen()
+
+    def _retryable(self, state: RetryCallState) -> bool:
+        exc = state.outcome.exception() if state.outcome else None
+        if not isinstance(exc, DB_ERRORS):
+            return False
+        self._failures.failed(time.monotonic())
+        return True
 
     def _on_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
@@ -106,7 +116,7 @@ class Doorbell:
             "doorbell.reconnecting",
             logging.WARNING,
             error=self.last_error,
-            attempt=state.attempt_number,
+            attempt=self._failures.count,
         )
 
     def rest(self, resting: bool) -> None:
@@ -122,6 +132,7 @@ class Doorbell:
             conn.add_termination_listener(lambda _: self._changed.set())
             if self.status != "starting":
                 log_event(log, "doorbell.reconnected")
+            self._failures.up(time.monotonic())
             self.last_error = None
             while True:
                 self._changed.clear()

@@ -30,7 +30,7 @@ from typing import Any
 import asyncpg
 from tenacity import RetryCallState
 
-from changefeed.backoff import Backoff, retrying
+from changefeed.backoff import Backoff, FailureStreak, retrying
 from changefeed.logs import log_event
 from changefeed.schemas import Position, stamp_of
 
@@ -121,6 +121,7 @@ class Tailer:
         """Told True when the feed flows and the doorbell may rest, False when it
         must ring again (``Doorbell.rest``)."""
         self._unexpected = 0
+        self._failures = FailureStreak()
         self._wake = asyncio.Event()
         self._rejoin = False
         """Join the feed again before the next read (``rejoin``)."""
@@ -170,7 +171,11 @@ class Tailer:
         publisher reports itself failed (/readyz) rather than spin.
         """
         reconnecting = retrying(
-            _RECONNECT, retry=self._retryable, rng=self._rng, before_sleep=self._on_retry
+            _RECONNECT,
+            retry=self._retryable,
+            rng=self._rng,
+            before_sleep=self._on_retry,
+            failures=lambda _: self._failures.count,
         )
         async for attempt in reconnecting:
             with attempt:
@@ -182,13 +187,16 @@ class Tailer:
             return False
         if isinstance(exc, DB_ERRORS):
             self._unexpected = 0
-            return True
-        self._unexpected += 1
-        if self._unexpected > _UNEXPECTED_RETRIES:
-            self.status = "failed"
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            return False
-        return isinstance(exc, Exception)
+        else:
+            self._unexpected += 1
+            if self._unexpected > _UNEXPECTED_RETRIES:
+                self.status = "failed"
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                return False
+            if not isinstance(exc, Exception):
+                return False
+        self._failures.failed(time.monotonic())
+        return True
 
     def _on_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
@@ -208,7 +216,7 @@ class Tailer:
             # A database error is expected weather; anything else needs its traceback.
             exc=exc if unexpected else None,
             error=self.last_error,
-            attempt=state.attempt_number,
+            attempt=self._failures.count,
             down_for=round(down_for, 3),
             status=self.status,
         )
@@ -233,6 +241,7 @@ class Tailer:
                     after=round(time.monotonic() - (self.failing_since or 0), 3),
                 )
             self.status = "running"
+            self._failures.up(time.monotonic())
             self.failing_since = None
             self.last_error = None
             self.ready.set()

@@ -8,7 +8,7 @@ import random
 import pytest
 from tenacity import RetryCallState, retry_if_exception_type, stop_after_attempt
 
-from changefeed.backoff import MAX_RETRY_AFTER, Backoff, BackoffError, retrying
+from changefeed.backoff import MAX_RETRY_AFTER, Backoff, BackoffError, FailureStreak, retrying
 from changefeed.listener import BackoffPolicy, ListenerConfigError, ListenerError
 from changefeed.listener._backoff import DEFAULT_ITEM_BACKOFF, RegistrationBackoff
 
@@ -188,3 +188,15 @@ def test_policy_refuses_bad_values(kwargs: dict[str, float], key: str) -> None:
         BackoffPolicy(**kwargs)
     assert info.value.key == key
     assert isinstance(info.value, ListenerError) and isinstance(info.value, ValueError)
+
+
+def test_a_failure_streak_starts_over_once_a_connection_stayed_up() -> None:
+    streak = FailureStreak(reset_after=5.0)
+    assert [streak.failed(now=float(i)) for i in range(3)] == [1, 2, 3]
+    streak.up(now=10.0)
+    assert streak.failed(now=12.0) == 4  # up 2 s: the outage goes on climbing
+    streak.up(now=20.0)
+    streak.up(now=24.0)  # a second call keeps the first moment
+    assert streak.up_for(now=25.0) == 5.0
+    assert streak.failed(now=25.0) == 1  # up 5 s: a blip starts the schedule over
+    assert streak.resets == 1 and streak.up_for(now=26.0) == 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections import Counter
 from typing import Any
@@ -192,6 +193,47 @@ async def _collect(ws, into: list[str]) -> None:  # type: ignore[no-untyped-def]
     while True:
         doc = orjson.loads(await ws.recv())
         into.extend(i["changedResourceId"] for i in (doc if isinstance(doc, list) else [doc]))
+
+
+async def _terminate_tailer(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        killed = await conn.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = 'changefeed-tailer'"
+        )
+    finally:
+        await conn.close()
+    assert killed == 1
+
+
+async def test_a_blip_after_a_healthy_stretch_reconnects_at_the_schedules_start(
+    feed_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tailer's reconnections climb the back-off while its connection keeps
+    failing, and start over once one stayed up (5 s): an outage earlier in the
+    publisher's life does not slow its recovery from every later blip."""
+    caplog.set_level(logging.WARNING, logger="changefeed.publisher.tailer")
+
+    def attempts() -> list[int]:
+        return [
+            getattr(r, "cf_fields", {})["attempt"]
+            for r in caplog.records
+            if r.getMessage() == "tailer.reconnecting"
+        ]
+
+    async with running_publisher(feed_dsn, poll_interval=0.1) as pub:
+        tailer = pub.publisher.tailer
+        for blips in (1, 2):  # the second right after the first reconnection
+            await _terminate_tailer(feed_dsn)
+            await wait_until(lambda: tailer.reconnects_total >= blips, timeout=20)  # noqa: B023
+            await wait_until(lambda: tailer.status == "running", timeout=20)
+        assert attempts() == [1, 2]
+        # Time must pass here: the connection stays up past the reset.
+        await asyncio.sleep(5.5)
+        await _terminate_tailer(feed_dsn)
+        await wait_until(lambda: len(attempts()) == 3, timeout=20)
+        assert attempts() == [1, 2, 1]
 
 
 @pytest.mark.parametrize("outage", ["terminate_backend", "restart_postgres"])
