@@ -307,6 +307,7 @@ class Pager:
         token: bearer token sent with every request.
         max_wait: seconds one page may spend waiting on 429 (busy) answers.
         prefetch: fetch the next page while the current one is consumed.
+        rng: source of the retries' jitter (default: the pager's own).
 
     Raises:
         BootstrapConfigError: ``limit`` or ``max_attempts`` is not positive.
@@ -325,6 +326,7 @@ class Pager:
         token: str | None = None,
         max_wait: float = 300.0,
         prefetch: bool = True,
+        rng: random.Random | None = None,
     ) -> None:
         if limit < 1:
             raise BootstrapConfigError(f"limit must be positive, got {limit}")
@@ -333,7 +335,7 @@ class Pager:
         self.client = client
         self.route = route
         self.limit = limit
-        self.policy = RetryPolicy(max_attempts=max_attempts, max_wait=max_wait)
+        self.policy = RetryPolicy(max_attempts=max_attempts, max_wait=max_wait, rng=rng)
         self.on_progress = on_progress
         self.prefetch = prefetch
         self._headers = bearer_headers(token)
@@ -466,6 +468,7 @@ async def fetch_one(
     token: str | None = None,
     max_attempts: int = 8,
     max_wait: float = 300.0,
+    rng: random.Random | None = None,
 ) -> dict[str, Any] | None:
     """``GET {route}/{id}``: the item, or None when it does not exist (404).
 
@@ -476,7 +479,7 @@ async def fetch_one(
         client,
         _item_url(route, id),
         headers=bearer_headers(token),
-        policy=RetryPolicy(max_attempts=max_attempts, max_wait=max_wait),
+        policy=RetryPolicy(max_attempts=max_attempts, max_wait=max_wait, rng=rng),
         allow_404=True,
     )
     if response.status_code == 404:
@@ -511,6 +514,7 @@ async def fetch_many(
     token: str | None = None,
     max_attempts: int = 8,
     max_wait: float = 300.0,
+    rng: random.Random | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The items found among ``ids``, by id, via the batch form ``{route}?ids=a,b,c``.
 
@@ -524,7 +528,7 @@ async def fetch_many(
         PagingError: a chunk failed for good or its body is not a page.
     """
     wanted = list(dict.fromkeys(ids))
-    policy = RetryPolicy(max_attempts=max_attempts, max_wait=max_wait)
+    policy = RetryPolicy(max_attempts=max_attempts, max_wait=max_wait, rng=rng)
     found: dict[str, dict[str, Any]] = {}
     for start in range(0, len(wanted), chunk):
         part = wanted[start : start + chunk]

@@ -195,6 +195,7 @@ class ConnectionLoop:
             token=self._token,
             name=self._name,
             first_bootstrap=not self._bootstrapped_once,
+            rng=self.backoff.rng,
         )
 
     async def _after_session(self, ending: SessionError) -> None:

@@ -121,7 +121,8 @@ class Controller(Generic[T]):
         name: the controller's name in logs and metrics (default: the
             listener's name, plus ``/resource`` on a shared listener).
         registry: a Prometheus registry to expose the work-queue metrics on.
-        rng: random source of the retry jitter.
+        rng: random source of the jitter of its retries: per id, and the
+            default fetch's requests.
 
     Raises:
         ListenerConfigError: both ``reconcile`` and an ``on_*`` callback, a bad number,
@@ -199,6 +200,7 @@ class Controller(Generic[T]):
         self.max_pending = max_pending
         self.resync_period = resync_period
         self._id_field = id_field
+        self._rng = rng or random.Random()
         self._core: Reconciler[T] = Reconciler(
             name=self.name,
             resource=resource or "",
@@ -214,7 +216,7 @@ class Controller(Generic[T]):
             fetch_batch=fetch_batch,
             max_pending=max_pending,
             retry=retry or DEFAULT_ITEM_BACKOFF,
-            rng=rng,
+            rng=self._rng,
         )
         self._failure: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
@@ -428,7 +430,12 @@ class Controller(Generic[T]):
             raise ListenerError("no resource route yet: the listener has not registered")
         if len(ids) == 1:
             one = await fetch_one(
-                link.http(), route, ids[0], max_attempts=self.fetch_attempts, max_wait=30.0
+                link.http(),
+                route,
+                ids[0],
+                max_attempts=self.fetch_attempts,
+                max_wait=30.0,
+                rng=self._rng,
             )
             return {} if one is None else {ids[0]: one}
         return await fetch_many(
@@ -439,6 +446,7 @@ class Controller(Generic[T]):
             id_field=self._id_field,
             max_attempts=self.fetch_attempts,
             max_wait=30.0,
+            rng=self._rng,
         )
 
     def done(self) -> bool:

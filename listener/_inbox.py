@@ -325,9 +325,9 @@ class Inbox:
         self._high = False
         self.peak = 0
         """The most items held at once."""
-        self.frames = 0
+        self.frames_received = 0
         """Frames received (error and bad frames too)."""
-        self.received = 0
+        self.items_received = 0
         """Change items decoded from frames."""
         self.overflows = 0
         self._staged_total = 0
@@ -340,7 +340,7 @@ class Inbox:
         return len(self.buffer) + len(self._staged) - self._next + self._in_hand
 
     @property
-    def delivered(self) -> int:
+    def items_delivered(self) -> int:
         """Change items handed to the application (``async for`` or controllers)."""
         return self._staged_total - (len(self._staged) - self._next) + self._dispatched
 
@@ -393,7 +393,7 @@ class Inbox:
                 fetch its id from another resource's route).
             BufferOverflow: its items do not fit.
         """
-        self.frames += 1
+        self.frames_received += 1
         items = decode_frame(frame)
         if isinstance(items, ErrorFrame):
             raise publisher_error(items, "publisher error")
@@ -404,7 +404,7 @@ class Inbox:
                     f"an item of resource {item.change_kind.resource!r}, "
                     "which this connection did not register"
                 )
-        self.received += len(items)
+        self.items_received += len(items)
         buffer = self.buffer
         held = self.held()
         if held + len(items) > buffer.capacity or not await buffer.put(items):

@@ -173,7 +173,8 @@ class Listener:
         registry: a Prometheus registry to expose this listener's metrics on.
         name: this listener's name in logs and metrics (default
             ``service:resource``, ``service:vm+server`` for several).
-        rng: random source of the back-off jitter (seed it in tests).
+        rng: random source of the jitter of the re-registration back-off and
+            the bootstrap walks' retries (seed it in tests).
 
     Raises:
         ListenerConfigError: the URL is not ws:// or wss:// (``api_url`` not
@@ -340,12 +341,12 @@ class Listener:
     @property
     def items_received(self) -> int:
         """Change items decoded from the socket."""
-        return self._inbox.received
+        return self._inbox.items_received
 
     @property
     def frames_received(self) -> int:
         """Websocket frames received."""
-        return self._inbox.frames
+        return self._inbox.frames_received
 
     @property
     def last_error(self) -> str | None:
@@ -355,7 +356,7 @@ class Listener:
     @property
     def items_delivered(self) -> int:
         """Change items handed to the application (iteration or controllers)."""
-        return self._inbox.delivered
+        return self._inbox.items_delivered
 
     def status(self) -> ListenerStatus:
         """A snapshot of the listener's state and counters."""
@@ -381,9 +382,9 @@ class Listener:
             backoff_resets=backoff.resets,
             last_error=connection.last_error,
             cursor=self._inbox.resume,
-            items_received=inbox.received,
-            items_delivered=inbox.delivered,
-            frames_received=inbox.frames,
+            items_received=inbox.items_received,
+            items_delivered=inbox.items_delivered,
+            frames_received=inbox.frames_received,
             live_for=0.0 if live_since is None else time.monotonic() - live_since,
             route=self.route,
             resources=self.resources,

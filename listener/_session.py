@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Sequence
 from typing import Any, Protocol
 from urllib.parse import urljoin
@@ -146,6 +147,7 @@ class Session:
         token: bearer token for the handshake.
         name: the listener's name (task names).
         first_bootstrap: no bootstrap of this listener has completed yet.
+        rng: source of the jitter of the bootstrap walk's retries.
     """
 
     def __init__(
@@ -164,6 +166,7 @@ class Session:
         token: str | None,
         name: str,
         first_bootstrap: bool,
+        rng: random.Random,
     ) -> None:
         self._host = host
         self._frames = frames
@@ -178,6 +181,7 @@ class Session:
         self._token = token
         self._name = name
         self._first_bootstrap = first_bootstrap
+        self._rng = rng
 
     async def run(self) -> None:
         """Connect and serve until the connection ends; always raises ``SessionError``."""
@@ -337,6 +341,7 @@ class Session:
             limit=self._config.page_limit,
             max_attempts=self._config.page_attempts,
             on_progress=on_page,
+            rng=self._rng,
         )
         log_event(
             log, "listener.bootstrapping", **host.log_fields(), resource=resource, route=route

@@ -622,6 +622,41 @@ async def test_pager_gives_up_with_url_and_status(dsn: str) -> None:
         assert calls["forbidden"] == 1  # a 4xx is never retried
 
 
+class _CountingRandom(random.Random):
+    """A seeded ``random.Random`` that counts its draws."""
+
+    def __init__(self) -> None:
+        super().__init__(7)
+        self.draws = 0
+
+    def random(self) -> float:
+        self.draws += 1
+        return super().random()
+
+
+async def test_pager_and_fetches_draw_their_jitter_from_the_rng_they_are_given() -> None:
+    attempts = Counter[str]()
+
+    async def once_down(request: Request) -> Response:
+        attempts[str(request.url)] += 1
+        if attempts[str(request.url)] == 1:
+            return error_response(503, "unavailable", "once", {"Retry-After": "0"})
+        if request.path_params.get("id"):
+            return Response(b'{"id": "a"}', 200, media_type="application/json")
+        return Response(
+            b'{"items": [{"id": "a"}], "next": null}', 200, media_type="application/json"
+        )
+
+    app = Starlette(routes=[Route("/vms", once_down), Route("/vms/{id}", once_down)])
+    async with serve_app(app) as server, httpx.AsyncClient(base_url=server.url) as client:
+        walked, one, many = _CountingRandom(), _CountingRandom(), _CountingRandom()
+        assert [item async for item in Pager(client, "/vms", rng=walked)] == [{"id": "a"}]
+        assert await fetch_one(client, "/vms", "a", rng=one) == {"id": "a"}
+        assert await fetch_many(client, "/vms", ["a"], rng=many) == {"a": {"id": "a"}}
+    # Each retried once, its wait drawn from its own rng: none from a shared one.
+    assert (walked.draws, one.draws, many.draws) == (1, 1, 1)
+
+
 @pytest.mark.parametrize("link", ["another-port", "credentials"])
 @pytest.mark.parametrize("prefetch", [True, False])
 async def test_pager_never_follows_a_next_link_to_another_origin(prefetch: bool, link: str) -> None:

@@ -65,7 +65,8 @@ async def test_frames_in_events_out_in_feed_order_resynced_first() -> None:
     assert isinstance(events[0], Resynced)
     assert [e.cursor for e in events] == ["ack", "c1", "c2"]
     assert box.resume == "c2" and box.done == "c1"  # done: the one before
-    assert (box.frames, box.received, box.delivered, box.held()) == (1, 2, 2, 0)
+    counts = (box.frames_received, box.items_received, box.items_delivered, box.held())
+    assert counts == (1, 2, 2, 0)
 
 
 async def test_a_frame_that_does_not_fit_is_an_overflow_and_held_items_count() -> None:
@@ -167,7 +168,7 @@ async def test_the_dispatch_hands_each_resource_its_run_as_far_as_there_is_room(
     vms.more.set()
     await wait_until(lambda: len(servers.got) == 2, 5)
     assert vms.got[-1] == ["c3"] and servers.got[-1] == ["c4"]
-    assert box.done == box.resume == "c4" and box.delivered == 4
+    assert box.done == box.resume == "c4" and box.items_delivered == 4
     box.stop(None)
     await asyncio.wait_for(dispatch, 1)
 
