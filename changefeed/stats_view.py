@@ -111,6 +111,7 @@ def _overview(doc: dict[str, Any]) -> list[str]:
             "counters",
             f"connections {_count(counters.get('connections'))}"
             f" (closed {_count(counters.get('connectionsClosed'))}),"
+            f" listeners {_count(counters.get('listeners'))},"
             f" registrations {_count(counters.get('registrations'))},"
             f" disconnects {_count(counters.get('disconnects'))}",
         ),
@@ -127,7 +128,8 @@ def _overview(doc: dict[str, Any]) -> list[str]:
             f" frames, dropped {_count(counters.get('dropped'))},"
             f" caught up {_count(counters.get('caughtUpFromWindow'))} from the window and"
             f" {_count(counters.get('caughtUpFromFeed'))} from the feed"
-            f" ({_count(counters.get('pageReads'))} page reads)",
+            f" ({_count(counters.get('pageReads'))} page reads,"
+            f" {_count(counters.get('pagesShared'))} shared)",
         ),
         ("refused", _pairs(counters.get("refused") or {}) or "none"),
     ]

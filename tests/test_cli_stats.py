@@ -150,6 +150,17 @@ def _logged(formatter: logging.Formatter, **fields: Any) -> str:
     return line
 
 
+def test_the_view_shows_every_counter_the_publisher_declares() -> None:
+    from changefeed.publisher.figures import COUNTERS
+    from changefeed.stats_view import render_stats
+
+    keys = [figure.stats for figure in COUNTERS if figure.stats]
+    counters = {key: 70_001 + i for i, key in enumerate(keys)}
+    text = render_stats({"counters": counters})
+    missing = [key for key, n in counters.items() if f"{n:,}" not in text]
+    assert not missing, f"changefeed stats does not show {missing}:\n{text}"
+
+
 def test_the_human_log_keeps_an_event_on_one_line_whatever_its_fields_hold() -> None:
     from changefeed.logs import HumanFormatter
 
