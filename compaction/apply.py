@@ -45,6 +45,7 @@ from tenacity import retry_if_exception_type, stop_after_attempt
 
 from changefeed.backoff import Backoff, retrying
 from changefeed.schemas import ORIGIN, PgConnection, Position, quote_schema, schema_version
+from changefeed.wal import insert_target
 
 from .errors import CompactionError
 from .plan import GcRegion
@@ -106,7 +107,9 @@ TID_RANGE_SCAN_VERSION = 140000
 
 _LAST_PAGE = (4294967295, 0)  # above every heap page: the open end of the last range
 _STAGING_NAME = re.compile(r"^compaction_(plan|touched|hot)_[0-9]+$")
-_STANDBY_POLL = 0.2
+_STANDBY_POLL = Backoff(initial=0.01, maximum=0.5, jitter=0.0)
+"""Waits between two looks at the standbys' replay (changefeed.backoff's policy,
+without jitter: one job asking one server): 10 ms doubling to half a second."""
 _RETRIES = 3
 _LOCK_WAIT = Backoff(initial=0.05, maximum=1.0, jitter=1.0)
 """Waits before a batch that waited for locks (or deadlocked) runs again
@@ -530,7 +533,9 @@ class CompactionStore:
     async def wait_for_standbys(self, wait: float) -> list[str]:
         """Wait until every streaming standby has replayed what this connection's
         session wrote so far (the widened keepers), before any drop; return the
-        standbys waited for.
+        standbys waited for. The target is the primary's WAL insert position
+        (``changefeed.wal.insert_target``): with ``synchronous_commit`` off, the
+        write position may still be short of the keepers' records.
 
         A listener that read a stretch of the table after the drops on one
         server must find the keepers widened on any other it resumes from: on
@@ -543,16 +548,17 @@ class CompactionStore:
                 (nothing is lost: the drops wait for the next run), or the job's
                 role may not see the standbys' positions.
         """
-        target = await self.conn.fetchval("SELECT pg_current_wal_lsn()")
+        target = await insert_target(self.conn)
         deadline = time.monotonic() + wait
+        looks = 0
         while True:
             behind = await self.conn.fetch(
                 """
                 SELECT coalesce(application_name, client_addr::text, pid::text) AS name,
-                       state, replay_lsn >= $1 AS caught_up
+                       state, replay_lsn >= $1::text::pg_lsn AS caught_up
                 FROM pg_stat_replication
                 UNION ALL
-                SELECT 'slot ' || slot_name, 'slot', restart_lsn >= $1
+                SELECT 'slot ' || slot_name, 'slot', restart_lsn >= $1::text::pg_lsn
                 FROM pg_replication_slots WHERE slot_type = 'physical' AND NOT active
                 """,
                 target,
@@ -572,7 +578,9 @@ class CompactionStore:
                     f" {wait:g}s: the drops wait for the next run (nothing is lost). A"
                     " standby that is gone for good: drop its replication slot"
                 )
-            await asyncio.sleep(_STANDBY_POLL)
+            looks += 1
+            left = deadline - time.monotonic()
+            await asyncio.sleep(min(_STANDBY_POLL.delay(looks, self._rng), max(left, 0.0)))
 
     def share_survey(self, other: CompactionStore) -> None:
         """Use ``other``'s survey of the staging table (a second connection's store)."""

@@ -34,45 +34,19 @@ import asyncpg
 from changefeed.backoff import Backoff
 from changefeed.logs import log_event
 from changefeed.schemas import PgConnection
+from changefeed.wal import insert_target
 
 from .rounds import Rounds
 
-__all__ = ["Standby", "format_lsn", "parse_lsn", "replay_target", "wait_replayed"]
+__all__ = ["Standby", "wait_replayed"]
 
 log = logging.getLogger(__name__)
 
-_LONG_PAGE_HEADER = 40
-"""Bytes of the longest WAL page header (a segment's first page; others have 24)."""
 _POLL = Backoff(initial=0.002, maximum=0.05, jitter=0.0)
 """Waits between two looks at a standby's replay (changefeed.backoff's policy,
 without jitter: one client asking one server): 2 ms doubling to 50 ms."""
 _NO_JITTER = random.Random()
-"""Seconds between two looks at a standby's replay position, growing from the first."""
-
-
-def parse_lsn(text: str) -> int:
-    """A WAL position from PostgreSQL's ``X/Y`` notation."""
-    high, _, low = text.partition("/")
-    return (int(high, 16) << 32) | int(low, 16)
-
-
-def format_lsn(lsn: int) -> str:
-    """A WAL position in PostgreSQL's ``X/Y`` notation."""
-    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
-
-
-def replay_target(insert_lsn: int, block_size: int) -> int:
-    """The replay position a standby must reach to have every record inserted before
-    ``insert_lsn`` (``pg_current_wal_insert_lsn()``).
-
-    A standby reports the end of the last record it replayed. The insert position
-    right after a record that filled its WAL page to the end is past the next
-    page's header instead, where no record ends: a standby that has replayed
-    everything would wait for it until some other record is written. No record
-    ends inside a page header, so the page's start is the same target.
-    """
-    offset = insert_lsn % block_size
-    return insert_lsn - offset if offset <= _LONG_PAGE_HEADER else insert_lsn
+"""The random source ``_POLL`` is handed: a policy without jitter draws nothing from it."""
 
 
 async def wait_replayed(conn: PgConnection, target: str, within: float) -> bool:
@@ -127,7 +101,7 @@ class Standby:
             yield conn
 
     async def primary_position(self) -> str:
-        """A replay target (``replay_target``) covering every transaction the primary
+        """A replay target (``changefeed.wal.insert_target``) covering every transaction the primary
         had committed when this call was made.
 
         Callers at the same time share one query: a query already under way may
@@ -143,11 +117,6 @@ class Standby:
         self.positions_asked += 1
         async with self.primary() as conn:
             async with asyncio.timeout(self._timeout):
-                row = await conn.fetchrow(
-                    "SELECT pg_current_wal_insert_lsn()::text AS lsn,"
-                    " current_setting('wal_block_size')::int AS block"
-                )
-        assert row is not None
-        target = format_lsn(replay_target(parse_lsn(row["lsn"]), row["block"]))
+                target = await insert_target(conn)
         log_event(log, "standby.primary_position", logging.DEBUG, target=target)
         return target

@@ -638,3 +638,31 @@ async def test_example_api_read_dsn_from_the_command_line(
     async with stopping(refused):
         assert await refused.wait_exit(30) != 0
     assert "--read-dsn" in refused.log()
+
+
+async def test_the_compaction_drops_wait_until_the_standby_has_replayed_the_keepers(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """Before any drop the job waits for every standby to replay what it wrote (the
+    widened keepers): with replay paused the wait ends in an error after its
+    seconds (the drops are left to the next run), and once replay goes on it ends
+    as soon as the standby has caught up."""
+    from changefeed.compaction.apply import CompactionStore
+    from changefeed.compaction.errors import CompactionError
+
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        store = CompactionStore(conn, "changefeed")
+        await store.prepare()
+        async with replay_paused(standby_dsn) as standby:
+            await store.announce(Position(10, 5))  # a write the standby has not replayed
+            with pytest.raises(CompactionError, match="has not replayed"):
+                await store.wait_for_standbys(0.5)
+            waiting = asyncio.create_task(store.wait_for_standbys(60.0))
+            done, _ = await asyncio.wait({waiting}, timeout=0.5)
+            assert not done  # still waiting while replay is paused
+            await standby.execute("SELECT pg_wal_replay_resume()")
+            names = await asyncio.wait_for(waiting, 30)
+        assert names, "the standby it waited for is named"
+    finally:
+        await conn.close()
