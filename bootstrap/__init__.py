@@ -86,7 +86,15 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _ROUTE_NAMES:
-        from . import route
+        try:
+            from . import route
+        except ModuleNotFoundError as exc:  # a listener-only install: say what to install
+            missing = (exc.name or "?").split(".")[0]
+            raise ModuleNotFoundError(
+                f"changefeed.bootstrap.{name} (the server side) needs changefeed[publisher]"
+                f" (no module {missing!r}): pip install 'changefeed[publisher]'",
+                name=missing,
+            ) from exc
 
         return getattr(route, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

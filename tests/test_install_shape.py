@@ -86,3 +86,15 @@ def test_the_publisher_without_its_extra_says_which_to_install() -> None:
     done = run_python("import sys; sys.modules['asyncpg'] = None\nimport changefeed.publisher\n")
     assert done.returncode == 1
     assert "changefeed.publisher needs changefeed[publisher]" in done.stderr
+
+
+@pytest.mark.parametrize("blocked", ["asyncpg", "starlette"])
+def test_the_bootstrap_routes_without_their_extra_say_which_to_install(blocked: str) -> None:
+    done = run_python(
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        "from changefeed.bootstrap import Pager\n"  # the client side needs neither
+        "from changefeed.bootstrap import BootstrapRoute\n"
+    )
+    assert done.returncode == 1
+    assert "BootstrapRoute (the server side) needs changefeed[publisher]" in done.stderr
+    assert f"no module {blocked!r}" in done.stderr
