@@ -21,9 +21,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from changefeed.backoff import Backoff, FailureStreak
+from changefeed.backoff import Backoff, FailureStreak, finite_number
 
-from ._checks import is_number
 from ._errors import ListenerConfigError
 
 __all__ = ["DEFAULT_ITEM_BACKOFF", "BackoffPolicy", "RegistrationBackoff"]
@@ -54,7 +53,7 @@ class BackoffPolicy(Backoff):
 
     def __post_init__(self) -> None:
         Backoff.__post_init__(self)
-        if not (is_number(self.reset_after) and self.reset_after >= 0):
+        if not (finite_number(self.reset_after) and self.reset_after >= 0):
             self._refuse("reset_after", f"must be a finite number >= 0, got {self.reset_after!r}")
 
     def _refuse(self, field: str, message: str) -> None:

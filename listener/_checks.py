@@ -28,12 +28,7 @@ __all__ = [
     "check_flag",
     "check_registration",
     "check_seconds",
-    "is_number",
 ]
-
-
-is_number = finite_number
-"""A finite int or float (a bool is not a number here): changefeed.backoff's rule."""
 
 
 def check_count(key: str, value: object, *, optional: bool = False) -> None:
@@ -57,7 +52,7 @@ def check_seconds(key: str, value: object, *, optional: bool = False) -> None:
     """
     if value is None and optional:
         return
-    if not (is_number(value) and value > 0):
+    if not (finite_number(value) and value > 0):
         hint = " (or None)" if optional else ""
         raise ListenerConfigError(key, f"must be a finite number > 0{hint}, got {value!r}")
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from changefeed.backoff import finite_number
+
 from ._backoff import BackoffPolicy
-from ._checks import check_count, check_flag, check_seconds, is_number
+from ._checks import check_count, check_flag, check_seconds
 from ._errors import ListenerConfigError
 from ._inbox import BUFFER_KINDS
 
@@ -134,5 +136,5 @@ class ListenerConfig:
             "controller_start_timeout",
         ):
             check_seconds(key, getattr(self, key))
-        if not (is_number(self.high_water) and 0 < self.high_water <= 1):
+        if not (finite_number(self.high_water) and 0 < self.high_water <= 1):
             raise ListenerConfigError("high_water", f"must be in (0, 1], got {self.high_water!r}")

@@ -404,8 +404,8 @@ class Controller(Generic[T]):
             elif isinstance(event, ChangeItem):
                 if resource is not None and event.change_kind.resource != resource:
                     continue
-                while core.room_left() <= 0:
-                    await core.wait_room_left()
+                while core.queue_room() <= 0:
+                    await core.wait_queue_room()
                 core.take((event,))
 
     async def _resync_every(self, period: float) -> None:

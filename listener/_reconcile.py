@@ -238,24 +238,25 @@ class Reconciler(Generic[T]):
 
     # -- in -----------------------------------------------------------------------------
 
-    def room_left(self) -> int:
+    def queue_room(self) -> int:
         """How many more change items it takes before its work queue is full."""
         return self._max_pending - self.queue.pending
 
-    async def wait_room_left(self) -> None:
+    async def wait_queue_room(self) -> None:
         """Return once there is room, or it stopped."""
-        while self.room_left() <= 0 and not self._stopped:
+        while self.queue_room() <= 0 and not self._stopped:
             self._room.clear()
             await self._room.wait()
 
-    # The dispatch of a shared listener (``_inbox.Sink``): a controller that does not
-    # take events (not running yet, stopped) never holds the others up.
+    # The dispatch of a shared listener (``_inbox.Sink``) asks ``room``, not
+    # ``queue_room``: a controller that does not take events (not running yet,
+    # stopped) never holds the others up.
 
     def room(self) -> int:
-        return self.room_left() if self.intake is Intake.OPEN else 1 << 30
+        return self.queue_room() if self.intake is Intake.OPEN else 1 << 30
 
     async def wait_room(self) -> None:
-        while self.intake is Intake.OPEN and self.room_left() <= 0 and not self._stopped:
+        while self.intake is Intake.OPEN and self.queue_room() <= 0 and not self._stopped:
             self._room.clear()
             await self._room.wait()
 
@@ -270,7 +271,7 @@ class Reconciler(Generic[T]):
             self.resync(event)
 
     def take(self, items: Sequence[ChangeItem]) -> None:
-        """Change items (never more than ``room_left()``): their ids need a fetch."""
+        """Change items (never more than ``queue_room()``): their ids need a fetch."""
         self.counts.items += len(items)
         ids = [item.changed_resource_id for item in items]
         records = self._ids
