@@ -33,13 +33,13 @@ save, closed by ``close``); loading splits the chunks on the event loop one
 at a time, with the garbage collector paused meanwhile (as the bootstrap
 pager does), so the loop is never held for long.
 
-**One writer.** Opening the store takes an exclusive lock (``flock``) on
-``<file>.<name>.lock`` beside the file, held until ``close`` (or the
-process's end, however it ends): a second store on the same file and name,
-in this process or another, is refused with ``CheckpointRefused`` when it
-first loads or saves, so two listeners can never overwrite each other's
-checkpoints, whole saves included. Other names in the same file are not
-held up.
+**One writer.** Opening the store claims the file under its name
+(``_file_claim``: an exclusive lock on ``<file>.<name>.lock``), held until
+``close`` (or the process's end, however it ends): a second store on the
+same file and name, in this process or another, is refused with
+``CheckpointRefused`` when it first loads or saves, so two listeners can
+never overwrite each other's checkpoints, whole saves included. Other names
+in the same file are not held up.
 
 **A file it cannot use.** A file that is not a SQLite database, or one
 SQLite finds corrupt, or one holding a checkpoint of a newer layout than this
@@ -64,18 +64,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import hashlib
 import itertools
 import logging
 import os
-import re
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -85,6 +82,7 @@ from changefeed.schemas import ChangeKind
 
 from ._checkpoint import Checkpoint, JsonItems, MirrorCheckpoint
 from ._errors import CheckpointError, CheckpointRefused
+from ._file_claim import FileClaim, FileHeld
 from ._log import log
 
 __all__ = ["FOLD_FLOOR", "FOLD_RATIO", "FORMAT_VERSION", "SqliteCheckpointStore"]
@@ -141,8 +139,6 @@ _UNUSABLE = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
 """SQLite's result codes for a file that is not a database, or a damaged one: moved aside.
 Any other error (locked, cannot open, I/O) says nothing against the file itself."""
 
-_SLUG = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
 _Raw = tuple[
     tuple[int, int, str | None, str, float],
     dict[str, tuple[str, bytes, list[tuple[bytes, bytes]], list[tuple[str, bytes | None]]]],
@@ -157,29 +153,6 @@ class _MoveAside(Exception):
         super().__init__(why)
         self.suffix = suffix
         self.why = why
-
-
-_CLAIM_TRIES = 5
-_CLAIM_PAUSE = 0.02
-"""Seconds between two tries to lock: another store's look at whether the file is
-held (``_held_by_others``) takes a shared lock for an instant; only a lock still
-held after the tries is another listener's."""
-
-
-def _flock_soon(lock: IO[str]) -> None:
-    """An exclusive lock on ``lock``, tried a few times over about 0.1 s.
-
-    Raises:
-        BlockingIOError: another store holds it.
-    """
-    for attempt in range(_CLAIM_TRIES):
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if attempt == _CLAIM_TRIES - 1:
-                raise
-            time.sleep(_CLAIM_PAUSE)  # in the store's worker thread, never the loop's
 
 
 def _unusable(exc: sqlite3.DatabaseError) -> bool:
@@ -215,16 +188,15 @@ class SqliteCheckpointStore:
         self.name = name
         self.chunk_items = chunk_items
         self.timeout = timeout
-        slug = name if _SLUG.fullmatch(name) else hashlib.sha256(name.encode()).hexdigest()[:16]
         # The file itself, links resolved: two paths to one file share one lock, and
         # the file (not a link to it) is what is opened and moved aside.
         self._file = self.path.resolve()
-        self.lock_path = Path(f"{self._file}.{slug}.lock")
+        self._claim = FileClaim(self._file, name)
+        self.lock_path = self._claim.lock_path
         """The file whose lock says this store holds the checkpoint."""
         self.moved_aside: list[Path] = []
         """Where files this store could not use were moved (newest last)."""
         self._conn: sqlite3.Connection | None = None
-        self._lock: IO[str] | None = None
         self._mutex = threading.Lock()  # one worker thread at a time on the connection
 
     def __repr__(self) -> str:
@@ -260,7 +232,14 @@ class SqliteCheckpointStore:
         """
         if self._conn is not None:
             return self._conn
-        self._claim()
+        try:
+            self._claim.claim()
+        except FileHeld as held:
+            raise CheckpointRefused(
+                f"{self.path}: checkpoint {self.name!r} is in use by another listener"
+                f" (process {held.holder}; lock {self.lock_path}): two listeners must not"
+                " share a checkpoint; give each its own file or name"
+            ) from None
         try:
             try:
                 self._conn = self._open()
@@ -268,36 +247,9 @@ class SqliteCheckpointStore:
                 self._move_aside(unusable)
                 self._conn = self._open()
         except BaseException:
-            self._release()
+            self._claim.release()
             raise
         return self._conn
-
-    def _claim(self) -> None:
-        lock = open(self.lock_path, "a+", encoding="utf-8")  # noqa: SIM115 - held until close
-        try:
-            _flock_soon(lock)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "unknown"
-            lock.close()
-            raise CheckpointRefused(
-                f"{self.path}: checkpoint {self.name!r} is in use by another listener"
-                f" (process {holder}; lock {self.lock_path}): two listeners must not share"
-                " a checkpoint; give each its own file or name"
-            ) from None
-        except BaseException:
-            lock.close()
-            raise
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
-        self._lock = lock
-
-    def _release(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.close()  # the lock goes with the file description
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
@@ -305,7 +257,7 @@ class SqliteCheckpointStore:
             if conn is not None:
                 conn.close()
         finally:
-            self._release()
+            self._claim.release()
 
     def _open(self) -> sqlite3.Connection:
         """A connection to the file, set up and checked.
@@ -365,30 +317,6 @@ class SqliteCheckpointStore:
                 " not moved aside; use another file, or a newer changefeed"
             )
 
-    def _held_by_others(self) -> list[str]:
-        """The lock files beside ``path`` that other stores hold now: listeners of
-        other names using the same file, in this process or another."""
-        prefix, held = f"{self._file.name}.", []
-        try:
-            entries = os.listdir(self._file.parent)
-        except OSError:
-            return []
-        for entry in sorted(entries):
-            lock_path = self._file.parent / entry
-            if not (entry.startswith(prefix) and entry.endswith(".lock")) or (
-                lock_path == self.lock_path
-            ):
-                continue
-            try:
-                with open(lock_path, encoding="utf-8") as lock:
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        held.append(entry)
-            except OSError:
-                continue
-        return held
-
     def _move_aside(self, unusable: _MoveAside) -> None:
         """Rename the file (and its log) aside, unless other listeners hold checkpoints
         in it: moving it would take theirs too, and their next saves would go on into
@@ -397,7 +325,7 @@ class SqliteCheckpointStore:
         Raises:
             CheckpointRefused: other stores hold the file.
         """
-        others = self._held_by_others()
+        others = self._claim.held_by_others()
         if others:
             raise CheckpointRefused(
                 f"{self.path}: cannot be used ({unusable.why}), and other listeners hold"
@@ -432,7 +360,7 @@ class SqliteCheckpointStore:
         try:
             self._move_aside(unusable)
         except CheckpointRefused:
-            self._release()  # the next use claims the file again, and is refused again
+            self._claim.release()  # the next use claims the file again, and is refused again
             raise
         self._conn = self._open()
 
