@@ -68,6 +68,7 @@ from latency import SCHEMA, WARMUP, fill_history, run_writer
 
 from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
 from changefeed.schemas import apply_schema, notify_channel
+from changefeed.wal import insert_target
 
 PUBLISHER_APPS = ("changefeed-tailer", "changefeed-doorbell", "changefeed-pool")
 """Application names of the publishers' connections (the pool's comes with the DSN)."""
@@ -147,7 +148,7 @@ async def replayed(primary: str, standby: str) -> None:
     """Wait until the standby has replayed everything the primary has written."""
     conn = await asyncpg.connect(primary)
     try:
-        target = await conn.fetchval("SELECT pg_current_wal_insert_lsn()::text")
+        target = await insert_target(conn)
     finally:
         await conn.close()
     conn = await asyncpg.connect(standby)

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
         unavailable_response,
     )
 
+_PUBLISHER_EXTRA = frozenset({"asyncpg", "starlette"})
+"""What the server side imports that a listener-only install lacks."""
+
 _ROUTE_NAMES = frozenset(
     {"DB_UNAVAILABLE", "BootstrapRoute", "encode_json", "error_response", "unavailable_response"}
 )
@@ -88,8 +91,11 @@ def __getattr__(name: str) -> Any:
     if name in _ROUTE_NAMES:
         try:
             from . import route
-        except ModuleNotFoundError as exc:  # a listener-only install: say what to install
-            missing = (exc.name or "?").split(".")[0]
+        except ModuleNotFoundError as exc:
+            missing = (exc.name or "").split(".")[0]
+            if missing not in _PUBLISHER_EXTRA:
+                raise
+            # A listener-only install: say what to install.
             raise ModuleNotFoundError(
                 f"changefeed.bootstrap.{name} (the server side) needs changefeed[publisher]"
                 f" (no module {missing!r}): pip install 'changefeed[publisher]'",

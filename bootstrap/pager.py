@@ -472,6 +472,9 @@ async def fetch_one(
 ) -> dict[str, Any] | None:
     """``GET {route}/{id}``: the item, or None when it does not exist (404).
 
+    Args:
+        rng: source of the retries' jitter (default: the pager's own).
+
     Raises:
         PagingError: the retries ran out, another 4xx, or the body is not a JSON object.
     """
@@ -523,6 +526,7 @@ async def fetch_many(
     Args:
         chunk: ids per request (at most the route's ``max_ids``, 100 by default).
         id_field: the item field holding its id; default ``uuid``, else ``id``.
+        rng: source of the retries' jitter (default: the pager's own).
 
     Raises:
         PagingError: a chunk failed for good or its body is not a page.

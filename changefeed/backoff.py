@@ -24,10 +24,10 @@ tenacity's own ``wait_exponential_jitter`` adds its jitter from the global
 part waits between two steps of a longer life (the listener's connection
 loop, a controller's per-id retries through its work queue), it calls
 ``delay`` itself: that is the same arithmetic. A part whose connection comes
-and goes for a long life (the publisher's tailer and doorbell) counts its
-failures in a ``FailureStreak``, which starts over once a connection has
-stayed up: a blip after a healthy hour is retried at the schedule's start,
-not where the last outage left it.
+and goes for a long life (the listener's registrations, the publisher's
+tailer and doorbell) counts its failures in a ``FailureStreak``, which starts
+over once a connection has stayed up: a blip after a healthy hour is retried
+at the schedule's start, not where the last outage left it.
 
 Pure code apart from tenacity's loop. It must never sleep, read a clock, or
 hand out a delay above ``maximum`` plus the capped hint.
@@ -135,6 +135,8 @@ class Backoff:
     def draw(self, failures: int, rng: random.Random) -> tuple[float, float]:
         """A jittered delay after ``failures`` consecutive failures: ``(delay, ceiling)``."""
         ceiling = self.ceiling(failures)
+        if not self.jitter:  # nothing to draw: a seeded rng shared with others is left as it is
+            return ceiling, ceiling
         spread = ceiling * self.jitter
         return ceiling - spread + rng.uniform(0.0, spread), ceiling
 
@@ -154,14 +156,12 @@ class FailureStreak:
     accepts and drops every connection is not hammered).
 
     Args:
-        reset_after: seconds a connection must stay up to start the count over
-            (the default suits a server connection of the publisher's: long past
-            any hand-shake, short against an hour of health).
+        reset_after: seconds a connection must stay up to start the count over.
     """
 
     __slots__ = ("_up_since", "count", "reset_after", "resets")
 
-    def __init__(self, reset_after: float = 5.0) -> None:
+    def __init__(self, reset_after: float) -> None:
         self.reset_after = reset_after
         self.count = 0
         """Consecutive failures so far."""

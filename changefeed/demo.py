@@ -40,6 +40,7 @@ from changefeed.listener import ListenerConfig
 from changefeed.publisher.config import ServerConfig
 from changefeed.publisher.standby import wait_replayed
 from changefeed.serving import DrainingServer, server_config
+from changefeed.wal import insert_target
 
 __all__ = ["run_demo"]
 
@@ -246,7 +247,7 @@ async def _replayed(primary_dsn: str, standby_dsn: str, within: float = 30.0) ->
     """Wait until the standby has replayed everything the primary has written so far."""
     conn = await asyncpg.connect(primary_dsn, timeout=10)
     try:
-        target = await conn.fetchval("SELECT pg_current_wal_insert_lsn()::text")
+        target = await insert_target(conn)
     finally:
         await conn.close()
     conn = await asyncpg.connect(standby_dsn, timeout=10)

@@ -3,9 +3,10 @@
 Every key is declared once, in the model: its type, its bounds, its unit and
 its documentation (``Annotated[..., key_doc(...)]``, a ``msgspec.Meta``). msgspec
 parses a TOML document into it (types, unknown keys, required keys, bounds),
-the same checks refuse a value built in Python, the config reference in docs/
-is generated from it (``config_reference.py``), and a bad value is refused
-with a ``ConfigError`` that names the key and the file (``config_errors.py``). Durations are the one
+the same checks refuse a value built in Python, the config reference in
+docs/ is generated from it (``config_reference.py``), and a bad value is
+refused with a ``ConfigError`` that names the key and the file
+(``config_errors.py``). Durations are the one
 thing msgspec does not read: a string such as ``"24h"`` is turned into
 seconds first, for the keys the model marks as durations.
 

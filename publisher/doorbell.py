@@ -48,6 +48,10 @@ _RECONNECT = Backoff(initial=0.1, maximum=5.0, jitter=0.5)
 """Waits before listening again on the primary (changefeed.backoff's policy): 100 ms
 doubling to 5 s, the upper half of each drawn at random."""
 
+RECONNECT_RESET = 5.0
+"""Seconds a connection must stay up for the next failure to reconnect at
+``_RECONNECT``'s start again (``FailureStreak``)."""
+
 _CHECK_INTERVAL = 10.0
 """Seconds between two checks that the LISTEN connection still answers: an idle
 connection to a primary that vanished (a failover, a cut network) fails no
@@ -84,7 +88,7 @@ class Doorbell:
         self._resting = False
         self._changed = asyncio.Event()
         self._rng = rng or random.Random()
-        self._failures = FailureStreak()
+        self._failures = FailureStreak(RECONNECT_RESET)
 
     async def run(self) -> None:
         """LISTEN forever, reconnecting with back-off whenever the primary goes away."""
@@ -100,6 +104,8 @@ class Doorbell:
                 await self._listen()
 
     def _retryable(self, state: RetryCallState) -> bool:
+        # The failure is counted here: tenacity asks this, then the wait (which reads
+        # the count), then before_sleep.
         exc = state.outcome.exception() if state.outcome else None
         if not isinstance(exc, DB_ERRORS):
             return False

@@ -16,8 +16,8 @@ standby only). Anything a cursor names was committed before it was issued,
 so below that position. PostgreSQL 19's ``WAIT FOR LSN`` would replace the
 polling.
 
-LSNs are compared in SQL (``pg_lsn``); the few pure steps are here as
-functions.
+LSNs are compared in SQL (``pg_lsn``); the target a standby must reach is
+``changefeed.wal``'s.
 """
 
 from __future__ import annotations

@@ -55,6 +55,11 @@ _RECONNECT = Backoff(initial=0.05, maximum=2.0, jitter=0.5)
 """Waits before connecting again (changefeed.backoff's policy): 50 ms doubling to
 2 s, the upper half of each drawn at random."""
 
+RECONNECT_RESET = 5.0
+"""Seconds a connection must stay up for the next failure to reconnect at
+``_RECONNECT``'s start again (``FailureStreak``): long past a connection's
+set-up, short against an hour of health."""
+
 _CONFLICT = Backoff(initial=0.01, maximum=1.0, jitter=0.5)
 """Waits before reading again after reads replay cancelled, in a row."""
 
@@ -121,7 +126,7 @@ class Tailer:
         """Told True when the feed flows and the doorbell may rest, False when it
         must ring again (``Doorbell.rest``)."""
         self._unexpected = 0
-        self._failures = FailureStreak()
+        self._failures = FailureStreak(RECONNECT_RESET)
         self._wake = asyncio.Event()
         self._rejoin = False
         """Join the feed again before the next read (``rejoin``)."""
@@ -182,6 +187,8 @@ class Tailer:
                 await self._follow()
 
     def _retryable(self, state: RetryCallState) -> bool:
+        # A failure to retry is counted here: tenacity asks this, then the wait (which
+        # reads the count), then before_sleep.
         exc = state.outcome.exception() if state.outcome else None
         if exc is None:
             return False

@@ -139,9 +139,11 @@ async def standby_caught_up(primary_dsn: str, standby_dsn: str, timeout: float =
     ``primary_dsn`` has written so far (its WAL insert position now)."""
     import asyncpg
 
+    from changefeed.wal import insert_target
+
     primary = await asyncpg.connect(primary_dsn)
     try:
-        target = await primary.fetchval("SELECT pg_current_wal_insert_lsn()::text")
+        target = await insert_target(primary)
     finally:
         await primary.close()
     standby = await asyncpg.connect(standby_dsn)

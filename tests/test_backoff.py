@@ -200,3 +200,49 @@ def test_a_failure_streak_starts_over_once_a_connection_stayed_up() -> None:
     assert streak.up_for(now=25.0) == 5.0
     assert streak.failed(now=25.0) == 1  # up 5 s: a blip starts the schedule over
     assert streak.resets == 1 and streak.up_for(now=26.0) == 0.0
+
+
+async def test_a_connection_retried_for_its_whole_life_waits_by_its_failure_streak() -> None:
+    """The tailer's and the doorbell's shape: one ``retrying`` loop around a
+    connection's life, the failure counted by the retry predicate (tenacity asks
+    it before the wait), the wait drawn for the streak: it climbs while attempts
+    fail and starts over after a connection that stayed up."""
+    streak = FailureStreak(reset_after=10.0)
+    now = 0.0
+    waits: list[float] = []
+    lives = iter([0.0, 0.0, 0.0, 20.0, 0.0])  # how long each connection stays up
+
+    def failed(state: RetryCallState) -> bool:
+        streak.failed(now)
+        return True
+
+    def recorded(state: RetryCallState) -> None:
+        assert state.next_action is not None
+        waits.append(state.next_action.sleep)
+
+    async def live() -> None:
+        nonlocal now
+        streak.up(now)
+        now += next(lives)
+        raise ConnectionError("dropped")
+
+    with pytest.raises(ConnectionError):
+        async for attempt in retrying(
+            Backoff(initial=0.001, maximum=1.0, jitter=0.0),
+            retry=failed,
+            stop=stop_after_attempt(5),
+            before_sleep=recorded,
+            failures=lambda _: streak.count,
+        ):
+            with attempt:
+                await live()
+    # Up 20 s before the fourth failure: the schedule starts over there.
+    assert waits == pytest.approx([0.001, 0.002, 0.004, 0.001])
+    assert streak.resets == 1
+
+
+def test_a_schedule_without_jitter_draws_nothing_from_the_rng() -> None:
+    rng = random.Random(3)
+    before = rng.getstate()
+    assert Backoff(initial=0.5, maximum=2.0, jitter=0.0).delay(3, rng) == 2.0
+    assert rng.getstate() == before  # a seeded rng shared with other schedules is untouched

@@ -842,6 +842,13 @@ async def test_the_announcement_raises_the_generation_and_never_lowers_the_horiz
 
         state = await FeedReader().state(conn)
         assert (state.rewrites.generation, state.rewrites.through) == (3, Position(10, 6))
+        # Whatever streams from this server (the standby other tests start, or none),
+        # the wait names exactly those standbys once they have replayed the announcement.
+        streaming = await conn.fetch(
+            "SELECT coalesce(application_name, client_addr::text, pid::text) AS name"
+            " FROM pg_stat_replication"
+        )
+        assert await store.wait_for_standbys(30.0) == [r["name"] for r in streaming]
     finally:
         await conn.close()
 

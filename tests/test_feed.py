@@ -21,6 +21,7 @@ from publisher_fixtures import VM, receive_items, register, registration, runnin
 
 from changefeed.embedded import EmbeddedPostgres, temporary
 from changefeed.publisher import Publisher, PublisherConfig, publish
+from changefeed.publisher import tailer as tailer_module
 from changefeed.schemas import apply_schema
 
 WRITERS = 16
@@ -208,11 +209,13 @@ async def _terminate_tailer(dsn: str) -> None:
 
 
 async def test_a_blip_after_a_healthy_stretch_reconnects_at_the_schedules_start(
-    feed_dsn: str, caplog: pytest.LogCaptureFixture
+    feed_dsn: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tailer's reconnections climb the back-off while its connection keeps
-    failing, and start over once one stayed up (5 s): an outage earlier in the
-    publisher's life does not slow its recovery from every later blip."""
+    failing, and start over once one stayed up (``RECONNECT_RESET``, shortened
+    here): an outage earlier in the publisher's life does not slow its recovery
+    from every later blip."""
+    monkeypatch.setattr(tailer_module, "RECONNECT_RESET", 2.0)
     caplog.set_level(logging.WARNING, logger="changefeed.publisher.tailer")
 
     def attempts() -> list[int]:
@@ -230,7 +233,7 @@ async def test_a_blip_after_a_healthy_stretch_reconnects_at_the_schedules_start(
             await wait_until(lambda: tailer.status == "running", timeout=20)
         assert attempts() == [1, 2]
         # Time must pass here: the connection stays up past the reset.
-        await asyncio.sleep(5.5)
+        await asyncio.sleep(2.5)
         await _terminate_tailer(feed_dsn)
         await wait_until(lambda: len(attempts()) == 3, timeout=20)
         assert attempts() == [1, 2, 1]
