@@ -164,3 +164,19 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
+
+
+async def terminate_tailer(dsn: str) -> None:
+    """Terminate the backend of the one publisher tailer reading ``dsn``'s database
+    (other tests' tailers, on other databases of the server, are left alone)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        killed = await conn.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE application_name = 'changefeed-tailer' AND datname = current_database()"
+        )
+    finally:
+        await conn.close()
+    assert killed == 1, f"{killed} tailers found"

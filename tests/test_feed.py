@@ -16,7 +16,7 @@ import asyncpg
 import httpx
 import orjson
 import pytest
-from helpers import metric_value, wait_until
+from helpers import metric_value, terminate_tailer, wait_until
 from publisher_fixtures import VM, receive_items, register, registration, running_publisher
 
 from changefeed.embedded import EmbeddedPostgres, temporary
@@ -196,18 +196,6 @@ async def _collect(ws, into: list[str]) -> None:  # type: ignore[no-untyped-def]
         into.extend(i["changedResourceId"] for i in (doc if isinstance(doc, list) else [doc]))
 
 
-async def _terminate_tailer(dsn: str) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        killed = await conn.fetchval(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE application_name = 'changefeed-tailer'"
-        )
-    finally:
-        await conn.close()
-    assert killed == 1
-
-
 async def test_a_blip_after_a_healthy_stretch_reconnects_at_the_schedules_start(
     feed_dsn: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -228,13 +216,13 @@ async def test_a_blip_after_a_healthy_stretch_reconnects_at_the_schedules_start(
     async with running_publisher(feed_dsn, poll_interval=0.1) as pub:
         tailer = pub.publisher.tailer
         for blips in (1, 2):  # the second right after the first reconnection
-            await _terminate_tailer(feed_dsn)
+            await terminate_tailer(feed_dsn)
             await wait_until(lambda: tailer.reconnects_total >= blips, timeout=20)  # noqa: B023
             await wait_until(lambda: tailer.status == "running", timeout=20)
         assert attempts() == [1, 2]
         # Time must pass here: the connection stays up past the reset.
         await asyncio.sleep(2.5)
-        await _terminate_tailer(feed_dsn)
+        await terminate_tailer(feed_dsn)
         await wait_until(lambda: len(attempts()) == 3, timeout=20)
         assert attempts() == [1, 2, 1]
 
@@ -253,13 +241,7 @@ async def test_publisher_recovers_from_database_outages_without_loss_or_duplicat
         await wait_until(lambda: len(received) >= 50, timeout=20)
         reconnects = pub.publisher.tailer.reconnects_total
         if outage == "terminate_backend":
-            conn = await asyncpg.connect(feed_dsn)
-            killed = await conn.fetchval(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE application_name = 'changefeed-tailer'"
-            )
-            await conn.close()
-            assert killed == 1
+            await terminate_tailer(feed_dsn)
         else:
             await asyncio.to_thread(restartable_pg_server.restart)
         await wait_until(lambda: pub.publisher.tailer.reconnects_total > reconnects, timeout=20)

@@ -26,7 +26,7 @@ from typing import Any
 import asyncpg
 import orjson
 import pytest
-from helpers import wait_until
+from helpers import terminate_tailer, wait_until
 from publisher_fixtures import receive_items, register, registration, running_publisher, write
 from websockets.exceptions import ConnectionClosed
 
@@ -307,7 +307,7 @@ async def test_an_identity_another_instance_gave_the_feed_is_taken_at_once(
         reader.resume_facts = rotated_meanwhile  # type: ignore[method-assign]
         await write(feed_dsn, [("vm", [], "before")])
         await wait_until(lambda: pub.publisher.tailer.entries_total >= 1, 30)
-        await _kill_tailer(feed_dsn)
+        await terminate_tailer(feed_dsn)
         tailer = pub.publisher.tailer
         await wait_until(lambda: not armed["on"] and tailer.status == "running", 30)
         ws, _ = await register(pub.ws_url, registration(subs=[]))
@@ -393,18 +393,6 @@ async def _trim_everything(dsn: str) -> None:
         await conn.close()
 
 
-async def _kill_tailer(dsn: str) -> None:
-    conn = await asyncpg.connect(dsn)
-    try:
-        killed = await conn.fetchval(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-            " WHERE application_name = 'changefeed-tailer' AND datname = current_database()"
-        )
-        assert killed == 1
-    finally:
-        await conn.close()
-
-
 async def test_the_ack_cursor_of_a_fully_trimmed_feed_resumes(feed_dsn: str) -> None:
     """A quiet feed whose entries all aged out (max_age, 24 h by default): the ack's
     cursor is the feed's position; a listener that reconnects with it before any
@@ -429,7 +417,7 @@ async def test_a_tailer_reconnect_on_a_fully_trimmed_feed_keeps_its_listeners(
         ws, _ = await register(pub.ws_url, registration(subs=[]))
         tailer = pub.publisher.tailer
         reconnects = tailer.reconnects_total
-        await _kill_tailer(feed_dsn)
+        await terminate_tailer(feed_dsn)
         await wait_until(
             lambda: tailer.reconnects_total > reconnects and tailer.status == "running",
             timeout=20,
