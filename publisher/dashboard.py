@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from changefeed.schemas import AccessDenied
+from changefeed.schemas import PRIVATE_HEADERS, AccessDenied
 
 from .auth import BearerAuth
 from .figures import dashboard_labels
@@ -96,14 +96,14 @@ def dashboard_routes(auth: BearerAuth, refused: Refused) -> list[BaseRoute]:
             headers = {
                 **_SECURITY_HEADERS,
                 **outcome.headers(challenge=_CHALLENGE),
-                "Cache-Control": "no-store",
+                **PRIVATE_HEADERS,
             }
             text = _SIGN_IN if outcome.code == "unauthorized" else f"{outcome.message}\n"
             return PlainTextResponse(text, outcome.status, headers)
         return Response(
             page_bytes,
             media_type="text/html; charset=utf-8",
-            headers={**_SECURITY_HEADERS, "Cache-Control": "no-store"},
+            headers={**_SECURITY_HEADERS, **PRIVATE_HEADERS},
         )
 
     async def asset(request: Request) -> Response:

@@ -18,7 +18,9 @@ connection.py, bootstrap/route.py) only render what is decided here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal
 
 from .closecodes import ERROR_CLOSE_CODES, CloseCode
@@ -41,7 +43,9 @@ AUTH_RETRY_AFTER = 1
 """Seconds a refusal for an unavailable authorizer asks the client to wait (``Retry-After``,
 ``retryAfter``): a lower bound; listeners add their own growing, jittered back-off."""
 
-PRIVATE_HEADERS: dict[str, str] = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+PRIVATE_HEADERS: Mapping[str, str] = MappingProxyType(
+    {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+)
 """Headers of every answer that depends on the token (what it may read, a refusal): no
 cache keeps it for the next client, and no browser takes the JSON for another type."""
 
