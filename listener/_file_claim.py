@@ -18,19 +18,23 @@ import fcntl
 import hashlib
 import os
 import re
-import time
 from pathlib import Path
 from typing import IO
+
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
+
+from changefeed.backoff import Backoff, WaitBackoff
 
 __all__ = ["FileClaim", "FileHeld"]
 
 _SLUG = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 _CLAIM_TRIES = 5
-_CLAIM_PAUSE = 0.02
-"""Seconds between two tries to lock: another store's look at whether the file is
-held (``held_by_others``) takes a shared lock for an instant; only a lock still
-held after the tries is another listener's."""
+_CLAIM_PAUSE = Backoff(initial=0.01, maximum=0.04, jitter=1.0)
+"""The waits between two tries to lock (changefeed.backoff's policy, about 0.1 s in
+all): another store's look at whether the file is held (``held_by_others``)
+takes a shared lock for an instant; only a lock still held after the tries is
+another listener's."""
 
 
 class FileHeld(Exception):
@@ -42,19 +46,20 @@ class FileHeld(Exception):
 
 
 def _flock_soon(lock: IO[str]) -> None:
-    """An exclusive lock on ``lock``, tried a few times over about 0.1 s.
+    """An exclusive lock on ``lock``, tried a few times over about 0.1 s (tenacity's
+    loop sleeps: the store calls this in its worker thread, never the event loop's).
 
     Raises:
         BlockingIOError: another store holds it.
     """
-    for attempt in range(_CLAIM_TRIES):
-        try:
+    for attempt in Retrying(
+        wait=WaitBackoff(_CLAIM_PAUSE),
+        stop=stop_after_attempt(_CLAIM_TRIES),
+        retry=retry_if_exception_type(BlockingIOError),
+        reraise=True,
+    ):
+        with attempt:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if attempt == _CLAIM_TRIES - 1:
-                raise
-            time.sleep(_CLAIM_PAUSE)  # in the store's worker thread, never the loop's
 
 
 class FileClaim:
