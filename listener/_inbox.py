@@ -322,6 +322,8 @@ class Inbox:
         self._generation = 0
         """Bumped by ``clear``: a hand-out that was waiting meanwhile drops what it took."""
         self._ready = asyncio.Event()
+        self._halted = asyncio.Event()
+        """Set when the listener stops for good: a hand-out waiting for room gives up."""
         self._high = False
         self.peak = 0
         """The most items held at once."""
@@ -448,6 +450,7 @@ class Inbox:
         self._fold()
         self._live = False
         self._generation += 1
+        self._in_hand = 0  # a hand-out waiting for room drops them (the generation moved)
         self._staged_total -= len(self._staged)
         self._staged = []
         self._resyncs.clear()
@@ -459,8 +462,10 @@ class Inbox:
         """The listener stopped: closed (None), or for good with ``error``. The
         hand-out ends once what it has in hand went out (``Resynced`` events first)."""
         self._stopped = True
-        if error is not None:
+        if error is not None and self._error is None:  # the first error is what stopped it
             self._error = error
+        if self._error is not None:
+            self._halted.set()
         self._ready.set()
 
     # -- out --------------------------------------------------------------------------
@@ -563,9 +568,11 @@ class Inbox:
                 room = min((sink.room() for sink in consumers), default=end)
                 if room <= 0:
                     full = next(sink for sink in consumers if sink.room() <= 0)
-                    await full.wait_room()
-                    if generation != self._generation:
-                        return  # the connection ended meanwhile: its items were dropped
+                    await self._room_or_halt(full)
+                    if generation != self._generation or self._halted.is_set():
+                        # The connection ended meanwhile (its items were dropped), or
+                        # the listener stopped for good (the dispatch raises why).
+                        return
                     continue
                 chunk = run if start == 0 and room >= end else run[start : start + room]
                 for sink in consumers:
@@ -575,6 +582,19 @@ class Inbox:
                 self._dispatched += len(chunk)
                 self._handed = self._done = chunk[-1].cursor
                 self._fresh = False
+
+    async def _room_or_halt(self, sink: Sink) -> None:
+        """Wait until ``sink`` has room, or the listener stops for good: a controller
+        whose queue stays full (its callbacks keep failing) must still learn why."""
+        if self._halted.is_set():
+            return
+        room = asyncio.ensure_future(sink.wait_room())
+        halted = asyncio.ensure_future(self._halted.wait())
+        try:
+            await asyncio.wait((room, halted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            room.cancel()
+            halted.cancel()
 
 
 def _runs(items: list[ChangeItem]) -> list[tuple[str, list[ChangeItem]]]:

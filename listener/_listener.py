@@ -523,16 +523,19 @@ class Listener:
                     log, "listener.dispatch_crashed", logging.ERROR, exc=exc, **self._fields()
                 )
                 self._fail(exc)
-                if self._task is not None:
-                    self._task.cancel()
             ending = exc
         self._stop_controllers(ending)
 
     def _fail(self, exc: BaseException) -> None:
-        """Stop for good with ``exc``: iteration and the controllers raise it."""
-        self._fatal = exc
-        self._connection.stop(exc)
-        self._inbox.stop(exc)
+        """Stop for good with ``exc``: iteration and the controllers raise it (the first
+        such error: a later one is a consequence). The connection ends with it."""
+        if self._fatal is None:
+            self._fatal = exc
+        self._connection.stop(self._fatal)
+        self._inbox.stop(self._fatal)
+        task = self._task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()  # (``close`` collects it)
 
     def _fields(self) -> dict[str, Any]:
         return self._connection.fields()

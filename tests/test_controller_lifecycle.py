@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import wait_until
-from test_listener_shared import FAST, create_servers, shared_listener
+from test_listener_shared import FAST, create_servers, publisher_stats, shared_listener
 from test_listener_support import VmApiServer, capture_events, create_vms
 
 from changefeed.listener import (
@@ -162,6 +162,12 @@ async def test_a_listener_started_ahead_of_a_controller_it_feeds_stops_within_th
                 await wait_until(
                     lambda: listener.state is ConnectionState.STOPPED, 10, message="stopped"
                 )
+            # Stopped means its connection is gone too (it kept buffering for nobody,
+            # and a publisher restart then replaced the error with another).
+            await wait_until(
+                lambda: _listeners_connected(api, 0), 10, message="the connection closed"
+            )
+            await api.restart()
         (logged,) = events.named("listener.controllers_not_running")
         assert logged["idle"] == ["forgotten"] and logged["listener_started"] is True
         with pytest.raises(ListenerConfigError) as late:
@@ -169,6 +175,42 @@ async def test_a_listener_started_ahead_of_a_controller_it_feeds_stops_within_th
         assert "forgotten attached to listener tcns:vm+server did not run within 0.5s of " in (
             str(late.value)
         )
+
+
+async def _listeners_connected(api: VmApiServer, count: int) -> bool:
+    return bool((await publisher_stats(api))["listeners"] == count)
+
+
+async def test_a_refusal_reaches_a_controller_whose_queue_stays_full(dsn: str) -> None:
+    """A controller whose fetches hang (its application's database is down) keeps its
+    queue full, and the listener's hand-out waits for room: the token revoked meanwhile
+    must still end ``run()`` with the refusal, not leave it waiting for good."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 2)
+        listener = shared_listener(api.ws_url)
+        hang = asyncio.Event()
+
+        async def fetch(ids: Any) -> dict[str, Any]:
+            await hang.wait()
+            return {}
+
+        vms = Controller(listener, resource="vm", fetch=fetch, max_pending=1, concurrency=1)
+        servers = Controller(listener, resource="server")
+        running = [asyncio.create_task(c.run()) for c in (vms, servers)]
+        try:
+            await wait_until(lambda: listener.state is ConnectionState.LIVE, 20)
+            await create_vms(client, 5)  # more than the queue takes: the hand-out waits
+            await wait_until(
+                lambda: vms.queue.pending >= 1 and listener.status().buffer_size > 0, 20
+            )
+            api.overrides["auth_tokens"] = ("s3cret",)  # the listener has no token for it
+            await api.restart()
+            with pytest.raises(RegistrationRefused):
+                await asyncio.wait_for(asyncio.shield(running[0]), 20)
+            assert vms.done() and isinstance(vms.exception(), RegistrationRefused)
+        finally:
+            hang.set()
+            await asyncio.gather(*running, return_exceptions=True)
 
 
 async def test_a_lone_controller_never_run_is_reported_within_the_timeout() -> None:

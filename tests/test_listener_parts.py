@@ -17,6 +17,7 @@ from helpers import wait_until
 import changefeed.listener as listener_pkg
 from changefeed.listener import BackoffPolicy, RegistrationRefused, Resynced
 from changefeed.listener._attachments import Attachments, Stopped
+from changefeed.listener._checkpoint import MirrorCheckpoint
 from changefeed.listener._errors import BadPublisherFrame, BufferOverflow, PublisherClosed
 from changefeed.listener._inbox import Inbox, MemoryBuffer
 from changefeed.listener._reconcile import Intake, Reconciler
@@ -173,6 +174,50 @@ async def test_the_dispatch_hands_each_resource_its_run_as_far_as_there_is_room(
     await asyncio.wait_for(dispatch, 1)
 
 
+async def test_a_dispatch_waiting_for_a_full_controller_ends_when_the_listener_fails() -> None:
+    """A controller whose queue stays full (its callbacks keep failing) must still learn
+    that the listener stopped for good: the dispatch waiting for its room raises why."""
+    box = inbox()
+    vms = Consumer(room=0)
+    dispatch = asyncio.create_task(box.dispatch({"vm": [vms]}))
+    box.bootstrapped([resynced("vm")])
+    box.live()
+    await box.receive(frame(item(1), item(2)))
+    await wait_until(lambda: box.held() == 2 and not len(box.buffer), 5)  # in the dispatch's hand
+    refused = RegistrationRefused("close_4003", "unauthorized")
+    box.stop(refused)
+    with pytest.raises(RegistrationRefused):
+        await asyncio.wait_for(dispatch, 1)
+    assert vms.got == [["resynced:vm"]]
+    box.stop(RegistrationRefused("http_401", "later"))  # a consequence: the first one stays
+    with pytest.raises(RegistrationRefused, match="unauthorized"):
+        await box.__anext__()
+
+
+async def test_items_dropped_by_a_reconnect_no_longer_count_as_held() -> None:
+    """Items the dispatch holds for a full controller when the connection ends are
+    dropped (the publisher sends them again): they must not count against the next
+    connection's buffer, or it overflows early."""
+    box = inbox(capacity=10)
+    vms = Consumer(room=0)
+    dispatch = asyncio.create_task(box.dispatch({"vm": [vms]}))
+    box.bootstrapped([resynced("vm")])
+    box.live()
+    await box.receive(frame(*(item(n) for n in range(1, 8))))
+    await wait_until(lambda: box.held() == 7 and not len(box.buffer), 5)
+    assert await box.clear() == 7
+    assert box.held() == 0
+    box.live()
+    await box.receive(frame(*(item(n) for n in range(8, 12))))  # 4 more: they fit
+    assert box.held() == 4 and box.overflows == 0
+    vms.space = 100
+    vms.more.set()
+    await wait_until(lambda: box.items_delivered == 4, 5)
+    assert vms.got[-1] == ["c8", "c9", "c10", "c11"]  # the dropped ones did not go out
+    box.stop(None)
+    await asyncio.wait_for(dispatch, 1)
+
+
 # -- attachments ------------------------------------------------------------------------
 
 
@@ -212,14 +257,14 @@ def test_a_controller_closed_before_it_ran_lets_the_others_start() -> None:
 # -- the controller's records ---------------------------------------------------------------
 
 
-def core(fetched: dict[str, Any]) -> Reconciler[Any]:
-    async def fetch(ids: Sequence[str]) -> Mapping[str, Any]:
+def core(fetched: dict[str, Any], fetch: Any = None) -> Reconciler[Any]:
+    async def lookup(ids: Sequence[str]) -> Mapping[str, Any]:
         return {i: fetched[i] for i in ids if i in fetched}
 
     return Reconciler(
         name="t",
         resource="vm",
-        fetch=fetch,
+        fetch=fetch or lookup,
         key=lambda doc: str(doc["uuid"]),
         decode=None,
         encode=None,
@@ -259,6 +304,33 @@ async def test_a_parked_controller_marks_items_pending_and_a_waiting_one_takes_n
     assert rec.intake is Intake.PARKED
     rec.changed([item(2)])
     assert rec.pending() == {"id-2"} and rec.queue.pending == 0  # pending, not queued
+
+
+async def test_a_stale_fetch_that_fails_does_not_keep_the_controller_from_syncing() -> None:
+    """An id restored as pending is being fetched when the first bootstrap arrives: that
+    fetch is stale (its completion does not count) and it fails. The id's next, fresh
+    completion is the one the sync waits for: synced, not stuck until the id changes."""
+    gate = asyncio.Event()
+    calls: list[list[str]] = []
+
+    async def fetch(ids: Sequence[str]) -> Mapping[str, Any]:
+        calls.append(list(ids))
+        if len(calls) == 1:
+            await gate.wait()
+            raise OSError("the API blinked")
+        return {key: {"uuid": key, "v": 2} for key in ids}
+
+    rec = core({}, fetch)
+    rec.restore(MirrorCheckpoint("vm", {"K": {"uuid": "K", "v": 1}}, (), {"K"}))
+    rec.intake = Intake.OPEN
+    worker = asyncio.create_task(rec.work())
+    await wait_until(lambda: calls == [["K"]], 5)  # K's fetch is under way
+    rec.resync(Resynced([{"uuid": "K", "v": 2}, {"uuid": "L", "v": 1}], "http://api/vms", "c1"))
+    gate.set()
+    await asyncio.wait_for(rec.synced.wait(), 5)
+    assert rec.mirror.get("K") == {"uuid": "K", "v": 2}
+    rec.stop()
+    await asyncio.wait_for(worker, 5)
 
 
 # -- ownership --------------------------------------------------------------------------------
