@@ -33,8 +33,9 @@ class IdState:
             in between.
         failures: consecutive failed fetches or callbacks (the back-off exponent).
         awaited: the first sync waits for it to be processed once.
-        skip: ... and its next completion does not count (a fetch that started
-            before the bootstrap: it is queued again).
+        skip: ... and its completion by the batch holding it now does not count
+            (a fetch that started before the bootstrap: it is queued again). The
+            batch's end clears it, whatever came of that batch.
     """
 
     __slots__ = ("attempted", "awaited", "failures", "fetch", "forced", "resync", "seen", "skip")

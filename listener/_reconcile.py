@@ -103,7 +103,7 @@ class Intake(enum.Enum):
 class _Batch:
     """The ids one worker holds: all of them are "processing" in the work queue."""
 
-    __slots__ = ("fetching", "ids", "unsettled")
+    __slots__ = ("fetching", "ids", "stale", "unsettled")
 
     def __init__(self, ids: list[str]) -> None:
         self.ids = ids
@@ -111,6 +111,9 @@ class _Batch:
         """Ids whose fetch is under way."""
         self.unsettled: Sequence[str] = ids
         """Ids not processed through yet (the rest of the batch is)."""
+        self.stale: Sequence[str] = ()
+        """Ids whose completion here does not count towards ``synced`` (they were
+        queued again by the first bootstrap, from data newer than this batch's)."""
 
 
 async def _call(callback: Callable[..., Awaitable[None] | None], *args: Any) -> None:
@@ -386,8 +389,11 @@ class Reconciler(Generic[T]):
         snapshot = self.queue.queued() | unsettled
         for key in snapshot:
             self._record(key).awaited = True
-        for key in unsettled.intersection(busy):
-            self._ids[key].skip = True
+        busy = set(busy)
+        for batch in self._batches:
+            batch.stale = [key for key in batch.unsettled if key in busy]
+            for key in batch.stale:
+                self._ids[key].skip = True
         self._awaiting = len(snapshot)
         if not snapshot:
             self._set_synced()
@@ -431,6 +437,11 @@ class Reconciler(Generic[T]):
                     queue.add_rate_limited(key, self._failed(record))
             finally:
                 self._batches.discard(batch)
+                for key in batch.stale:
+                    # Its stale completion is over, whatever came of it (a failed
+                    # fetch or callback never settles): the next one counts.
+                    if (stale := self._ids.get(key)) is not None:
+                        stale.skip = False
                 queue.done_many(ids)
                 if queue.pending < self._max_pending:
                     self._room.set()
