@@ -76,11 +76,15 @@ class FileClaim:
         self._lock: IO[str] | None = None
 
     def claim(self) -> None:
-        """Take the lock, and write this process's id into the lock file.
+        """Take the lock, and write this process's id into the lock file (nothing when
+        this claim holds it already: a store that failed to reopen its file claims it
+        again on its next use, and must not be refused by its own lock).
 
         Raises:
             FileHeld: another store holds it.
         """
+        if self._lock is not None:
+            return
         lock = open(self.lock_path, "a+", encoding="utf-8")  # noqa: SIM115 - held until release
         try:
             _flock_soon(lock)

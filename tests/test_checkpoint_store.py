@@ -337,6 +337,25 @@ async def test_a_second_store_on_the_same_file_and_name_is_refused(tmp_path: Pat
     await other_name.close()
 
 
+def test_a_claim_held_is_claimed_again_without_refusing_itself(tmp_path: Path) -> None:
+    """A store whose file was moved aside and whose reopening failed claims the file
+    again on its next use: it used to be refused by its own lock ("in use by another
+    listener (process <its own>)") until it was closed."""
+    from changefeed.listener._file_claim import FileClaim, FileHeld
+
+    path = tmp_path / "cp.sqlite"
+    mine = FileClaim(path, "default")
+    mine.claim()
+    mine.claim()  # still this store's: nothing to refuse
+    with pytest.raises(FileHeld) as held:
+        FileClaim(path, "default").claim()  # another store's is refused
+    assert held.value.holder == str(os.getpid())
+    mine.release()
+    again = FileClaim(path, "default")
+    again.claim()
+    again.release()
+
+
 def _descriptors_of(path: Path) -> int:
     """File descriptors of this process open on ``path``."""
     count = 0
