@@ -464,4 +464,11 @@ class Checkpointer:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+            # The file does not hold where the listener got to: a failure like any
+            # other, which ``status()`` (and ``changefeed listen``'s exit) report.
+            self._update(
+                save_failures=self._status.save_failures + len(late),
+                consecutive_failures=self._status.consecutive_failures + len(late),
+                last_error=f"save: abandoned after {CLOSE_WAIT:g}s (the store hung)",
+            )
         return not late

@@ -488,6 +488,46 @@ async def test_failed_saves_lose_nothing_and_an_unreadable_checkpoint_bootstraps
         assert len(again.calls["vm"]) == len(await api_state(dsn))
 
 
+class StuckSaveStore:
+    """A store whose saves hang once ``stuck`` is set (its database stopped answering)."""
+
+    def __init__(self) -> None:
+        self.stuck = False
+        self.saved: list[Checkpoint] = []
+
+    async def load(self) -> Checkpoint | None:
+        return None
+
+    async def save(self, checkpoint: Checkpoint) -> None:
+        if self.stuck:
+            await asyncio.Event().wait()
+        self.saved.append(checkpoint)
+
+
+async def test_a_final_save_given_up_on_at_close_says_the_checkpoint_is_failing(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save still hanging when the listener closes is abandoned after the close's wait:
+    the store does not hold where the listener got to, and the status says so (what
+    ``changefeed listen`` turns into a non-zero exit)."""
+    from changefeed.listener import _checkpointer
+
+    monkeypatch.setattr(_checkpointer, "CLOSE_WAIT", 0.3)
+    store = StuckSaveStore()
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 3)
+        service = Service(api.ws_url, store)
+        with capture_events() as events:
+            async with service.running():
+                await service.vms.wait_synced(15)
+                await wait_until(lambda: checkpoint_status(service).saves >= 1, 10)
+                assert not checkpoint_status(service).failing
+                store.stuck = True
+    assert events.named("listener.checkpoint.abandoned")
+    status = checkpoint_status(service)
+    assert status.failing and "abandoned" in str(status.last_error), status
+
+
 class HangingStore:
     """An application's store whose ``load`` never returns (its database hangs); its saves
     are kept in memory."""
