@@ -20,7 +20,7 @@ from changefeed.schemas import Cursor, CursorCodec, PgConnection, Position
 
 from .feed import FeedReader, FeedState, ReplicaBehind, ResumeFacts
 from .pages import FeedPages
-from .registration import plan_resume
+from .registration import LATE_REASONS, plan_resume
 from .standby import Standby, wait_replayed
 from .window import Window
 
@@ -91,11 +91,12 @@ async def join_feed(
     bug) is let go too, and every listener is told to resume (``resume_all``:
     4010), so that none keeps a gap.
 
-    On a standby (``standby``), a position the standby does not hold may only
-    mean it has not replayed it yet (it restarted, or the address now leads to
-    another standby, behind the one read before): it is believed only once the
-    standby has caught up with the primary, and the new identity is given on
-    the primary, then awaited on the standby.
+    On a standby (``standby``), a position the standby does not hold, or an
+    identity other than the one this publisher follows, may only mean it has
+    not replayed them yet (it restarted, or the address now leads to another
+    standby, behind the one read before): either is believed only once the
+    standby has caught up with the primary, and a new identity is given on the
+    primary, then awaited on the standby.
 
     Returns:
         the position to read after, and its entry's stamp.
@@ -112,8 +113,9 @@ async def join_feed(
     cursor = Cursor(position, stamp)
     facts = await reader.resume_facts(conn, position)
     resumed, reason = plan_resume(cursor, facts, feed_id=known, head=position, replay_limit=1 << 62)
-    late = reason in ("cursor_ahead", "unknown_position")
-    if late and standby is not None and facts.in_recovery:
+    if reason in LATE_REASONS and standby is not None and facts.in_recovery:
+        # (``other_feed`` too: a standby behind, or another one behind the same
+        # address, may show an identity this publisher has already moved past.)
         facts = await _caught_up(conn, position, reader, standby)
         resumed, reason = plan_resume(
             cursor, facts, feed_id=known, head=position, replay_limit=1 << 62

@@ -42,6 +42,7 @@ from .feed import ResumeFacts
 from .matching import Interest
 
 __all__ = [
+    "LATE_REASONS",
     "Refusal",
     "Request",
     "check_capacity",
@@ -154,6 +155,13 @@ def read_cursor(since: str, codec: CursorCodec) -> Cursor | Refusal | None:
         return None
     except CursorError as exc:
         return Refusal("bad_cursor", exc.message)
+
+
+LATE_REASONS = frozenset({"cursor_ahead", "unknown_position", "other_feed"})
+"""What ``plan_resume`` answers from a standby behind the cursor's issuer, and so is
+believed only once the standby has caught up with the primary (a standby behind
+answers no other reason that a caught-up one would not; ``other_feed``: one that
+has not replayed the feed's new identity yet shows the old one)."""
 
 
 def plan_resume(

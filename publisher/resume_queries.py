@@ -34,7 +34,7 @@ from changefeed.logs import log_event
 from changefeed.schemas import Cursor, PgConnection, Position
 
 from .feed import DB_ERRORS, FeedReader, ResumeFacts
-from .registration import plan_resume
+from .registration import LATE_REASONS, plan_resume
 from .rounds import Rounds
 from .standby import Standby, wait_replayed
 
@@ -44,10 +44,6 @@ log = logging.getLogger(__name__)
 
 _CONFLICT_RETRIES = 3
 """Times a query replay cancelled (SQLSTATE 40001) is asked again."""
-_LATE_REASONS = frozenset({"cursor_ahead", "unknown_position", "other_feed"})
-"""What a standby behind the cursor's issuer answers: believed only once it has caught up.
-(A standby behind answers no other reason that a caught-up one would not. ``other_feed``:
-a standby that has not replayed the feed's new identity yet shows the old one.)"""
 
 
 class StandbyBehind(Exception):
@@ -101,7 +97,7 @@ class ResumeQueries:
         resumed, reason = plan_resume(
             cursor, facts, feed_id=feed_id, head=head, replay_limit=replay_limit
         )
-        late = reason in _LATE_REASONS and facts.in_recovery
+        late = reason in LATE_REASONS and facts.in_recovery
         if resumed or not late or self._standby is None:
             return resumed, reason
         caught_up = await self.caught_up(cursor.position)
