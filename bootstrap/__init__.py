@@ -6,7 +6,10 @@ the walk plus the buffered items converge.
 
 Server side::
 
-    vms = KeysetQuery("vms", table="vmapi.vms", key="uuid", parse_id=uuid.UUID)
+    vms = KeysetQuery(
+        "vms", table="vmapi.vms", key="uuid", parse_id=uuid.UUID,
+        token_key=publisher.page_token_key,  # shared by every instance, known to nobody else
+    )
     route = BootstrapRoute("/vms", vms, pool, admission=Admission(max_walks=32))
     app = Starlette(routes=[*route.routes(), ...])
 
@@ -33,11 +36,20 @@ from .errors import (
     PageRequestError,
     PageTokenError,
     PagingError,
+    TokenKeyUnavailable,
     WalkRefused,
 )
 from .keyset import BatchRequest, Filter, KeysetQuery, PageRequest, quote_identifier
-from .pager import Pager, PagerProgress, RetryPolicy, bearer_headers, fetch_many, fetch_one
-from .tokens import DEFAULT_TOKEN_KEY, PageToken, PageTokenCodec
+from .pager import (
+    Pager,
+    PagerProgress,
+    RetryPolicy,
+    bearer_headers,
+    fetch_many,
+    fetch_one,
+    fetchable_by_path,
+)
+from .tokens import PageToken, PageTokenCodec, TokenKey
 
 if TYPE_CHECKING:
     from .route import (
@@ -57,7 +69,6 @@ _ROUTE_NAMES = frozenset(
 
 __all__ = [
     "DB_UNAVAILABLE",
-    "DEFAULT_TOKEN_KEY",
     "Admission",
     "BatchRequest",
     "BootstrapConfigError",
@@ -75,6 +86,8 @@ __all__ = [
     "PagingError",
     "QuerySlots",
     "RetryPolicy",
+    "TokenKey",
+    "TokenKeyUnavailable",
     "WalkRefused",
     "WalkTable",
     "bearer_headers",
@@ -82,6 +95,7 @@ __all__ = [
     "error_response",
     "fetch_many",
     "fetch_one",
+    "fetchable_by_path",
     "quote_identifier",
     "unavailable_response",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "PageRequestError",
     "PageTokenError",
     "PagingError",
+    "TokenKeyUnavailable",
     "WalkRefused",
 ]
 
@@ -56,6 +57,12 @@ class PageRequestError(BootstrapError):
 
 class PageTokenError(PageRequestError):
     """An ``after`` token that this route did not issue: garbage, truncated or edited."""
+
+
+class TokenKeyUnavailable(BootstrapError):
+    """The key of a route's page tokens is not known yet (it comes from a service that
+    has not started: ``Publisher.page_token_key`` before the publisher has read its
+    feed). The route answers 503 with ``Retry-After``."""
 
 
 class WalkRefused(BootstrapError):

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from .errors import BootstrapConfigError, PageRequestError
-from .tokens import DEFAULT_TOKEN_KEY, PageTokenCodec, SortKey
+from .tokens import PageTokenCodec, SortKey, TokenKey
 
 __all__ = [
     "BatchRequest",
@@ -140,7 +140,7 @@ class KeysetQuery:
         default_limit: int = 100,
         max_limit: int = 5000,
         max_ids: int = 100,
-        token_key: bytes = DEFAULT_TOKEN_KEY,
+        token_key: TokenKey | None = None,
     ) -> None:
         if (table is None) == (query is None):
             raise BootstrapConfigError("give exactly one of table= and query=")
@@ -192,10 +192,15 @@ class KeysetQuery:
     # -- SQL -------------------------------------------------------------------
 
     def _where(self, filter_names: Iterable[str], first_param: int) -> list[str]:
-        return [
-            f"{quote_identifier(self.filters[name].column)} = ${first_param + i}"
-            for i, name in enumerate(filter_names)
-        ]
+        conditions = []
+        for i, name in enumerate(filter_names):
+            spec = self.filters[name]
+            column = quote_identifier(spec.column)
+            # A filter without a parser compares as text, whatever the column's type
+            # (on a text column the cast is nothing, and its index still serves).
+            compared = f"{column}::text" if spec.parse is str else column
+            conditions.append(f"{compared} = ${first_param + i}")
+        return conditions
 
     def page_sql(self, filter_names: tuple[str, ...], after: bool) -> str:
         """The page statement: parameters are the filters' values (in the order of

@@ -52,7 +52,15 @@ from changefeed.visible import visible
 
 from .errors import BootstrapConfigError, PagingError
 
-__all__ = ["Pager", "PagerProgress", "RetryPolicy", "bearer_headers", "fetch_many", "fetch_one"]
+__all__ = [
+    "Pager",
+    "PagerProgress",
+    "RetryPolicy",
+    "bearer_headers",
+    "fetch_many",
+    "fetch_one",
+    "fetchable_by_path",
+]
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +123,7 @@ class _Retryable(Exception):
 
 def _retry_after(response: httpx.Response) -> float | None:
     value = response.headers.get("retry-after", "").strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # (str.isdigit takes "²" too)
         return retry_after_floor(float(value))
     return None  # HTTP dates are not worth honouring here: back off instead
 
@@ -455,6 +463,12 @@ class Pager:
         return self._items()
 
 
+def fetchable_by_path(item_id: str) -> bool:
+    """Whether ``fetch_one`` can ask for ``item_id`` as ``{route}/{id}``: not "", "."
+    or ".." (a URL resolves them away) and without a "/" (a server splits on it)."""
+    return item_id not in ("", ".", "..") and "/" not in item_id
+
+
 def _item_url(route: str, item_id: str) -> str:
     path, sep, query = route.partition("?")
     return f"{path.rstrip('/')}/{quote(item_id, safe='')}{sep}{query}"
@@ -476,8 +490,16 @@ async def fetch_one(
         rng: source of the retries' jitter (default: the pager's own).
 
     Raises:
-        PagingError: the retries ran out, another 4xx, or the body is not a JSON object.
+        PagingError: the retries ran out, another 4xx, or the body is not a JSON object;
+            or ``id`` cannot be one segment of a path ("", ".", "..", or with a "/": a
+            URL resolves the first, a server splits the other).
     """
+    if not fetchable_by_path(id):
+        raise PagingError(
+            f"id {id!r} cannot be fetched as {route}/{{id}}: it is not one path segment;"
+            " fetch it with fetch_many (the ?ids= form)",
+            url=route,
+        )
     response = await _get(
         client,
         _item_url(route, id),

@@ -3,7 +3,10 @@
 Thin adapter around ``KeysetQuery`` (the SQL and request parsing) and
 ``Admission`` (walk and query limits)::
 
-    vms = KeysetQuery("vms", table="vmapi.vms", key="uuid", parse_id=uuid.UUID)
+    vms = KeysetQuery(
+        "vms", table="vmapi.vms", key="uuid", parse_id=uuid.UUID,
+        token_key=publisher.page_token_key,  # shared by every instance, known to nobody else
+    )
     route = BootstrapRoute("/vms", vms, pool, authorize=publisher.authorize_request)
     app = Starlette(routes=[*route.routes(), ...])
 
@@ -39,6 +42,7 @@ from starlette.routing import Route
 
 from changefeed.logs import log_event
 from changefeed.schemas import (
+    BOOTSTRAP_ROUTE_STATE,
     PRIVATE_HEADERS,
     AccessDenied,
     AccessGranted,
@@ -48,7 +52,7 @@ from changefeed.schemas import (
 from changefeed.schemas.validation import bounded
 
 from .admission import Admission
-from .errors import PageRequestError, WalkRefused
+from .errors import PageRequestError, TokenKeyUnavailable, WalkRefused
 from .keyset import BatchRequest, KeysetQuery, PageRequest
 
 __all__ = [
@@ -246,9 +250,16 @@ class BootstrapRoute:
         could not be made."""
         if self._authorize is None:
             return None
+        # Which route this is, for a check that finds the resource from it
+        # (``Publisher.authorize_request``).
+        setattr(request.state, BOOTSTRAP_ROUTE_STATE, self.path)
         try:
-            async with asyncio.timeout(self.authorize_timeout):
+            async with asyncio.timeout(self.authorize_timeout) as deadline:
                 outcome = await self._authorize(request)
+            if deadline.expired():
+                # An authorizer that swallowed its cancellation at the deadline and
+                # answered: it could not check in time, whatever it says.
+                raise TimeoutError(f"authorize took longer than {self.authorize_timeout:g}s")
         except Exception as exc:
             log_event(log, "bootstrap.authorize_failed", logging.ERROR, exc=exc, route=self.path)
             outcome = AccessDenied.unavailable()
@@ -268,6 +279,8 @@ class BootstrapRoute:
             parsed = self.query.parse_request(request.query_params.multi_items())
         except PageRequestError as exc:
             return error_response(400, "bad_request", exc.message)
+        except TokenKeyUnavailable as exc:
+            return self._failed(exc)
         if isinstance(parsed, BatchRequest):
             return await self._batch(parsed)
         return await self._page(request, parsed)
@@ -278,6 +291,8 @@ class BootstrapRoute:
                 items = await self.fetch_batch(conn, parsed)
         except DB_UNAVAILABLE as exc:
             return unavailable_response(exc, self.admission.retry_after or 1)
+        except Exception as exc:
+            return self._failed(exc)
         self.batches_served += 1
         return Response(encode_json({"items": items, "next": None}), 200, None, "application/json")
 
@@ -304,6 +319,10 @@ class BootstrapRoute:
                 admission.walks.abandon(walk)
             log_event(log, "bootstrap.unavailable", logging.WARNING, error=repr(exc))
             return unavailable_response(exc, admission.retry_after or 1)
+        except Exception as exc:
+            if new:
+                admission.walks.abandon(walk)
+            return self._failed(exc)
         except BaseException:
             if new:
                 admission.walks.abandon(walk)
@@ -312,6 +331,19 @@ class BootstrapRoute:
         if new:
             log_event(log, "bootstrap.walk_started", logging.DEBUG, route=self.path, walk=walk)
         return Response(encode_json({"items": items, "next": link}), 200, None, "application/json")
+
+    def _failed(self, exc: Exception) -> Response:
+        """The answer to a read that failed otherwise than the database being away.
+        The page tokens' key not known yet (the publisher is starting) is 503. A
+        value the column's type refuses (an id or a filter that is not a number,
+        say) is the request's fault: 400, which a client does not retry. Anything
+        else is a bug or a misconfiguration: logged with its traceback, 500."""
+        if isinstance(exc, TokenKeyUnavailable):
+            return error_response(503, "unavailable", str(exc), {"Retry-After": "1"}, 1)
+        if isinstance(exc, asyncpg.DataError):
+            return error_response(400, "bad_request", f"the database refused a value: {exc}")
+        log_event(log, "bootstrap.failed", logging.ERROR, exc=exc, route=self.path)
+        return error_response(500, "internal", "the route failed (the server's log says why)")
 
     def _busy(self, exc: WalkRefused) -> Response:
         return error_response(429, "busy", exc.message, {"Retry-After": str(exc.retry_after)})
@@ -330,6 +362,8 @@ class BootstrapRoute:
                 item = await self.fetch_item(conn, item_id)
         except DB_UNAVAILABLE as exc:
             return unavailable_response(exc, self.admission.retry_after or 1)
+        except Exception as exc:
+            return self._failed(exc)
         if item is None:
             return error_response(404, "not_found", f"no item {text!r} at {self.path}")
         self.items_served += 1

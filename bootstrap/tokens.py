@@ -5,8 +5,10 @@ sort key of the last item of the previous page. It is the JSON of both,
 prefixed with a version byte and followed by a keyed digest, base64url-encoded
 without padding, so it travels in a query string as it is. The digest covers a
 *scope* (the route's name) as well, so a token of one route is refused by
-another; the key is shared configuration, so every process serving the route
-accepts the tokens of the others.
+another. The key is never a known one: every process serving the route must
+share it (``Publisher.page_token_key`` derives one from the feed's own secret
+cursor key, the same on every instance); without one a codec makes a random
+key, which only its own process accepts.
 
 Key values may be ``int``, ``str``, ``uuid.UUID`` or an aware or naive
 ``datetime``; each is tagged with its type so that it decodes to the same
@@ -22,8 +24,9 @@ import base64
 import binascii
 import hashlib
 import hmac
+import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -32,9 +35,13 @@ import orjson
 
 from .errors import BootstrapConfigError, PageTokenError
 
-__all__ = ["DEFAULT_TOKEN_KEY", "MAX_TOKEN_LENGTH", "PageToken", "PageTokenCodec", "SortKey"]
+__all__ = ["MAX_TOKEN_LENGTH", "PageToken", "PageTokenCodec", "SortKey", "TokenKey"]
 
-DEFAULT_TOKEN_KEY = b"changefeed-page-v1"
+TokenKey = bytes | Callable[[], bytes]
+"""A digest key, or what gives it once it is known (``Publisher.page_token_key``:
+called for each token, it raises ``TokenKeyUnavailable`` until its publisher has
+read the feed)."""
+
 MAX_TOKEN_LENGTH = 2048
 """Longer ``after`` values are refused before any decoding."""
 
@@ -92,19 +99,22 @@ class PageTokenCodec:
     Args:
         scope: what the tokens are for, usually the route's name; a token is
             valid only for the scope it was issued in.
-        key: digest key; every process serving the route must use the same one.
+        key: digest key, or what gives it (``TokenKey``); every process serving
+            the route must use the same one. None: a random key of this codec's
+            own, for a route one process serves.
         key_length: number of sort-key columns a token must carry.
     """
 
-    def __init__(self, scope: str, key: bytes = DEFAULT_TOKEN_KEY, key_length: int = 1) -> None:
+    def __init__(self, scope: str, key: TokenKey | None = None, key_length: int = 1) -> None:
         if key_length < 1:
             raise BootstrapConfigError("a sort key needs at least one column")
         self._scope = scope.encode()
-        self._key = key
+        self._key: TokenKey = secrets.token_bytes(32) if key is None else key
         self._key_length = key_length
 
     def _digest(self, body: bytes) -> bytes:
-        mac = hmac.new(self._key, digestmod=hashlib.blake2b)
+        key = self._key if isinstance(self._key, bytes) else self._key()
+        mac = hmac.new(key, digestmod=hashlib.blake2b)
         mac.update(len(self._scope).to_bytes(2, "big"))
         mac.update(self._scope)
         mac.update(body)
@@ -116,6 +126,7 @@ class PageTokenCodec:
         Raises:
             BootstrapConfigError: a key value has a type tokens cannot carry, or
                 the key has the wrong number of columns.
+            TokenKeyUnavailable: the digest key is not known yet.
         """
         if len(key) != self._key_length:
             raise BootstrapConfigError(
@@ -132,6 +143,7 @@ class PageTokenCodec:
             PageTokenError: the token is too long, not base64url, not canonical,
                 of an unknown version, not issued for this scope and key, or
                 its content is malformed.
+            TokenKeyUnavailable: the digest key is not known yet.
         """
         if not token or len(token) > MAX_TOKEN_LENGTH:
             raise PageTokenError(

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Self
 
-from changefeed.bootstrap import fetch_many, fetch_one
+from changefeed.bootstrap import fetch_many, fetch_one, fetchable_by_path
 from changefeed.schemas import ChangeItem
 
 from ._attachments import ControllerLink
@@ -428,7 +428,7 @@ class Controller(Generic[T]):
             route = link.routes().get(self.resource)
         if route is None:
             raise ListenerError("no resource route yet: the listener has not registered")
-        if len(ids) == 1:
+        if len(ids) == 1 and fetchable_by_path(ids[0]):
             one = await fetch_one(
                 link.http(),
                 route,

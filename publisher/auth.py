@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 from changefeed.logs import log_event
@@ -35,6 +36,7 @@ __all__ = [
     "BearerAuth",
     "presented_token",
     "resources_served_at",
+    "routed_paths",
 ]
 
 log = logging.getLogger(__name__)
@@ -150,8 +152,13 @@ class BearerAuth:
         if found is not None or self._authorize is None:
             return found
         try:
-            async with asyncio.timeout(_AUTHORIZE_TIMEOUT):
-                allowed = _resources(await self._authorize(token))
+            async with asyncio.timeout(_AUTHORIZE_TIMEOUT) as deadline:
+                answer = await self._authorize(token)
+            if deadline.expired():
+                # It swallowed its cancellation at the deadline and answered anyway:
+                # it could not check in time, whatever it says (None would be a 401).
+                raise TimeoutError(f"the authorizer took longer than {_AUTHORIZE_TIMEOUT:g}s")
+            allowed = _resources(answer)
         except Exception as exc:
             # Past its deadline the authorizer is slow, not broken: no traceback to show.
             cause = None if isinstance(exc, TimeoutError) else exc
@@ -207,6 +214,21 @@ def _resources(allowed: object) -> frozenset[str] | None:
         f"the authorizer returned {allowed!r}: expected None (unknown token) "
         "or the resource names the token may read, such as {'vm'} or {'*'}"
     )
+
+
+def routed_paths(scope: Mapping[str, Any], route: str | None = None) -> list[str]:
+    """The paths a request may have been routed by, most literal first: the ASGI
+    ``path`` (never ``Host``, which a client writes), that path without the
+    ``root_path`` a proxy or a mount put before it (ASGI: ``path`` includes it), and
+    ``route``, the path of the route that serves it when known."""
+    path = str(scope.get("path") or "/")
+    paths = [path]
+    root = str(scope.get("root_path") or "").rstrip("/")
+    if root and path.startswith(root + "/"):
+        paths.append(path[len(root) :])
+    if route is not None:
+        paths.append(route)
+    return paths
 
 
 def resources_served_at(path: str, routes: Iterable[tuple[str, str]]) -> list[str]:

@@ -6,11 +6,15 @@ and the key cursors are signed with, made with it and kept only in the
 database. Every instance of one feed therefore issues and accepts the same
 cursors with no shared secret in any configuration file, and no two feeds
 accept each other's. An operator may configure a key instead
-(``cursor_key``); the identity always comes from the feed.
+(``cursor_key``); the identity always comes from the feed. The key of the
+bootstrap routes' page tokens is derived from the same key (``page_token_key``),
+so that every instance accepts the others' tokens too.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import uuid
 from collections.abc import Callable
@@ -24,7 +28,11 @@ from .registration import LATE_REASONS, plan_resume
 from .standby import Standby, wait_replayed
 from .window import Window
 
-__all__ = ["FeedIdentity", "join_feed"]
+__all__ = ["PAGE_TOKEN_LABEL", "FeedIdentity", "join_feed"]
+
+PAGE_TOKEN_LABEL = b"changefeed page tokens v1"
+"""What the page tokens' key is derived for (HMAC-SHA-256 of it under the cursor
+key): knowing one of the two keys tells nothing of the other."""
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,8 @@ class FeedIdentity:
         self._configured_key = configured_key
         self.feed_id: uuid.UUID | None = None
         self._codec: CursorCodec | None = None
+        self.page_token_key: bytes | None = None
+        """The key of the bootstrap routes' page tokens (None until ``adopt``)."""
         self.generation = 0
         """Grows each time the identity changes: a registration decided across a
         change is decided again."""
@@ -56,7 +66,9 @@ class FeedIdentity:
         if changed:
             self.generation += 1
         self.feed_id = state.feed_id
-        self._codec = CursorCodec(self._configured_key or state.cursor_key, state.feed_id.bytes)
+        key = self._configured_key or state.cursor_key
+        self._codec = CursorCodec(key, state.feed_id.bytes)
+        self.page_token_key = hmac.new(key, PAGE_TOKEN_LABEL, hashlib.sha256).digest()
         return changed
 
 

@@ -31,8 +31,10 @@ from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute
 
 from changefeed import lost_writes
+from changefeed.bootstrap.errors import TokenKeyUnavailable
 from changefeed.logs import log_event
 from changefeed.schemas import (
+    BOOTSTRAP_ROUTE_STATE,
     AccessDenied,
     AccessGranted,
     Position,
@@ -42,7 +44,7 @@ from changefeed.schemas import (
     schema_version,
 )
 
-from .auth import Authorizer, BearerAuth, resources_served_at
+from .auth import Authorizer, BearerAuth, resources_served_at, routed_paths
 from .broadcast import Broadcast
 from .config import PublisherConfig
 from .counters import Counters
@@ -383,6 +385,22 @@ class Publisher:
         """Count and log one refusal (bad input, auth, limits) with its error code."""
         self.sessions.refused(code, endpoint, peer, reason)
 
+    def page_token_key(self) -> bytes:
+        """The key of the page tokens of the API's bootstrap routes:
+        ``KeysetQuery(..., token_key=publisher.page_token_key)``. Derived from the
+        feed's cursor key (``identity.py``), it is secret as that key is and the
+        same on every instance of the feed, so a walk may go on through any of
+        them.
+
+        Raises:
+            TokenKeyUnavailable: the publisher has not read its feed yet (the route
+                answers 503 with ``Retry-After``).
+        """
+        key = self.identity.page_token_key
+        if key is None:
+            raise TokenKeyUnavailable("the publisher has not read its feed yet; retry")
+        return key
+
     async def authorize_request(
         self, request: HTTPConnection, resource: str | None = None
     ) -> AccessGranted | AccessDenied:
@@ -407,12 +425,22 @@ class Publisher:
                 a known token only.
         """
         header = request.headers.get("authorization", "")
+        bootstrap_route = getattr(request.state, BOOTSTRAP_ROUTE_STATE, None)
+        served = [] if resource is None else [resource]
         if resource is None:
-            routes = ((r.name, r.bootstrap_route) for r in self.config.resources)
-            served = resources_served_at(request.url.path, routes)
-        else:
-            served = [resource]
+            routes = [(r.name, r.bootstrap_route) for r in self.config.resources]
+            for path in routed_paths(request.scope, bootstrap_route):
+                if served := resources_served_at(path, routes):
+                    break
         outcome = await self.auth.check(header, any_of=served)
+        if outcome and not served and bootstrap_route is not None:
+            # A bootstrap route reads a resource: one no check can name is refused,
+            # never left to any known token.
+            outcome = AccessDenied(
+                "forbidden",
+                f"no resource's bootstrap_route serves {bootstrap_route!r}; build the route"
+                " with authorize=lambda r: publisher.authorize_request(r, resource=...)",
+            )
         if isinstance(outcome, AccessDenied):
             peer = f"{request.client.host}:{request.client.port}" if request.client else ""
             self.refused(outcome.code, "http", peer, f"{request.url.path}: {outcome.message}")

@@ -6,7 +6,14 @@ versioned feed-table migrations (``sql/``, ``migrations``). Pure code except
 ``migrations``, which talks to PostgreSQL.
 """
 
-from .access import PRIVATE_HEADERS, AccessDenied, AccessGranted, allows, decide
+from .access import (
+    BOOTSTRAP_ROUTE_STATE,
+    PRIVATE_HEADERS,
+    AccessDenied,
+    AccessGranted,
+    allows,
+    decide,
+)
 from .closecodes import ERROR_CLOSE_CODES, CloseCode
 from .cursor import ORIGIN, Cursor, CursorCodec, ForeignCursor, Position, stamp_of
 from .errors import CursorError, ProtocolError
@@ -33,6 +40,7 @@ from .models import (
 from .validation import load_schema, validate
 
 __all__ = [
+    "BOOTSTRAP_ROUTE_STATE",
     "ERROR_CLOSE_CODES",
     "ORIGIN",
     "PRIVATE_HEADERS",

@@ -29,6 +29,7 @@ from .models import ErrorFrame
 __all__ = [
     "ACCESS_STATUS",
     "AUTH_RETRY_AFTER",
+    "BOOTSTRAP_ROUTE_STATE",
     "PRIVATE_HEADERS",
     "AccessDenied",
     "AccessGranted",
@@ -48,6 +49,11 @@ PRIVATE_HEADERS: Mapping[str, str] = MappingProxyType(
 )
 """Headers of every answer that depends on the token (what it may read, a refusal): no
 cache keeps it for the next client, and no browser takes the JSON for another type."""
+
+BOOTSTRAP_ROUTE_STATE = "changefeed_bootstrap_route"
+"""The ``request.state`` attribute a ``BootstrapRoute`` sets to its own path before it
+calls its ``authorize``: the request reads one of the feed's resources, so a check
+that cannot tell which one refuses it rather than let any known token read it."""
 
 _QUOTED = 64
 

@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from changefeed.publisher import ConfigError, Publisher, PublisherConfig
 from changefeed.publisher.auth import presented_token, resources_served_at
 from changefeed.publisher.config import load_config
-from changefeed.schemas import AccessDenied, CloseCode, validate
+from changefeed.schemas import BOOTSTRAP_ROUTE_STATE, AccessDenied, CloseCode, validate
 
 OPS = "ops-token-all-resources"
 DNS = "dns-token-vm-only"
@@ -265,21 +265,48 @@ async def test_a_bootstrap_route_built_as_documented_checks_the_resource_it_serv
                     assert answer.headers["X-Content-Type-Options"] == "nosniff", path
             listed = await http.get("/vms", headers=bearer(DNS))
             assert [item["uuid"] for item in listed.json()["items"]] == [str(vm_id)]
+        # Behind a proxy that strips a prefix (uvicorn --root-path /api), and with a
+        # Host header that is not a host: the path the check reads is the one routed,
+        # never one a client writes (a token allowed only ``network`` read every VM).
+        async with (
+            serve_app(app, root_path="/api") as served,
+            httpx.AsyncClient(base_url=served.url) as http,
+        ):
+            for headers in (bearer(HASHED), {**bearer(HASHED), "Host": "x/y?"}):
+                refused = await http.get(f"/vms/{vm_id}", headers=headers)
+                assert refused.status_code in (400, 403), (headers, refused.text)
+            assert (await http.get("/vms", headers=bearer(DNS))).status_code == 200
         # A route given as an absolute URL counts by its path; a path no bootstrap
-        # route serves needs a known token only.
+        # route serves needs a known token only, unless a bootstrap route asks: it
+        # reads a resource, and one no check can name is refused.
 
-        def request(path: str, token: str) -> Any:
+        def request(path: str, token: str, **scope: Any) -> Any:
             from starlette.requests import Request
 
             headers = [(b"authorization", f"Bearer {token}".encode())]
-            return Request({"type": "http", "headers": headers, "path": path, "client": None})
+            return Request(
+                {"type": "http", "headers": headers, "path": path, "client": None, **scope}
+            )
 
         assert await publisher.authorize_request(request("/networks/n1", HASHED))
         assert not await publisher.authorize_request(request("/networks/n1", DNS))
         assert await publisher.authorize_request(request("/version", HASHED))
         assert await publisher.authorize_request(request("/vmsx", HASHED))  # not under /vms
+        assert not await publisher.authorize_request(request("/api/vms", HASHED, root_path="/api"))
+        unnamed = request("/things", OPS, state={BOOTSTRAP_ROUTE_STATE: "/things"})
+        outcome = await publisher.authorize_request(unnamed)
+        assert isinstance(outcome, AccessDenied) and outcome.code == "forbidden", outcome
+        assert "resource=" in outcome.message
     finally:
         await pool.close()
+
+
+def test_the_page_token_key_is_known_once_the_publisher_has_read_its_feed() -> None:
+    from changefeed.bootstrap import TokenKeyUnavailable
+
+    publisher = Publisher(PublisherConfig(dsn="postgresql://127.0.0.1:9/x", resources=(VM,)))
+    with pytest.raises(TokenKeyUnavailable):
+        publisher.page_token_key()
 
 
 def test_the_resource_a_path_reads_is_the_longest_bootstrap_route_serving_it() -> None:

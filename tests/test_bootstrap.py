@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import re
 import time
@@ -47,10 +48,12 @@ from changefeed.bootstrap import (
     PageTokenError,
     PagingError,
     QuerySlots,
+    TokenKeyUnavailable,
     WalkTable,
     error_response,
     fetch_many,
     fetch_one,
+    fetchable_by_path,
 )
 from changefeed.bootstrap import pager as pager_module
 
@@ -123,6 +126,55 @@ def test_token_tampering_is_refused() -> None:
         PageTokenCodec("nics").decode(token)  # another route's token
     with pytest.raises(PageTokenError, match="checksum"):
         PageTokenCodec("items", key=b"other").decode(token)
+
+
+def test_no_token_key_is_a_known_one() -> None:
+    """Tokens were signed with a key anyone could read in the source, so anyone could
+    mint continuations (walks the admission cap never counts). Without a key a codec
+    makes its own: no other accepts its tokens. A key given as a callable is asked
+    for each token, and one not known yet says so."""
+    token = PageTokenCodec("items").encode("w", (5,))
+    with pytest.raises(PageTokenError, match="checksum"):
+        PageTokenCodec("items").decode(token)
+    keys: list[bytes] = []
+
+    def key() -> bytes:
+        if not keys:
+            raise TokenKeyUnavailable("not started")
+        return keys[0]
+
+    later = PageTokenCodec("items", key=key)
+    with pytest.raises(TokenKeyUnavailable):
+        later.encode("w", (5,))
+    keys.append(b"k" * 32)
+    assert later.decode(PageTokenCodec("items", key=b"k" * 32).encode("w", (5,))).key == (5,)
+
+
+async def test_a_walk_goes_on_through_another_publisher_instance_and_forged_tokens_fail(
+    dsn: str,
+) -> None:
+    """The example API's routes sign their page tokens with the publisher's
+    ``page_token_key``: derived from the feed's key, the same on every instance (a
+    walk behind a load balancer goes on wherever its next page lands), and known to
+    nobody else (the old public key forges nothing)."""
+    from test_listener_support import VmApiServer, create_vms
+
+    async with (
+        VmApiServer(dsn) as first,
+        VmApiServer(dsn) as second,
+        httpx.AsyncClient(base_url=first.url) as client,
+    ):
+        created = await create_vms(client, 5)
+        status, page = await get_json(client, "/vms?limit=2")
+        assert status == 200 and page["next"]
+        async with httpx.AsyncClient(base_url=second.url) as other:
+            status, rest = await get_json(other, page["next"])
+            assert status == 200, rest
+            seen = [vm["uuid"] for vm in page["items"] + rest["items"]]
+            assert len(seen) == 4 and len(set(seen)) == 4 and set(seen) <= set(created)
+        forged = PageTokenCodec("vms", key=b"changefeed-page-v1").encode("w", (uuid.uuid4(),))
+        status, body = await get_json(client, f"/vms?limit=2&after={forged}")
+        assert status == 400 and "checksum" in body["error"]["message"], body
 
 
 # --------------------------------------------------------------------------- keyset query
@@ -366,6 +418,74 @@ async def test_filters_are_bound_and_kept_in_next(dsn: str) -> None:
         # A filter value is a bind parameter: SQL in it is only a bad integer.
         status, body = await get_json(client, "/items?grp=1%20OR%201=1")
         assert status == 400 and body["error"]["code"] == "bad_request"
+
+
+async def test_values_the_columns_refuse_are_400_and_a_plain_filter_compares_as_text(
+    dsn: str,
+) -> None:
+    """A route built with the defaults over integer columns (ids parsed as text, a
+    filter named by its column alone): an id the column refuses used to be a
+    plain-text 500 the pager retried, and a plain filter failed even for a good
+    value. Now: 400 with the error body, and the filter compares as text."""
+    await create_items(dsn)
+    query = items_query(parse_id=str, filters={"grp": "grp"})
+    async with (
+        items_server(dsn, query=query) as (url, _),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        status, page = await get_json(client, "/items?grp=2&limit=20")
+        assert status == 200 and page["items"] and all(i["grp"] == 2 for i in page["items"])
+        for path in ("/items/abc", "/items?ids=abc"):
+            response = await client.get(path)
+            assert response.status_code == 400, (path, response.text)
+            assert response.json()["error"]["code"] == "bad_request"
+            assert response.headers["cache-control"] == "no-store"
+        status, page = await get_json(client, "/items?limit=3")  # and it goes on serving
+        assert status == 200 and len(page["items"]) == 3
+
+
+async def test_a_route_that_breaks_answers_500_with_the_error_body_and_logs_why(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await create_items(dsn)
+    query = items_query(table="public.no_such_table")
+    async with (
+        items_server(dsn, query=query) as (url, _),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        with caplog.at_level(logging.ERROR, "changefeed.bootstrap"):
+            response = await client.get("/items?limit=3")
+        assert response.status_code == 500
+        assert response.json()["error"]["code"] == "internal"
+        assert response.headers["x-content-type-options"] == "nosniff"
+    (failed,) = [r for r in caplog.records if "bootstrap.failed" in r.getMessage()]
+    assert failed.exc_info is not None  # with its traceback
+
+
+async def test_an_id_that_is_not_one_path_segment_is_refused_not_misread() -> None:
+    """``fetch_one(".")`` used to fetch the list route (the page read as the item),
+    and ``"a/b"`` a 404 read as a delete."""
+    assert fetchable_by_path("vm-1") and fetchable_by_path("a b%")
+    async with httpx.AsyncClient(base_url="http://127.0.0.1:9") as client:
+        for odd in ("", ".", "..", "a/b"):
+            assert not fetchable_by_path(odd)
+            with pytest.raises(PagingError, match="fetch_many"):
+                await fetch_one(client, "/vms", odd)
+
+
+async def test_a_retry_after_that_is_not_ascii_digits_is_a_plain_retry() -> None:
+    """``"²"`` passes ``str.isdigit``: it used to crash the pager with a ValueError."""
+    answers = [
+        httpx.Response(503, headers=[(b"Retry-After", "²".encode("latin-1"))], json={}),
+        httpx.Response(200, json={"uuid": "vm-1"}),
+    ]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return answers.pop(0)
+
+    transport = httpx.MockTransport(answer)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+        assert await fetch_one(client, "/vms", "vm-1", max_wait=1.0) == {"uuid": "vm-1"}
 
 
 async def test_bad_requests_get_400_with_error_body(dsn: str) -> None:
@@ -757,11 +877,13 @@ async def test_authorization_is_enforced(dsn: str) -> None:
         assert await fetch_one(client, "/items", "3", token="s3cret") is not None
 
 
-@pytest.mark.parametrize("outage", ["raises", "hangs"])
+@pytest.mark.parametrize("outage", ["raises", "hangs", "answers-when-cancelled"])
 async def test_a_check_that_cannot_be_made_is_503_with_retry_after(dsn: str, outage: str) -> None:
     """A route's own ``authorize`` that raises, or does not answer within
     ``authorize_timeout``, is ``unavailable`` (retried by the pager), never 401 (for
-    good) nor a 500 with a traceback (what a raising one used to give)."""
+    good) nor a 500 with a traceback (what a raising one used to give). One that
+    swallows its cancellation at the deadline and answers False is late all the
+    same (it used to be taken at its word: 401)."""
     await create_items(dsn)
     down = True
 
@@ -770,6 +892,11 @@ async def test_a_check_that_cannot_be_made_is_503_with_retry_after(dsn: str, out
             return True
         if outage == "raises":
             raise ConnectionError("identity service down")
+        if outage == "answers-when-cancelled":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                return False  # an authorizer that must not do this, and does
         await asyncio.Event().wait()
         return False
 

@@ -266,6 +266,7 @@ class ServerApi:
                 parse_id=uuid.UUID,
                 default_limit=default_limit,
                 max_limit=max_limit,
+                token_key=publisher.page_token_key,  # the same on every instance
             ),
             pool,
             admission=admission,

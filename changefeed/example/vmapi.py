@@ -293,6 +293,7 @@ class VmApi:
                 parse_id=uuid.UUID,
                 default_limit=default_limit,
                 max_limit=max_limit,
+                token_key=publisher.page_token_key,  # the same on every instance
             ),
             self.pool,
             admission=admission,
