@@ -540,8 +540,18 @@ class CompactionStore:
         A listener that read a stretch of the table after the drops on one
         server must find the keepers widened on any other it resumes from: on
         a standby that has not replayed them, a publisher would serve them as
-        they were. Physical replication slots of standbys that are away count
-        too: they come back where they stopped.
+        they were. What counts:
+
+        * every physical walsender whose client reports a replay position (a
+          hot standby); one that reports none yet (just connected) is behind;
+        * not logical walsenders (a subscriber, a CDC tool: no publisher reads
+          them), nor WAL receivers that flush and never replay
+          (``pg_receivewal``, ``pg_basebackup -X stream``, an archiver): waiting
+          for them would hold the drops back for good;
+        * an inactive physical replication slot: its standby is away and comes
+          back where it stopped. The slot tells only what it had *flushed*, not
+          replayed, so it counts as behind until its standby is back and shows
+          its replay (or the slot of a standby gone for good is dropped).
 
         Raises:
             CompactionError: a standby is still behind after ``wait`` seconds
@@ -554,11 +564,15 @@ class CompactionStore:
         while True:
             behind = await self.conn.fetch(
                 """
-                SELECT coalesce(application_name, client_addr::text, pid::text) AS name,
-                       state, replay_lsn >= $1::text::pg_lsn AS caught_up
-                FROM pg_stat_replication
+                SELECT coalesce(r.application_name, r.client_addr::text, r.pid::text) AS name,
+                       r.state, coalesce(r.replay_lsn >= $1::text::pg_lsn, false) AS caught_up
+                FROM pg_stat_replication AS r
+                WHERE NOT (r.replay_lsn IS NULL AND r.flush_lsn IS NOT NULL)
+                  AND r.pid NOT IN (
+                      SELECT active_pid FROM pg_replication_slots
+                      WHERE slot_type = 'logical' AND active_pid IS NOT NULL)
                 UNION ALL
-                SELECT 'slot ' || slot_name, 'slot', restart_lsn >= $1::text::pg_lsn
+                SELECT 'slot ' || slot_name || ' (its standby is away)', 'slot', false
                 FROM pg_replication_slots WHERE slot_type = 'physical' AND NOT active
                 """,
                 target,

@@ -640,6 +640,54 @@ async def test_example_api_read_dsn_from_the_command_line(
     assert "--read-dsn" in refused.log()
 
 
+async def test_the_drops_wait_for_standbys_not_wal_receivers_and_not_past_an_away_slot(
+    feed_dsn: str, standby_dsn: str, pg_server: Any, tmp_path: Path
+) -> None:
+    """``pg_receivewal`` streams the WAL and never replays it: the wait used to count
+    it as a standby for ever behind, so no run could drop. An inactive physical slot
+    says only what its standby had *flushed*: it used to pass as caught up, while its
+    standby may come back serving keepers it has not replayed. It now counts as
+    behind until the standby is back, or the slot is dropped."""
+    from changefeed.compaction.apply import CompactionStore
+    from changefeed.compaction.errors import CompactionError
+    from changefeed.embedded import find_postgres_bindir
+
+    conn = await asyncpg.connect(feed_dsn)
+    receiver = await asyncio.create_subprocess_exec(
+        str(find_postgres_bindir() / "pg_receivewal"),
+        *("-D", str(tmp_path), "-d", pg_server.dsn, "--synchronous", "-s", "1", "--no-loop"),
+    )  # fmt: skip
+    slot = f"away_{free_port()}"
+    try:
+        store = CompactionStore(conn, "changefeed")
+        await store.prepare()
+
+        async def receiving() -> bool:
+            return bool(
+                await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_replication"
+                    " WHERE application_name = 'pg_receivewal' AND flush_lsn IS NOT NULL"
+                )
+            )
+
+        await wait_until(receiving, 30, message="pg_receivewal streams")
+        await store.announce(Position(10, 5))
+        names = await store.wait_for_standbys(30.0)
+        assert names and "pg_receivewal" not in names, names  # the standby, only
+        await conn.execute("SELECT pg_create_physical_replication_slot($1, true)", slot)
+        with pytest.raises(CompactionError, match=f"slot {slot}"):
+            await store.wait_for_standbys(0.3)
+    finally:
+        await conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+            " WHERE slot_name = $1",
+            slot,
+        )
+        receiver.terminate()
+        await asyncio.wait_for(receiver.wait(), 30)
+        await conn.close()
+
+
 async def test_the_compaction_drops_wait_until_the_standby_has_replayed_the_keepers(
     feed_dsn: str, standby_dsn: str
 ) -> None:
