@@ -124,8 +124,10 @@ def jdbc_from_dsn(dsn: str, env: Mapping[str, str] | None = None) -> JdbcTarget:
     and the query parameters ``sslmode``, ``sslrootcert``, ``sslcert``,
     ``sslkey``, ``sslpassword``, ``application_name``, ``connect_timeout``,
     ``options``, ``target_session_attrs``, ``user``, ``password``, ``host`` and
-    ``port``. ``PGUSER`` and ``PGPASSWORD`` fill in a missing user or password,
-    as they do for asyncpg.
+    ``port``. The environment fills in what the DSN leaves out, as it does for
+    asyncpg (libpq's variables), so that Spark reads the database the job's own
+    connection locks and writes: ``PGUSER``, ``PGPASSWORD``, ``PGHOST``,
+    ``PGPORT``, ``PGDATABASE``, ``PGSSLMODE`` and ``PGTARGETSESSIONATTRS``.
 
     Raises:
         CompactionError: not a ``postgresql://`` URL, a unix-socket host, or an
@@ -169,6 +171,18 @@ def jdbc_from_dsn(dsn: str, env: Mapping[str, str] | None = None) -> JdbcTarget:
             props[_PARAMS[key]] = value
         else:
             raise _bad(shape, f"query parameter {key!r} is not supported")
+    if query_hosts is None and not hostlist:
+        query_hosts = environ.get("PGHOST") or None
+    if query_port is None and environ.get("PGPORT"):
+        query_port = environ["PGPORT"]
+    if "sslmode" not in props and (mode := environ.get("PGSSLMODE")):
+        if mode not in _SSLMODES:
+            raise _bad(shape, f"PGSSLMODE={mode!r} is not one of {sorted(_SSLMODES)}")
+        props["sslmode"] = mode
+    if "targetServerType" not in props and (attrs := environ.get("PGTARGETSESSIONATTRS")):
+        if attrs not in _TARGET_SESSION_ATTRS:
+            raise _bad(shape, f"PGTARGETSESSIONATTRS={attrs!r} is not supported")
+        props["targetServerType"] = _TARGET_SESSION_ATTRS[attrs]
     hosts = _hosts(query_hosts if query_hosts is not None else hostlist, shape)
     if query_port is not None:
         if not query_port.isdigit() or not 0 < int(query_port) < 65536:
@@ -179,7 +193,9 @@ def jdbc_from_dsn(dsn: str, env: Mapping[str, str] | None = None) -> JdbcTarget:
     if "password" not in props and environ.get("PGPASSWORD"):
         props["password"] = environ["PGPASSWORD"]
     if not database:
-        database = props.get("user") or environ.get("USER") or "postgres"
+        database = (
+            environ.get("PGDATABASE") or props.get("user") or environ.get("USER") or "postgres"
+        )
     props["driver"] = JDBC_DRIVER
     where = ",".join(h if p is None else f"{h}:{p}" for h, p in hosts)
     url = f"jdbc:postgresql://{where}/{quote(database, safe='')}"

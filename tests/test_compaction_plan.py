@@ -420,6 +420,28 @@ def test_jdbc_password_never_in_url_or_repr() -> None:
     assert "hunter2" not in target.url and "hunter2" not in repr(target)
 
 
+def test_jdbc_env_fills_in_what_the_dsn_leaves_out_as_for_asyncpg() -> None:
+    """Spark used to read the database named after the user on localhost, while the
+    job's own connection (asyncpg, which honours libpq's variables) locked and wrote
+    the one PGHOST, PGPORT and PGDATABASE name; and PGSSLMODE was dropped."""
+    env = {
+        "PGHOST": "db1,db2",
+        "PGPORT": "6432",
+        "PGDATABASE": "feeds",
+        "PGSSLMODE": "verify-full",
+        "PGTARGETSESSIONATTRS": "read-write",
+    }
+    target = jdbc_from_dsn("postgresql://u@/", env=env)
+    assert target.url == "jdbc:postgresql://db1:6432,db2:6432/feeds"
+    assert target.properties["sslmode"] == "verify-full"
+    assert target.properties["targetServerType"] == "primary"
+    spelled = jdbc_from_dsn("postgresql://u@h:5433/db?sslmode=disable", env=env)
+    assert spelled.url == "jdbc:postgresql://h:5433/db"  # the DSN's own win
+    assert spelled.properties["sslmode"] == "disable"
+    with pytest.raises(CompactionError, match="PGSSLMODE"):
+        jdbc_from_dsn("postgresql://u@h/db", env={"PGSSLMODE": "sometimes"})
+
+
 def test_jdbc_env_fills_in_user_and_password() -> None:
     target = jdbc_from_dsn("postgresql://h/db", env={"PGUSER": "u", "PGPASSWORD": "p"})
     assert target.properties["user"] == "u" and target.properties["password"] == "p"
