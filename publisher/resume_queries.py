@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -78,6 +79,7 @@ class ResumeQueries:
         self._standby = standby
         self._rounds: Rounds[Position, ResumeFacts] = Rounds()
         self._replayed: Rounds[tuple[Position, str], ResumeFacts | None] = Rounds()
+        self._replays: Rounds[str, bool] = Rounds()
         self.confirmed_total = 0
         """Answers of a standby checked again once it had caught up with the primary."""
 
@@ -169,14 +171,32 @@ class ResumeQueries:
             return await self._retried(lambda: self._ask_primary(position))
 
     async def _replayed_facts(self, position: Position, target: str) -> ResumeFacts | None:
-        """The standby's facts once it has replayed ``target``, on one connection (an
-        address may lead to several standbys); None if it has not within the wait."""
+        """The standby's facts once it has replayed ``target``; None if it has not
+        within the wait.
+
+        The wait is one per target, on one pooled connection, however many cursors
+        wait for it: a burst of resumes from a fresher publisher must not hold
+        every connection of the read pool (and send the others' reads to the
+        primary). Each cursor's facts are then read on a connection that has
+        replayed the target itself (at once, unless the address leads to several
+        standbys and this one is further behind: it is waited for in what is
+        left of the wait)."""
         assert self._standby is not None
         wait = self._standby.wait
+        deadline = time.monotonic() + wait
+        replayed = await self._replays.ask(
+            target, functools.partial(self._wait_for, target, wait), join_running=True
+        )
+        if not replayed:
+            return None
         async with self._pool().acquire(timeout=self._timeout) as conn:
-            if not await wait_replayed(conn, target, wait):
+            if not await wait_replayed(conn, target, max(0.0, deadline - time.monotonic())):
                 return None
             return await self._retried(lambda: self._on(conn, position))
+
+    async def _wait_for(self, target: str, wait: float) -> bool:
+        async with self._pool().acquire(timeout=self._timeout) as conn:
+            return await wait_replayed(conn, target, wait)
 
     async def _retried(self, ask: Callable[[], Awaitable[ResumeFacts]]) -> ResumeFacts:
         for attempt in range(_CONFLICT_RETRIES + 1):
