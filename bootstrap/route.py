@@ -40,6 +40,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from changefeed.budgeted_log import BudgetedLines
+from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
 from changefeed.schemas import (
     BOOTSTRAP_ROUTE_STATE,
@@ -78,6 +80,11 @@ DB_UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.InsufficientResourcesError,
 )
 """Failures meaning the database is unreachable, restarting or overloaded: 503, not 500."""
+
+OUTAGE_LINES = 5
+OUTAGE_WINDOW = 60.0
+"""A route writes at most ``OUTAGE_LINES`` ``bootstrap.unavailable`` lines a minute,
+then one ``bootstrap.unavailable_held`` line with the count of the others."""
 
 PoolSource = Callable[[], "asyncpg.Pool[asyncpg.Record]"]
 """Returns the pool to use; called per request, so an app may create its pool in
@@ -185,6 +192,13 @@ class BootstrapRoute:
         self.batches_served = 0
         self.items_served = 0
         self._item_sql = query.item_statement() if query.id_column is not None else None
+        self._outage_lines = BudgetedLines(
+            LogBudget(OUTAGE_LINES, OUTAGE_WINDOW),
+            log,
+            "bootstrap.unavailable_held",
+            logging.WARNING,
+        )
+        """Every request during an outage is a 503: a few lines say so, then a count."""
 
     def pool(self) -> asyncpg.Pool[asyncpg.Record]:
         if isinstance(self._pool, asyncpg.Pool):
@@ -290,7 +304,7 @@ class BootstrapRoute:
             async with self.pool().acquire(timeout=self.acquire_timeout) as conn:
                 items = await self.fetch_batch(conn, parsed)
         except DB_UNAVAILABLE as exc:
-            return unavailable_response(exc, self.admission.retry_after or 1)
+            return self._unavailable(exc)
         except Exception as exc:
             return self._failed(exc)
         self.batches_served += 1
@@ -317,8 +331,7 @@ class BootstrapRoute:
         except DB_UNAVAILABLE as exc:
             if new:
                 admission.walks.abandon(walk)
-            log_event(log, "bootstrap.unavailable", logging.WARNING, error=repr(exc))
-            return unavailable_response(exc, admission.retry_after or 1)
+            return self._unavailable(exc)
         except Exception as exc:
             if new:
                 admission.walks.abandon(walk)
@@ -331,6 +344,15 @@ class BootstrapRoute:
         if new:
             log_event(log, "bootstrap.walk_started", logging.DEBUG, route=self.path, walk=walk)
         return Response(encode_json({"items": items, "next": link}), 200, None, "application/json")
+
+    def _unavailable(self, exc: BaseException) -> Response:
+        """The answer while the database cannot be reached: 503 with ``Retry-After``
+        (logged without a traceback: the outage, not this route, is the story)."""
+        if self._outage_lines.due("unavailable", asyncio.get_running_loop()):
+            log_event(
+                log, "bootstrap.unavailable", logging.WARNING, route=self.path, error=repr(exc)
+            )
+        return unavailable_response(exc, self.admission.retry_after or 1)
 
     def _failed(self, exc: Exception) -> Response:
         """The answer to a read that failed otherwise than the database being away.
@@ -361,7 +383,7 @@ class BootstrapRoute:
             async with self.pool().acquire(timeout=self.acquire_timeout) as conn:
                 item = await self.fetch_item(conn, item_id)
         except DB_UNAVAILABLE as exc:
-            return unavailable_response(exc, self.admission.retry_after or 1)
+            return self._unavailable(exc)
         except Exception as exc:
             return self._failed(exc)
         if item is None:
