@@ -173,7 +173,17 @@ class _Connection:
             return
         session = outcome.session
         try:
-            await self.send({"type": "websocket.send", "text": outcome.ack})
+            stall = host.config.stall_timeout
+            try:
+                # Bounded like every wait on a listener: one that does not even
+                # take its ack (its pings' answers filled the buffer, and it reads
+                # nothing) is evicted, and its connection let go.
+                async with asyncio.timeout(stall):
+                    await self.send({"type": "websocket.send", "text": outcome.ack})
+            except TimeoutError:
+                message = f"took not even its ack within {stall:g}s: evicted"
+                host.evict(session, "slow_listener", message)
+                return
             direct = None
             if self.writer is not None:
                 direct = _DirectSender(
@@ -375,7 +385,10 @@ class _Connection:
                 delivery.frames += sent
         finally:
             delivery.sending = 0
-        delivery.sent += sent
+            # Taken from the queue, so counted here whatever happened: written, or
+            # lost with the connection (a send that failed, a peer gone meanwhile).
+            delivery.sent += sent
+            delivery.dropped += len(items) - sent
         if direct is not None:
             # What a direct write will follow: count it as written, not taken.
             direct.wrote(size, items[:sent])

@@ -129,7 +129,8 @@ class Delivery:
         self.frames = 0
         """Websocket frames written (a batch frame counts once)."""
         self.dropped = 0
-        """Items lost when the connection closed: still queued."""
+        """Items lost when the connection closed: still queued, or taken for a send
+        that failed."""
         self.progress_at = 0.0
         """When the listener last took something (see stall.StallWatch)."""
         self.progress_mark: tuple[int, int] = (0, 0)

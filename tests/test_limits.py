@@ -9,6 +9,7 @@ metrics under churn (connects and disconnects counted exactly, nothing leaked).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import random
@@ -515,3 +516,69 @@ async def test_refusals_echo_a_bounded_part_of_the_input(
             if r.getMessage() == "registration.refused"
         ]
         assert len(reasons) == len(huge) and all(len(r) <= 300 for r in reasons), reasons
+
+
+def _client_frame(opcode: int, payload: bytes) -> bytes:
+    """A masked client frame (payload under 64 KiB)."""
+    mask = random.randbytes(4)
+    data = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    size = len(payload)
+    head = bytes([0x80 | opcode])  # FIN
+    length = bytes([0x80 | size]) if size < 126 else bytes([0x80 | 126]) + struct.pack("!H", size)
+    return head + length + mask + data
+
+
+@pytest.mark.parametrize("ws", ["direct", "asgi"])
+async def test_a_listener_that_takes_not_even_its_ack_is_let_go_within_bounded_time(
+    feed_dsn: str, ws: str
+) -> None:
+    """A client pings in a burst with its registration and never reads: the answers
+    to its pings fill the server's buffers. Through plain ASGI the registration is
+    read and the ack cannot be written: that send used to have no deadline, and
+    nothing else could end the connection (its socket and registration were held
+    until the peer hung up); now it is an eviction like any other
+    (``recentEvictions``) within ``stall_timeout``. The fast path stops reading a
+    peer it cannot write to, so the registration never comes: the connection goes
+    at ``registration_timeout`` plus ``close_timeout``."""
+    async with running_publisher(
+        feed_dsn,
+        ws=ws,
+        stall_timeout=1.0,
+        registration_timeout=1.0,
+        close_timeout=1.0,
+        server={"ws_ping_interval": 1.0},
+    ) as pub:
+        port = pub.server.port
+
+        def flood() -> socket.socket:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(
+                b"GET /changefeeds HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Sec-WebSocket-Version: 13\r\n\r\n"
+            )
+            sock.recv(4096)  # the 101; nothing is read after it
+            burst = _client_frame(0x9, b"p" * 125) * 30_000
+            burst += _client_frame(0x1, registration().encode())
+            sock.settimeout(10)
+            with contextlib.suppress(OSError):  # the server may stop reading first
+                sock.sendall(burst)
+            return sock
+
+        sock = await asyncio.to_thread(flood)
+        try:
+            publisher = pub.publisher
+            await wait_until(
+                lambda: publisher.stats()["connections"] == 0,
+                timeout=30,
+                message="the connection is let go",
+            )
+            assert len(publisher.registry) == 0
+            if ws == "asgi":
+                assert publisher.counters.evictions["slow_listener"] == 1
+                (evicted,) = publisher.stats()["recentEvictions"]
+                assert "ack" in evicted["reason"], evicted
+        finally:
+            sock.close()
