@@ -135,6 +135,8 @@ class FeedPages:
         self._rewrites = NO_REWRITES
         """The compaction job's rewrites as of the newest read: kept pages were read
         under its generation."""
+        self._epoch = 0
+        """Bumped by ``reset``: a read that began before is of the feed as it was."""
 
     @property
     def floor(self) -> Position:
@@ -154,6 +156,7 @@ class FeedPages:
         under the publisher: a restored feed's may be lower)."""
         self.cache.clear()
         self._rewrites = NO_REWRITES
+        self._epoch += 1
 
     async def page(self, resources: Sequence[str], position: Position, upto: Position) -> Chunk:
         """A page covering ``position`` for ``resources``, reading at most ``upto``.
@@ -178,18 +181,22 @@ class FeedPages:
         future: asyncio.Future[Chunk] = asyncio.get_running_loop().create_future()
         under_way = self._under_way.setdefault(key, [])
         under_way.append((after, future))
+        epoch = self._epoch
         try:
             async with self._reads:
                 read = await self._read(after, upto, key, self.page_size)
             self.reads_total += 1
             if after < read.low_water:
                 raise CursorExpired(f"the feed was trimmed past {after}")
-            self.observe(read.rewrites)
+            current = epoch == self._epoch  # else: of the feed before a ``reset``
+            if current:
+                self.observe(read.rewrites)
             entries = read.entries
             full = len(entries) == self.page_size
             through = entries[-1].position if full else upto
             page = Chunk(entries, after, through, self._encode)
-            if page.covers(after) and read.rewrites.generation == self._rewrites.generation:
+            kept = read.rewrites.generation == self._rewrites.generation
+            if current and kept and page.covers(after):
                 self.cache.add(key, page)
             future.set_result(page)
             return page

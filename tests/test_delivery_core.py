@@ -608,6 +608,33 @@ def test_pages_kept_from_before_the_feed_changed_are_not_served_after() -> None:
     asyncio.run(scenario())
 
 
+def test_a_page_read_across_a_reset_is_neither_kept_nor_believed() -> None:
+    """A read of the feed as it was before a restore, answered after the publisher let
+    its pages go (``reset``), must not be kept (it would be served to the restored
+    feed's listeners) nor bring back the old feed's rewrite generation."""
+    zero = Position(0, 0)
+    gate, started = asyncio.Event(), asyncio.Event()
+    old = [FeedEntry(Position(10 + k, 100 + k), "vm", (), f"lost-{k}", T0) for k in range(30)]
+
+    async def read(after: Position, upto: Position, resources: Any, limit: int) -> PageOfFeed:
+        started.set()
+        await gate.wait()
+        rows = [e for e in old if after < e.position <= upto]
+        return PageOfFeed(rows[:limit], zero, Rewrites(7, Position(20, 110)))
+
+    pages = FeedPages(read, lambda e: e.changed_resource_id, page_size=20, max_bytes=1 << 24)
+
+    async def scenario() -> None:
+        reading = asyncio.create_task(pages.page(["vm"], Position(9, 99), Position(60, 150)))
+        await started.wait()  # the read is under way
+        pages.reset()  # the feed was restored meanwhile
+        gate.set()
+        await reading
+        assert len(pages.cache) == 0 and pages.floor == zero
+
+    asyncio.run(scenario())
+
+
 def test_an_entry_that_arrives_already_old_leaves_the_window_in_time() -> None:
     """An entry is stamped when its statement ran: a long transaction's entries
     arrive already old, and must leave the window as soon as any other."""
