@@ -161,7 +161,8 @@ class PageTokenCodec:
         body, digest = raw[:-_DIGEST_SIZE], raw[-_DIGEST_SIZE:]
         if not hmac.compare_digest(digest, self._digest(body)):
             raise PageTokenError(
-                "after: page token is not one this route issued (checksum mismatch)"
+                "after: page token is not one this route issued (checksum mismatch; every"
+                " process serving a route must share its token_key)"
             )
         try:
             doc = orjson.loads(body[1:])
