@@ -125,7 +125,8 @@ async def run_listen(args: argparse.Namespace) -> int:
 
     Returns:
         0, or 1 when the checkpoint's saves were failing at the end (the file is
-        behind: a restart replays or bootstraps more than it should).
+        behind: a restart replays or bootstraps more than it should), or when
+        ``--duration`` ran out before ``--count`` items came.
 
     Raises:
         UsageError: the ``--resource`` options name nothing clear.
@@ -156,10 +157,13 @@ async def run_listen(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
+    def reached() -> bool:
+        return args.count is not None and shown >= args.count
+
     def counted() -> None:
         nonlocal shown
         shown += 1
-        if args.count is not None and shown >= args.count:
+        if reached():
             stop.set()
 
     async def follow_items() -> None:
@@ -178,10 +182,14 @@ async def run_listen(args: argparse.Namespace) -> int:
                 elif isinstance(event, ChangeItem):
                     _emit(event.to_json())
                     counted()
+                    if reached():
+                        return  # --count: not one more, whatever is buffered
 
     async def follow_mirror() -> None:
         def change(resource: str, op: str) -> Any:
             def callback(key: str, *states: Any) -> None:
+                if reached():
+                    return  # --count: the main task stops the controllers next
                 state = states[-1] if op != "delete" else None
                 _emit({"resource": resource, "op": op, "id": key, "state": state})
                 counted()
@@ -227,6 +235,7 @@ async def run_listen(args: argparse.Namespace) -> int:
 
     work = asyncio.create_task(follow_mirror() if args.mirror else follow_items())
     reporter = asyncio.create_task(report()) if show_status else None
+    timed_out = False
     try:
         waiter = asyncio.create_task(stop.wait())
         timeout = args.duration
@@ -236,6 +245,7 @@ async def run_listen(args: argparse.Namespace) -> int:
         waiter.cancel()
         if work in done:
             work.result()  # a refusal or exhausted retries: raise it
+        timed_out = not done
     finally:
         for task in (work, reporter):
             if task is not None:
@@ -246,7 +256,14 @@ async def run_listen(args: argparse.Namespace) -> int:
             loop.remove_signal_handler(sig)
         if show_status:
             sys.stderr.write("\n")
-    return _checkpoint_verdict(listener.status(), checkpoint)
+    verdict = _checkpoint_verdict(listener.status(), checkpoint)
+    if timed_out and args.count is not None and not reached():
+        sys.stderr.write(
+            f"changefeed listen: {shown} of the {args.count} items --count asked for"
+            f" within --duration {args.duration:g}s\n"
+        )
+        return 1
+    return verdict
 
 
 def _check_checkpoint_path(path: Path) -> None:

@@ -459,3 +459,33 @@ def test_since_and_checkpoint_together_are_a_usage_error(
     args = ["--resource", "vm", "--since", "x", "--checkpoint", checkpoint]
     assert main(["listen", "http://127.0.0.1:9", *args]) == 2
     assert "give --since or --checkpoint, not both" in capsys.readouterr().err
+
+
+async def test_listen_count_prints_exactly_that_many_and_says_when_duration_ran_out(
+    dsn: str,
+) -> None:
+    """``--count N`` used to print whatever was buffered past N (30 items for
+    ``--count 1`` after a resume, every bootstrap add with ``--mirror``); and a
+    ``--duration`` that ran out before N items exited 0 as if they had come."""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 12)
+        # --mirror: the bootstrap's 12 adds come in one go.
+        async with listen(api.url, "--resource", "vm", "--count", "3", "--mirror") as process:
+            assert await asyncio.wait_for(process.wait(), 30) == 0
+            assert process.stdout is not None
+            printed = [orjson.loads(line) for line in (await process.stdout.read()).splitlines()]
+        assert [p.get("op") for p in printed] == ["add"] * 3 + [None], printed  # + the mirror
+        # Change items: 12 changes made together after the bootstrap.
+        async with listen(api.url, "--resource", "vm", "--count", "3") as process:
+            await read_lines_until(process, bool)  # bootstrapped
+            await create_vms(client, 12, "more")
+            assert await asyncio.wait_for(process.wait(), 30) == 0
+            assert process.stdout is not None
+            printed = [orjson.loads(line) for line in (await process.stdout.read()).splitlines()]
+        assert len(printed) == 3 and all("event" not in p for p in printed), printed
+        args = ["--resource", "vm", "--count", "1000", "--duration", "2"]
+        async with listen(api.url, *args) as process:
+            assert await asyncio.wait_for(process.wait(), 30) == 1
+            assert process.stderr is not None
+            err = (await process.stderr.read()).decode()
+    assert "of the 1000 items --count asked for within --duration 2s" in err, err
