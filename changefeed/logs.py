@@ -61,7 +61,17 @@ class JsonFormatter(logging.Formatter):
             doc["exc"] = self.formatException(record.exc_info)
         # Names, reasons and paths come from peers: a terminal tailing the log, or a
         # viewer showing it, gets none of their control or format characters raw.
-        return json_visible(orjson.dumps(doc, default=str).decode())
+        try:
+            text = orjson.dumps(doc, default=str).decode()
+        except TypeError:  # an integer past 64 bits (orjson refuses it): as text
+            text = orjson.dumps(
+                {
+                    k: str(v) if isinstance(v, int) and v.bit_length() > 63 else v
+                    for k, v in doc.items()
+                },
+                default=str,
+            ).decode()
+        return json_visible(text)
 
 
 class HumanFormatter(logging.Formatter):

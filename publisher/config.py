@@ -166,7 +166,7 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 0.5
     tail_batch: Annotated[
         int,
-        key_doc("Entries read per tailer query.", "entries", ge=1),
+        key_doc("Entries read per tailer query.", "entries", ge=1, le=100_000),
     ] = 1000
     queue_size: Annotated[
         int,
@@ -216,7 +216,9 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 60.0
     max_batch: Annotated[
         int,
-        key_doc("Items per frame for listeners that registered with batch.", "items", ge=1),
+        key_doc(
+            "Items per frame for listeners that registered with batch.", "items", ge=1, le=65536
+        ),
     ] = 256
     send_interval: Annotated[
         float,
@@ -233,7 +235,12 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ] = 0.002
     max_frame_bytes: Annotated[
         int,
-        key_doc("Largest frame accepted from a listener.", "bytes", ge=1),
+        key_doc(
+            "Largest frame accepted from a listener (a registration must fit).",
+            "bytes",
+            ge=1024,
+            le=64 << 20,
+        ),
     ] = 65536
     registration_timeout: Annotated[
         float,

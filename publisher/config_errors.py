@@ -28,7 +28,9 @@ _TYPE_WORDS = {
     "array": "a list of strings",
     "object": "a table",
 }
-_FAILURE = re.compile(r"^(?P<what>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$")
+_FAILURE = re.compile(
+    r"^(?P<what>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.DOTALL
+)
 """msgspec's complaint, and where: ``- at `$.path```, or ``- at `key` in `$.path``` for
 a table's key (a config built in Python may have a key that is not a string)."""
 _EXPECTED = re.compile(r"^Expected `(?P<type>[^`]+)`(?:, got `[^`]+`| (?P<bound>[<>]=?) .*)$")
@@ -88,10 +90,10 @@ def explained(
     path = under + inner
     key = _key(prefix, path)
     struct = _struct_at(cls, key)
-    if unknown := re.match(r"Object contains unknown field `(\w+)`", what):
-        return ConfigError(
-            f"{key}.{unknown.group(1)}", f"unknown key (known: {known_keys(struct)})", source
-        )
+    if unknown := re.match(r"Object contains unknown field `(.+)`", what, re.DOTALL):
+        name = unknown.group(1)
+        shown = name if re.fullmatch(r"[\w-]+", name) else repr(name)  # one line, whatever
+        return ConfigError(f"{key}.{shown}", f"unknown key (known: {known_keys(struct)})", source)
     if missing := re.match(r"Object missing required field `(\w+)`", what):
         return ConfigError(f"{key}.{missing.group(1)}", "is required", source)
     value = _at(doc, inner)

@@ -181,6 +181,11 @@ def test_python_values_are_stored_as_a_file_would_give_them() -> None:
         ("[publisher]\nmax_age = 0\n", "publisher.max_age"),
         ("[server]\nping_interval = 0\n", "server.ping_interval"),
         ("not toml ===", "(file)"),
+        ('[publisher]\nmax-age = "5m"\n', "publisher.max-age: unknown key (known: "),
+        ('[publisher]\n"a\\nb" = 1\n', "publisher.'a\\nb': unknown key"),
+        ("[publisher]\ntail_batch = 99999999999999999999\n", "publisher.tail_batch"),
+        ("[publisher]\ntail_batch = 1000000\n", "publisher.tail_batch"),
+        ("[publisher]\nmax_frame_bytes = 16\n", "publisher.max_frame_bytes"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path: Path, text: str, key: str) -> None:
