@@ -362,8 +362,12 @@ def _parser() -> argparse.ArgumentParser:
 async def _db_init(args: argparse.Namespace) -> int:
     import asyncpg
 
-    from changefeed.schemas import apply_schema, schema_version
+    from changefeed.schemas import ProtocolError, apply_schema, quote_schema, schema_version
 
+    try:
+        quote_schema(args.schema)
+    except ProtocolError as exc:
+        raise CommandError(f"--schema: {exc.message}", 2) from None
     dsn = _dsn(args)
     try:
         conn = await asyncpg.connect(dsn, timeout=10)
@@ -374,6 +378,8 @@ async def _db_init(args: argparse.Namespace) -> int:
     try:
         applied = await apply_schema(conn, args.schema)
         version = await schema_version(conn, args.schema)
+    except asyncpg.PostgresError as exc:  # a role that may not create it, say
+        raise CommandError(f"cannot apply schema {args.schema!r}: {exc}") from None
     finally:
         await conn.close()
     what = f"applied {applied}" if applied else "already up to date"
@@ -467,7 +473,10 @@ async def _listen(args: argparse.Namespace) -> int:
 
 async def _demo(args: argparse.Namespace) -> int:
     from changefeed.demo import run_demo
+    from changefeed.standalone import check_database
 
+    if dsn := args.dsn or os.environ.get("CHANGEFEED_DSN"):
+        await check_database(dsn, None, key="--dsn")  # one clear line, not a traceback
     return await run_demo(args)
 
 

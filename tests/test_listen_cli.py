@@ -157,6 +157,10 @@ def test_the_dash_hint_names_the_spelling_of_an_option_that_was_typed(
             ["db", "init", "--dsn", "postgresql://u@127.0.0.1:port/x"],
             "changefeed db: --dsn: not a usable PostgreSQL DSN",
         ),
+        (
+            ["db", "init", "--dsn", "postgresql://u@127.0.0.1:9/x", "--schema", "Bad-Schema"],
+            "changefeed db: --schema: schema name 'Bad-Schema' must match",
+        ),
         # A checkpoint no save could write: refused at once, not failing every interval.
         (
             ["listen", "http://127.0.0.1:9", "--resource", "vm", "--checkpoint", "/no/such/cp"],
@@ -173,6 +177,21 @@ def test_a_value_no_run_can_use_is_a_usage_error_naming_the_option(
 ) -> None:
     dsn = ["--dsn", "postgresql://u@127.0.0.1:9/x"] if args[0] == "compact" else []
     assert main([*args, *dsn]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("dsn", "said"),
+    [
+        ("notadsn", "changefeed demo: --dsn: not a usable PostgreSQL DSN"),
+        ("postgresql://nobody@127.0.0.1:9/x", "changefeed demo: --dsn: database unreachable"),
+    ],
+)
+def test_demo_with_a_dsn_it_cannot_use_says_so_in_one_line(
+    capsys: pytest.CaptureFixture[str], dsn: str, said: str
+) -> None:
+    assert main(["demo", "--dsn", dsn]) == 1
     err = capsys.readouterr().err
     assert err.startswith(said) and err.count("\n") == 1, err
 
