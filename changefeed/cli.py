@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -501,7 +502,11 @@ def _compact(args: argparse.Namespace) -> int:
     except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
     dsn = _dsn(args)
-    with _compaction_progress(args.progress) as progress:
+    # SIGTERM (systemd, a CronJob's deadline) unwinds like Ctrl-C: the Spark session
+    # stops and its scratch directory goes, the staging table is dropped.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    with contextlib.ExitStack() as restore, _compaction_progress(args.progress) as progress:
+        restore.callback(signal.signal, signal.SIGTERM, previous)
         try:
             summary = run_compaction(
                 dsn,
@@ -522,6 +527,10 @@ def _compact(args: argparse.Namespace) -> int:
             raise CommandError(str(exc)) from None
     print(summary.to_text())
     return 0
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager

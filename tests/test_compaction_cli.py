@@ -239,3 +239,39 @@ async def test_without_a_terminal_progress_is_plain_lines_with_done_and_total(
         d["phase"] for d in json_lines(err.decode()) if d["event"] == "compaction.phase_started"
     ]
     assert "scan-delta" in started and "scan-gc" not in started
+
+
+async def test_sigterm_stops_the_run_and_leaves_no_spark_scratch_behind(feed_dsn: str) -> None:
+    """SIGTERM (systemd stopping the unit, a CronJob's deadline) used to kill the
+    command where it stood (143), leaving Spark's scratch and spill directory in
+    /tmp. It unwinds now like Ctrl-C: the session stops and takes it along."""
+    import tempfile
+    from pathlib import Path
+
+    await seed(feed_dsn)
+    scratch = Path(tempfile.gettempdir())
+    before = set(scratch.glob("changefeed-spark-*"))
+    proc = await asyncio.create_subprocess_exec(
+        *command(feed_dsn),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        start_new_session=True,
+    )
+    try:
+        assert proc.stderr is not None
+        async with asyncio.timeout(TIMEOUT):
+            while b'"phase":"scan-gc"' not in (line := await proc.stderr.readline()):
+                assert line, "the command ended before Spark started"
+            mine = set(scratch.glob("changefeed-spark-*")) - before
+            assert mine, "the session's scratch directory exists while it runs"
+            proc.send_signal(signal.SIGTERM)
+            await proc.stderr.read()
+            assert await proc.wait() == 128 + signal.SIGTERM
+        assert not any(path.exists() for path in mine), mine
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            await proc.wait()
