@@ -245,12 +245,14 @@ async def test_sigterm_stops_the_run_and_leaves_no_spark_scratch_behind(feed_dsn
     """SIGTERM (systemd stopping the unit, a CronJob's deadline) used to kill the
     command where it stood (143), leaving Spark's scratch and spill directory in
     /tmp. It unwinds now like Ctrl-C: the session stops and takes it along."""
+    import glob
     import tempfile
-    from pathlib import Path
+
+    def scratch() -> set[str]:
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), "changefeed-spark-*")))
 
     await seed(feed_dsn)
-    scratch = Path(tempfile.gettempdir())
-    before = set(scratch.glob("changefeed-spark-*"))
+    before = scratch()
     proc = await asyncio.create_subprocess_exec(
         *command(feed_dsn),
         stdin=subprocess.DEVNULL,
@@ -264,12 +266,12 @@ async def test_sigterm_stops_the_run_and_leaves_no_spark_scratch_behind(feed_dsn
         async with asyncio.timeout(TIMEOUT):
             while b'"phase":"scan-gc"' not in (line := await proc.stderr.readline()):
                 assert line, "the command ended before Spark started"
-            mine = set(scratch.glob("changefeed-spark-*")) - before
+            mine = scratch() - before
             assert mine, "the session's scratch directory exists while it runs"
             proc.send_signal(signal.SIGTERM)
             await proc.stderr.read()
             assert await proc.wait() == 128 + signal.SIGTERM
-        assert not any(path.exists() for path in mine), mine
+        assert not mine & scratch(), mine
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
