@@ -79,6 +79,7 @@ def test_example_config_loads_and_is_production_shaped() -> None:
     assert config.resources and config.resources[0].bootstrap_route.startswith("https://")
     assert config.create_schema is False  # db init runs with the owner's role
     assert config.cursor_key is None  # the feed's own key, which nobody else knows
+    assert config.auth_tokens  # nginx's 443 server is public: never an open feed
     assert ":" not in (config.dsn or "").split("@")[0].removeprefix("postgresql://")  # no password
     assert server.ping_interval + server.ping_timeout < nginx_seconds("proxy_read_timeout") + 20
     assert server.ping_interval < nginx_seconds("proxy_read_timeout")
@@ -181,6 +182,9 @@ def test_kubernetes_manifests_agree_with_the_code() -> None:
     config = config_from_dict(doc, "configmap.yaml")
     server = server_config_from_dict(doc, "configmap.yaml")
     assert server.host == "0.0.0.0" and config.create_schema is False
+    # The Ingress is public: tokens, and a bootstrap route listeners outside reach.
+    assert config.auth_tokens
+    assert all(r.bootstrap_route.startswith("https://") for r in config.resources)
 
     pod = docs["Deployment"]["spec"]["template"]
     (container,) = pod["spec"]["containers"]
