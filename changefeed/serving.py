@@ -171,7 +171,13 @@ class DrainingServer(uvicorn.Server):
         self.notsent_lowat = notsent_lowat
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
+        try:
+            await super().startup(sockets)
+        except SystemExit:
+            # uvicorn exits the process when it cannot listen (it has logged why, a
+            # port in use say): an error the command reports in one line instead.
+            where = f"{self.config.host}:{self.config.port}"
+            raise OSError(f"cannot listen on {where} (the line above says why)") from None
         listening = [sock for server in self.servers for sock in server.sockets]
         bounded = [set_notsent_lowat(sock, self.notsent_lowat) for sock in listening]
         if listening and not all(bounded):

@@ -13,6 +13,7 @@ key: an unknown key, a wrong type, a database that cannot be reached.
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import time
@@ -263,3 +264,23 @@ async def test_serve_refuses_a_missing_database(pg_server: Any, tmp_path: Path) 
     line = result.stderr.strip()
     assert line.startswith(f"changefeed serve: {config}: publisher.dsn: database unreachable"), line
     assert "does not exist" in line and "Traceback" not in result.stderr
+
+
+async def test_serve_on_a_port_in_use_says_so_in_one_line(feed_dsn: str, tmp_path: Path) -> None:
+    """uvicorn exits the process when it cannot listen: that used to end the command
+    with status 3 and an asyncio traceback ("Task exception was never retrieved")."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    config = tmp_path / "changefeed.toml"
+    text = toml_document({"dsn": feed_dsn, "create_schema": False}, [RESOURCE])
+    config.write_text(text + f'\n[server]\nhost = "127.0.0.1"\nport = {port}\n')
+    try:
+        result = await asyncio.to_thread(run_serve, config)
+    finally:
+        taken.close()
+    assert result.returncode == 1, result
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"changefeed serve: cannot listen on 127.0.0.1:{port} (the line above says why)"
+    assert "Traceback" not in result.stderr, result.stderr
