@@ -16,7 +16,7 @@ from starlette.applications import Starlette
 
 from changefeed.publisher import ConfigError, Publisher
 from changefeed.publisher.config import load_service_config
-from changefeed.schemas import outdated, schema_version
+from changefeed.schemas import apply_schema, outdated, schema_version
 from changefeed.serving import DrainingServer, server_config
 
 __all__ = ["build_app", "check_database", "check_same_feed", "run_standalone"]
@@ -28,16 +28,29 @@ def build_app(publisher: Publisher) -> Starlette:
 
 
 async def check_database(
-    dsn: str, source: str | None, *, schema: str | None = None, key: str = "publisher.dsn"
+    dsn: str,
+    source: str | None,
+    *,
+    schema: str | None = None,
+    create: str | None = None,
+    key: str = "publisher.dsn",
 ) -> None:
     """Fail fast, naming the key: the database must be reachable and, when ``schema`` is
-    given, already hold the feed schema.
+    given, already hold the feed schema; ``create``: the schema to create or migrate
+    now (what the publisher would do as it starts, where a role without the right
+    would end the start-up with a traceback).
 
     Raises:
         ConfigError: naming ``key`` (or ``publisher.create_schema``) and ``source``.
     """
     conn = await _connect(dsn, key, source)
     try:
+        if create is not None:
+            try:
+                await apply_schema(conn, create)
+            except asyncpg.PostgresError as exc:  # e.g. no CREATE on the database
+                why = f"is true, and the feed schema cannot be created or migrated: {exc}"
+                raise ConfigError("publisher.create_schema", why, source) from None
         try:
             version = await schema_version(conn, schema) if schema is not None else None
         except asyncpg.PostgresError as exc:  # e.g. a role without the grants of roles.sql
@@ -112,7 +125,12 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         raise ConfigError("publisher.dsn", "is required for 'changefeed serve'", path)
     if not config.resources:
         raise ConfigError("resources", "at least one [[resources]] table is required", path)
-    await check_database(config.dsn, path, schema=None if config.create_schema else config.schema)
+    await check_database(
+        config.dsn,
+        path,
+        schema=None if config.create_schema else config.schema,
+        create=config.schema if config.create_schema else None,
+    )
     if config.read_dsn:
         await check_database(config.read_dsn, path, key="publisher.read_dsn")
         await check_same_feed(config.dsn, config.read_dsn, path)

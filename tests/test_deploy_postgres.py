@@ -25,7 +25,13 @@ from helpers import fresh_database, standby_caught_up, wait_until
 from test_deploy_support import DEPLOY
 
 from changefeed.embedded import EmbeddedPostgres, standby_of, temporary
-from changefeed.publisher import Publisher, PublisherConfig, ResourceConfig, install_trigger
+from changefeed.publisher import (
+    ConfigError,
+    Publisher,
+    PublisherConfig,
+    ResourceConfig,
+    install_trigger,
+)
 from changefeed.standalone import check_database
 
 SETTING = re.compile(r"^\s*([a-z_]+)\s*=\s*('(?:[^']*)'|[^#\s]+)\s*(?:#.*)?$")
@@ -130,6 +136,12 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
 
     # What `changefeed serve` checks first, as the role it runs as.
     await check_database(as_role(owner_dsn, "changefeed_publisher"), None, schema="changefeed")
+    # create_schema = true with this role (it may not create one): named in one
+    # line before the server starts, not a traceback and "Application startup failed".
+    with pytest.raises(ConfigError, match="publisher.create_schema: is true, and the feed"):
+        await check_database(
+            as_role(owner_dsn, "changefeed_publisher"), None, create="changefeed_other"
+        )
     publisher = Publisher(
         PublisherConfig(
             dsn=as_role(owner_dsn, "changefeed_publisher"),
