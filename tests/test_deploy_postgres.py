@@ -138,7 +138,7 @@ async def test_least_privilege_roles_run_a_publisher(owner_dsn: str) -> None:
     await check_database(as_role(owner_dsn, "changefeed_publisher"), None, schema="changefeed")
     # create_schema = true with this role (it may not create one): named in one
     # line before the server starts, not a traceback and "Application startup failed".
-    with pytest.raises(ConfigError, match="publisher.create_schema: is true, and the feed"):
+    with pytest.raises(ConfigError, match=r"publisher\.create_schema: is true, and the feed"):
         await check_database(
             as_role(owner_dsn, "changefeed_publisher"), None, create="changefeed_other"
         )
