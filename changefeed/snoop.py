@@ -32,6 +32,7 @@ from changefeed.listener import (
     Controller,
     Listener,
     ListenerConfig,
+    ListenerConfigError,
     ListenerStatus,
     Resynced,
     SqliteCheckpointStore,
@@ -140,16 +141,19 @@ async def run_listen(args: argparse.Namespace) -> int:
     if checkpoint:
         _check_checkpoint_path(Path(checkpoint))
     config = None if args.page_limit is None else ListenerConfig(page_limit=args.page_limit)
-    listener = Listener(
-        websocket_url(args.url),
-        instance=str(uuid.uuid4()),
-        service="changefeed-listen",
-        change_kinds=kinds,
-        token=args.token,
-        cursor=args.since,
-        checkpoint=SqliteCheckpointStore(checkpoint) if checkpoint else None,
-        config=config,
-    )
+    try:
+        listener = Listener(
+            websocket_url(args.url),
+            instance=str(uuid.uuid4()),
+            service="changefeed-listen",
+            change_kinds=kinds,
+            token=args.token,
+            cursor=args.since,
+            checkpoint=SqliteCheckpointStore(checkpoint) if checkpoint else None,
+            config=config,
+        )
+    except ListenerConfigError as exc:  # what the options said (--resource, --since)
+        raise UsageError(str(exc)) from None
     show_status = sys.stderr.isatty() if args.status is None else args.status
     stop = asyncio.Event()
     shown = 0

@@ -161,6 +161,14 @@ def test_the_dash_hint_names_the_spelling_of_an_option_that_was_typed(
             ["db", "init", "--dsn", "postgresql://u@127.0.0.1:9/x", "--schema", "Bad-Schema"],
             "changefeed db: --schema: schema name 'Bad-Schema' must match",
         ),
+        (
+            ["listen", "http://127.0.0.1:9", "--resource", "v m"],
+            "changefeed listen: change_kinds[0].resource: 'v m' does not match",
+        ),
+        (
+            ["listen", "http://127.0.0.1:9", "--resource", "vm", "--since", ""],
+            "changefeed listen: cursor: '' should be non-empty",
+        ),
         # A checkpoint no save could write: refused at once, not failing every interval.
         (
             ["listen", "http://127.0.0.1:9", "--resource", "vm", "--checkpoint", "/no/such/cp"],
