@@ -273,7 +273,10 @@ def _parser() -> argparse.ArgumentParser:
     listen.add_argument("--id-field", default="uuid", help="id field of bootstrap items")
     listen.add_argument("--token", default=os.environ.get("CHANGEFEED_TOKEN"), help=_TOKEN_HELP)
     listen.add_argument(
-        "--count", type=_positive_int, default=None, help="exit after this many items"
+        "--count",
+        type=_positive_int,
+        default=None,
+        help="exit after exactly this many items (1 when --duration runs out first)",
     )
     listen.add_argument(
         "--duration", type=_positive_seconds, default=None, help="exit after this many seconds"
