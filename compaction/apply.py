@@ -545,9 +545,10 @@ class CompactionStore:
         * every physical walsender whose client reports a replay position (a
           hot standby); one that reports none yet (just connected) is behind;
         * not logical walsenders (a subscriber, a CDC tool: no publisher reads
-          them), nor WAL receivers that flush and never replay
-          (``pg_receivewal``, ``pg_basebackup -X stream``, an archiver): waiting
-          for them would hold the drops back for good;
+          them), nor WAL receivers that write and never replay
+          (``pg_receivewal``, ``pg_basebackup -X stream``, an archiver), nor a
+          base backup's own connection: waiting for them would hold the drops
+          back for good;
         * an inactive physical replication slot: its standby is away and comes
           back where it stopped. The slot tells only what it had *flushed*, not
           replayed, so it counts as behind until its standby is back and shows
@@ -567,7 +568,8 @@ class CompactionStore:
                 SELECT coalesce(r.application_name, r.client_addr::text, r.pid::text) AS name,
                        r.state, coalesce(r.replay_lsn >= $1::text::pg_lsn, false) AS caught_up
                 FROM pg_stat_replication AS r
-                WHERE NOT (r.replay_lsn IS NULL AND r.flush_lsn IS NOT NULL)
+                WHERE NOT (r.replay_lsn IS NULL AND r.write_lsn IS NOT NULL)
+                  AND r.state IS DISTINCT FROM 'backup'
                   AND r.pid NOT IN (
                       SELECT active_pid FROM pg_replication_slots
                       WHERE slot_type = 'logical' AND active_pid IS NOT NULL)

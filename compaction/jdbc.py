@@ -172,7 +172,9 @@ def jdbc_from_dsn(dsn: str, env: Mapping[str, str] | None = None) -> JdbcTarget:
         else:
             raise _bad(shape, f"query parameter {key!r} is not supported")
     if query_hosts is None and not hostlist:
-        query_hosts = environ.get("PGHOST") or None
+        # (A socket directory, as libpq allows there, is no host for JDBC: localhost.)
+        env_host = environ.get("PGHOST") or ""
+        query_hosts = env_host if env_host and not env_host.startswith("/") else None
     if query_port is None and environ.get("PGPORT"):
         query_port = environ["PGPORT"]
     if "sslmode" not in props and (mode := environ.get("PGSSLMODE")):

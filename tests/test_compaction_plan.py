@@ -440,6 +440,9 @@ def test_jdbc_env_fills_in_what_the_dsn_leaves_out_as_for_asyncpg() -> None:
     assert spelled.properties["sslmode"] == "disable"
     with pytest.raises(CompactionError, match="PGSSLMODE"):
         jdbc_from_dsn("postgresql://u@h/db", env={"PGSSLMODE": "sometimes"})
+    # A socket directory (libpq's, asyncpg's) is no host for JDBC: localhost, as before.
+    socket_dir = jdbc_from_dsn("postgresql://u@/db", env={"PGHOST": "/var/run/postgresql"})
+    assert socket_dir.url == "jdbc:postgresql://localhost/db"
 
 
 def test_jdbc_env_fills_in_user_and_password() -> None:

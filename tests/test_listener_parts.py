@@ -257,7 +257,7 @@ def test_a_controller_closed_before_it_ran_lets_the_others_start() -> None:
 # -- the controller's records ---------------------------------------------------------------
 
 
-def core(fetched: dict[str, Any], fetch: Any = None) -> Reconciler[Any]:
+def core(fetched: dict[str, Any], fetch: Any = None, retry: float = 0.01) -> Reconciler[Any]:
     async def lookup(ids: Sequence[str]) -> Mapping[str, Any]:
         return {i: fetched[i] for i in ids if i in fetched}
 
@@ -275,7 +275,7 @@ def core(fetched: dict[str, Any], fetch: Any = None) -> Reconciler[Any]:
         concurrency=1,
         fetch_batch=10,
         max_pending=100,
-        retry=BackoffPolicy(initial=0.01, maximum=0.01),
+        retry=BackoffPolicy(initial=retry, maximum=retry),
         rng=None,
     )
 
@@ -320,7 +320,8 @@ async def test_a_stale_fetch_that_fails_does_not_keep_the_controller_from_syncin
             raise OSError("the API blinked")
         return {key: {"uuid": key, "v": 2} for key in ids}
 
-    rec = core({}, fetch)
+    # A failed id is retried only after a minute: the sync must not wait for that.
+    rec = core({}, fetch, retry=60.0)
     rec.restore(MirrorCheckpoint("vm", {"K": {"uuid": "K", "v": 1}}, (), {"K"}))
     rec.intake = Intake.OPEN
     worker = asyncio.create_task(rec.work())

@@ -655,7 +655,7 @@ async def test_the_drops_wait_for_standbys_not_wal_receivers_and_not_past_an_awa
     conn = await asyncpg.connect(feed_dsn)
     receiver = await asyncio.create_subprocess_exec(
         str(find_postgres_bindir() / "pg_receivewal"),
-        *("-D", str(tmp_path), "-d", pg_server.dsn, "--synchronous", "-s", "1", "--no-loop"),
+        *("-D", str(tmp_path), "-d", pg_server.dsn, "-s", "1", "--no-loop"),
     )  # fmt: skip
     slot = f"away_{free_port()}"
     try:
@@ -666,7 +666,7 @@ async def test_the_drops_wait_for_standbys_not_wal_receivers_and_not_past_an_awa
             return bool(
                 await conn.fetchval(
                     "SELECT count(*) FROM pg_stat_replication"
-                    " WHERE application_name = 'pg_receivewal' AND flush_lsn IS NOT NULL"
+                    " WHERE application_name = 'pg_receivewal' AND write_lsn IS NOT NULL"
                 )
             )
 
