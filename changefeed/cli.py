@@ -507,7 +507,8 @@ def _compact(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     # SIGTERM (systemd, a CronJob's deadline) unwinds like Ctrl-C: the Spark session
     # stops and its scratch directory goes, the staging table is dropped.
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    terminated = _Terminated()
+    previous = signal.signal(signal.SIGTERM, terminated)
     with contextlib.ExitStack() as restore, _compaction_progress(args.progress) as progress:
         restore.callback(signal.signal, signal.SIGTERM, previous)
         try:
@@ -526,14 +527,28 @@ def _compact(args: argparse.Namespace) -> int:
                 replay_wait=replay_wait,
                 keepers=args.keepers,
             )
-        except CompactionError as exc:
-            raise CommandError(str(exc)) from None
+        except Exception as exc:
+            if terminated.status is not None:  # Spark's calls broke as the signal came
+                raise SystemExit(terminated.status) from None
+            if isinstance(exc, CompactionError):
+                raise CommandError(str(exc)) from None
+            raise
     print(summary.to_text())
     return 0
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+class _Terminated:
+    """A SIGTERM handler that unwinds the command once (``SystemExit``, 128 + the
+    signal); a second signal while it unwinds changes nothing."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.status is not None:
+            return
+        self.status = 128 + signum
+        raise SystemExit(self.status)
 
 
 @contextlib.contextmanager
