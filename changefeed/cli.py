@@ -640,11 +640,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return missing.status
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # Whoever read stdout has what it wanted (`listen | head -1`): stop quietly,
-        # and let nothing more be flushed into the closed pipe at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except Exception as exc:  # the last line of defence: one clear line
         from changefeed.bootstrap import BootstrapError
         from changefeed.listener import ListenerError

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import uuid
@@ -115,10 +116,26 @@ def status_line(status: ListenerStatus, shown: int) -> str:
     return line
 
 
-def _emit(doc: dict[str, Any]) -> None:
-    # Ids, names and reasons come from the publisher: a terminal shows none raw.
-    sys.stdout.write(json_visible(orjson.dumps(doc).decode()) + "\n")
-    sys.stdout.flush()
+class _Output:
+    """Stdout, one JSON line per document. Once whoever reads it has gone
+    (``listen | head -1``), the run stops quietly (``stop``) and writes nothing more."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        self.stop = stop
+        self.gone = False
+
+    def emit(self, doc: dict[str, Any]) -> None:
+        if self.gone:
+            return
+        try:
+            # Ids, names and reasons come from the publisher: a terminal shows none raw.
+            sys.stdout.write(json_visible(orjson.dumps(doc).decode()) + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            self.gone = True
+            # Nothing more may be flushed into the closed pipe, at exit either.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.stop.set()
 
 
 async def run_listen(args: argparse.Namespace) -> int:
@@ -156,6 +173,7 @@ async def run_listen(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     show_status = sys.stderr.isatty() if args.status is None else args.status
     stop = asyncio.Event()
+    out = _Output(stop)
     shown = 0
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -174,7 +192,7 @@ async def run_listen(args: argparse.Namespace) -> int:
         async with listener:
             async for event in listener:
                 if isinstance(event, Resynced):
-                    _emit(
+                    out.emit(
                         {
                             "event": "bootstrapped",
                             "resource": event.resource,
@@ -184,10 +202,13 @@ async def run_listen(args: argparse.Namespace) -> int:
                         }
                     )
                 elif isinstance(event, ChangeItem):
-                    _emit(event.to_json())
+                    out.emit(event.to_json())
                     counted()
                     if reached():
-                        return  # --count: not one more, whatever is buffered
+                        # --count: not one more, whatever is buffered; and a
+                        # checkpoint covers the last one printed.
+                        listener.done_with_last()
+                        return
 
     async def follow_mirror() -> None:
         def change(resource: str, op: str) -> Any:
@@ -195,7 +216,7 @@ async def run_listen(args: argparse.Namespace) -> int:
                 if reached():
                     return  # --count: the main task stops the controllers next
                 state = states[-1] if op != "delete" else None
-                _emit({"resource": resource, "op": op, "id": key, "state": state})
+                out.emit({"resource": resource, "op": op, "id": key, "state": state})
                 counted()
 
             return callback
@@ -222,7 +243,7 @@ async def run_listen(args: argparse.Namespace) -> int:
         finally:
             if not failed:  # stopped (a signal, --duration, --count): the mirrors now
                 for controller in controllers:
-                    _emit(
+                    out.emit(
                         {
                             "event": "mirror",
                             "resource": controller.resource,

@@ -365,6 +365,13 @@ class Inbox:
         k = self._next
         return self._staged[k - 1].cursor if k else self._handed
 
+    def done_with_last(self) -> None:
+        """The application is done with the last event handed out, as if it had asked
+        for the next one."""
+        self._fold()
+        if not self._resyncs:
+            self._done = self._handed
+
     def forget(self) -> None:
         """The next registration must bootstrap: resume from nothing."""
         self._fold()

@@ -447,6 +447,12 @@ class Listener:
             await self._http.aclose()
             self._http = None
 
+    def done_with_last(self) -> None:
+        """The application is done with the last event ``async for`` handed out, without
+        asking for another (a loop that stops after an item): checkpoints and resumes
+        cover it. Otherwise an event counts as done only once the next is asked for."""
+        self._inbox.done_with_last()
+
     async def save_checkpoint(self) -> bool:
         """Take a checkpoint now and save it (besides the periodic ones).
 

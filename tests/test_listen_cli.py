@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import resource
 import signal
@@ -516,3 +517,66 @@ async def test_listen_count_prints_exactly_that_many_and_says_when_duration_ran_
             assert process.stderr is not None
             err = (await process.stderr.read()).decode()
     assert "of the 1000 items --count asked for within --duration 2s" in err, err
+
+
+async def test_listen_count_with_a_checkpoint_goes_on_after_the_last_item_printed(
+    dsn: str, tmp_path: Path
+) -> None:
+    """The last item printed counted as done only once the next was asked for, which
+    ``--count`` never does: every run with ``--checkpoint`` printed it again."""
+    checkpoint = str(tmp_path / "listen.sqlite")
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        args = ["--resource", "vm", "--checkpoint", checkpoint, "--count", "2"]
+        async with listen(api.url, *args) as process:
+            await read_lines_until(process, bool)  # bootstrapped
+            await create_vms(client, 3, concurrency=1)
+            first = await read_lines_until(process, lambda lines: len(lines) == 2)
+            assert await asyncio.wait_for(process.wait(), 30) == 0
+        args = ["--resource", "vm", "--checkpoint", checkpoint, "--count", "1"]
+        async with listen(api.url, *args) as process:
+            (then,) = await read_lines_until(process, bool)
+            assert await asyncio.wait_for(process.wait(), 30) == 0
+    printed = [item["changedResourceId"] for item in first]
+    assert then.get("changedResourceId") not in printed, (printed, then)
+    assert "event" not in then  # a resume: no bootstrap
+
+
+@pytest.mark.parametrize("mirror", [False, True])
+async def test_listen_piped_into_head_stops_quietly_once_head_has_gone(
+    dsn: str, mirror: bool
+) -> None:
+    """``listen --mirror | head -1`` used to retry its callback for good against the
+    closed pipe, logging a traceback each time; a closed stdout now ends the run,
+    quietly, with status 0."""
+    extra = " --mirror" if mirror else ""
+    async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
+        await create_vms(client, 2)
+        script = (
+            f"{CHANGEFEED} --log-level warning listen {api.url} --resource vm{extra}"
+            ' --duration 60 | head -1; echo "listen=${PIPESTATUS[0]}" >&2'
+        )
+        process = await asyncio.create_subprocess_exec(
+            "bash",
+            "-c",
+            script,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # the pipeline is one process group, ended as one
+        )
+        try:
+            assert process.stdout is not None and process.stderr is not None
+            assert await asyncio.wait_for(process.stdout.readline(), 30)  # head's one line
+            ended = asyncio.ensure_future(process.wait())
+            for n in range(30):  # more lines, until one meets the closed pipe
+                await create_vms(client, 1, f"more-{n}")
+                done, _ = await asyncio.wait({ended}, timeout=1.0)
+                if done:
+                    break
+            assert ended.done() and ended.result() == 0
+            err = (await asyncio.wait_for(process.stderr.read(), 30)).decode()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.wait_for(process.wait(), 30)
+    assert err.strip().endswith("listen=0"), err
+    assert "Traceback" not in err and "reconcile_failed" not in err, err
