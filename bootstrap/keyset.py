@@ -72,6 +72,11 @@ class Filter:
         column: the column compared (a configured identifier).
         parse: turns the parameter's text into the value bound to the query;
             ``ValueError`` or ``TypeError`` becomes a 400 naming the parameter.
+            Without one (``str``) the column is compared as text
+            (``column::text = $n``), whatever its type: exact text, so a number
+            or uuid column takes its canonical spelling only, and its index
+            serves only a text column. Give ``parse`` (``int``, ``uuid.UUID``)
+            to compare a column of another type as that type.
     """
 
     column: str
