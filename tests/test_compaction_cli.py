@@ -98,6 +98,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+async def start(dsn: str, stdout: int = subprocess.PIPE) -> asyncio.subprocess.Process:
+    """``changefeed compact`` on ``dsn``, its stderr a pipe, in a session of its own
+    (so that it can be killed as a group)."""
+    return await asyncio.create_subprocess_exec(
+        *command(dsn),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        start_new_session=True,
+    )
+
+
 def run_on_terminal(argv: list[str], columns: int = 160, lines: int = 50) -> tuple[int, str]:
     """Run ``argv`` with a pseudo-terminal as stdin, stdout and stderr; return its
     exit status and everything it wrote to the terminal."""
@@ -218,14 +231,7 @@ async def test_without_a_terminal_progress_is_plain_lines_with_done_and_total(
     assert done["full"] is True and "run           full (no previous run)" in stdout
 
     # The next run reads what changed since (nothing here): an incremental run.
-    again = await asyncio.create_subprocess_exec(
-        *command(dsn),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=child_env(),
-        start_new_session=True,
-    )
+    again = await start(dsn)
     try:
         out, err = await asyncio.wait_for(again.communicate(), TIMEOUT)
     finally:
@@ -253,14 +259,7 @@ async def test_sigterm_stops_the_run_and_leaves_no_spark_scratch_behind(feed_dsn
 
     await seed(feed_dsn)
     before = scratch()
-    proc = await asyncio.create_subprocess_exec(
-        *command(feed_dsn),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=child_env(),
-        start_new_session=True,
-    )
+    proc = await start(feed_dsn, stdout=subprocess.DEVNULL)
     try:
         assert proc.stderr is not None
         async with asyncio.timeout(TIMEOUT):
