@@ -716,3 +716,66 @@ async def test_the_compaction_drops_wait_until_the_standby_has_replayed_the_keep
         assert names, "the standby it waited for is named"
     finally:
         await conn.close()
+
+
+async def test_an_old_identity_on_a_standby_behind_is_waited_out_not_adopted(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """The feed gets a new identity on the primary and the publisher already follows it
+    when its tailer joins again through a standby that has not replayed it (replay
+    paused): the standby shows the old identity. Believed at once, the publisher
+    would go back to it, close every listener with 4011 and sign cursors no other
+    publisher accepts; it waits for the standby instead (``ReplicaBehind`` when the
+    wait runs out: the tailer joins again), and once replay goes on the join keeps
+    the new identity and its position."""
+    from changefeed.publisher.identity import FeedIdentity, join_feed
+    from changefeed.publisher.pages import FeedPages
+    from changefeed.publisher.standby import Standby
+    from changefeed.publisher.window import Window
+
+    await publish_each(feed_dsn, ["before"])
+    await standby_caught_up(feed_dsn, standby_dsn)
+    reader = FeedReader()
+
+    async def no_page(*args: Any) -> Any:
+        raise AssertionError("a join reads no page")
+
+    async with (
+        asyncpg.create_pool(feed_dsn, min_size=1, max_size=2) as primary,
+        replay_paused(standby_dsn) as paused,
+    ):
+        head, stamp = await reader.head_entry(primary)
+        new = await reader.rotate_identity(primary, (await reader.state(primary)).feed_id)
+        identity = FeedIdentity()
+        identity.adopt(new)  # as a registration carrying the new identity made it do
+        changed: list[str] = []
+
+        async def join(wait: float) -> tuple[Position, int]:
+            window = Window(head, 1 << 20, lambda e: e.changed_resource_id)
+            pages = FeedPages(
+                no_page, lambda e: e.changed_resource_id, page_size=10, max_bytes=1 << 20
+            )
+            conn = await asyncpg.connect(standby_dsn)
+            try:
+                return await join_feed(
+                    conn,
+                    head,
+                    stamp,
+                    reader=reader,
+                    identity=identity,
+                    window=window,
+                    pages=pages,
+                    feed_changed=changed.append,
+                    resume_all=changed.append,
+                    standby=Standby(lambda: primary, wait=wait),
+                )
+            finally:
+                await conn.close()
+
+        with pytest.raises(ReplicaBehind):
+            await join(0.5)
+        assert identity.feed_id == new.feed_id and changed == []
+        waiting = asyncio.create_task(join(30.0))
+        await paused.execute("SELECT pg_wal_replay_resume()")
+        assert await asyncio.wait_for(waiting, 30) == (head, stamp)
+    assert identity.feed_id == new.feed_id and changed == []  # nobody closed, nothing reset
