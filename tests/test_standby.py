@@ -744,8 +744,9 @@ async def test_an_old_identity_on_a_standby_behind_is_waited_out_not_adopted(
         asyncpg.create_pool(feed_dsn, min_size=1, max_size=2) as primary,
         replay_paused(standby_dsn) as paused,
     ):
-        head, stamp = await reader.head_entry(primary)
-        new = await reader.rotate_identity(primary, (await reader.state(primary)).feed_id)
+        async with primary.acquire() as conn:
+            head, stamp = await reader.head_entry(conn)
+            new = await reader.rotate_identity(conn, (await reader.state(conn)).feed_id)
         identity = FeedIdentity()
         identity.adopt(new)  # as a registration carrying the new identity made it do
         changed: list[str] = []
