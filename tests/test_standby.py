@@ -780,3 +780,54 @@ async def test_an_old_identity_on_a_standby_behind_is_waited_out_not_adopted(
         await paused.execute("SELECT pg_wal_replay_resume()")
         assert await asyncio.wait_for(waiting, 30) == (head, stamp)
     assert identity.feed_id == new.feed_id and changed == []  # nobody closed, nothing reset
+
+
+async def test_a_burst_of_fresher_cursors_waits_for_the_replay_on_few_connections(
+    feed_dsn: str, standby_dsn: str
+) -> None:
+    """20 cursors of a fresher publisher reach a publisher whose standby lags: each
+    used to hold a connection of the read pool for the whole wait (the others'
+    reads then went to the primary). The wait is one per replay target now: the
+    primary's position is asked in at most two rounds, so at most two connections
+    wait, however many cursors do; all 20 are answered once replay goes on."""
+    from changefeed.publisher.resume_queries import ResumeQueries
+    from changefeed.publisher.standby import Standby
+
+    async with (
+        asyncpg.create_pool(feed_dsn, min_size=1, max_size=2) as primary,
+        asyncpg.create_pool(standby_dsn, min_size=1, max_size=20) as reads,
+        replay_paused(standby_dsn) as paused,
+    ):
+        await publish_each(feed_dsn, ["unreplayed"])  # the primary is ahead now
+        queries = ResumeQueries(
+            FeedReader(), lambda: reads, 5.0, standby=Standby(lambda: primary, wait=30.0)
+        )
+        cursors = [Position(100 + n, n) for n in range(20)]
+        asked = [asyncio.create_task(queries.caught_up(position)) for position in cursors]
+
+        async def polls() -> list[asyncpg.Record]:
+            return await paused.fetch(
+                "SELECT pid, query_start FROM pg_stat_activity"
+                " WHERE query LIKE '%pg_last_wal_replay_lsn%' AND pid <> pg_backend_pid()"
+            )
+
+        waiting: list[asyncpg.Record] = []
+
+        async def someone_waits() -> bool:
+            waiting[:] = await polls()
+            return bool(waiting)
+
+        await wait_until(someone_waits, 10, message="a connection waits for the replay")
+        pid, seen = waiting[0]["pid"], {waiting[0]["query_start"]}
+
+        async def polled_again() -> bool:  # time for every cursor to have asked
+            seen.update(r["query_start"] for r in await polls() if r["pid"] == pid)
+            return len(seen) >= 4
+
+        await wait_until(polled_again, 10, message="the wait polls the standby")
+        assert len(await polls()) <= 2
+        assert reads.get_size() - reads.get_idle_size() <= 2
+        assert not any(task.done() for task in asked)
+        await paused.execute("SELECT pg_wal_replay_resume()")
+        answers = await asyncio.wait_for(asyncio.gather(*asked), 30)
+    assert len(answers) == 20 and all(a.state.feed_id for a in answers)
