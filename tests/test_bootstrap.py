@@ -474,18 +474,23 @@ async def test_an_id_that_is_not_one_path_segment_is_refused_not_misread() -> No
 
 
 async def test_a_retry_after_that_is_not_ascii_digits_is_a_plain_retry() -> None:
-    """``"²"`` passes ``str.isdigit``: it used to crash the pager with a ValueError."""
-    answers = [
-        httpx.Response(503, headers=[(b"Retry-After", "²".encode("latin-1"))], json={}),
-        httpx.Response(200, json={"uuid": "vm-1"}),
-    ]
+    """``"²"`` passes ``str.isdigit``: it used to crash the pager with a ValueError. A
+    real server on 127.0.0.1 answers 503 with that header once, then the item."""
+    calls = 0
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        return answers.pop(0)
+    async def item(request: Request) -> Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            response = Response(b"{}", 503, media_type="application/json")
+            response.raw_headers.append((b"retry-after", "²".encode("latin-1")))
+            return response
+        return Response(b'{"uuid": "vm-1"}', 200, media_type="application/json")
 
-    transport = httpx.MockTransport(answer)
-    async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+    app = Starlette(routes=[Route("/vms/{id}", item)])
+    async with serve_app(app) as server, httpx.AsyncClient(base_url=server.url) as client:
         assert await fetch_one(client, "/vms", "vm-1", max_wait=1.0) == {"uuid": "vm-1"}
+    assert calls == 2
 
 
 async def test_bad_requests_get_400_with_error_body(dsn: str) -> None:
