@@ -450,12 +450,15 @@ async def _example_api(args: argparse.Namespace) -> int:
         fast_path=True,
         head_timeout=header_timeout or None,
     )
-    server = DrainingServer(config, [app.state.publisher], owns_process=True)
-    print(
-        f"example VM API with publisher on http://{args.host}:{args.port} "
-        f"(websocket ws://{args.host}:{args.port}/changefeeds)",
-        flush=True,
-    )
+
+    def announce(address: str) -> None:
+        print(
+            f"example VM API with publisher on http://{address} "
+            f"(websocket ws://{address}/changefeeds)",
+            flush=True,
+        )
+
+    server = DrainingServer(config, [app.state.publisher], owns_process=True, announce=announce)
     await server.serve()
     return 0 if server.started else 1
 

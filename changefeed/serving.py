@@ -20,7 +20,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -153,6 +153,8 @@ class DrainingServer(uvicorn.Server):
             (``TCP_NOTSENT_LOWAT`` on the listening sockets, inherited by every
             connection, whichever websocket protocol serves it). A ping or pong
             then waits behind this much, and the listener's own receive buffer.
+        announce: called once listening, with the address bound (``host:port``,
+            the port the system picked when the config asked for port 0).
     """
 
     def __init__(
@@ -163,12 +165,14 @@ class DrainingServer(uvicorn.Server):
         *,
         owns_process: bool = False,
         notsent_lowat: int = NOTSENT_LOWAT,
+        announce: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(config)
         self.publishers = list(publishers)
         self.grace = grace
         self.owns_process = owns_process
         self.notsent_lowat = notsent_lowat
+        self.announce = announce
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         try:
@@ -191,6 +195,19 @@ class DrainingServer(uvicorn.Server):
         if self.owns_process and self.started:
             tune_collector()
             self._fit_file_limit()
+        if self.announce is not None and self.started:
+            self.announce(self.address(listening))
+
+    def address(self, listening: Sequence[socket.socket]) -> str:
+        """``host:port`` as configured, with the port actually bound (port 0 asks the
+        system for a free one, which only the socket knows)."""
+        host, port = self.config.host, self.config.port
+        inet = [s for s in listening if s.family in (socket.AF_INET, socket.AF_INET6)]
+        if inet:
+            port = inet[0].getsockname()[1]
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{port}"
 
     def _fit_file_limit(self) -> None:
         """As many file descriptors as the publishers may hold connections, or a warning."""

@@ -145,18 +145,18 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
         ws_ping_interval=server.ping_interval,
         ws_ping_timeout=server.ping_timeout,
     )
+
+    def announce(address: str) -> None:
+        names = [r.name for r in config.resources]
+        print(f"changefeed publisher for {names} on http://{address}", file=sys.stderr, flush=True)
+
     runner = DrainingServer(
         uvicorn_config,
         [publisher],
         grace=server.drain_grace,
         owns_process=True,
         notsent_lowat=server.notsent_lowat,
-    )
-    print(
-        f"changefeed publisher for {[r.name for r in config.resources]} on "
-        f"http://{uvicorn_config.host}:{uvicorn_config.port}",
-        file=sys.stderr,
-        flush=True,
+        announce=announce,
     )
     await runner.serve()
     await asyncio.sleep(0)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 from helpers import free_port
@@ -164,3 +166,32 @@ async def test_a_server_process_raises_its_file_limit_or_says_it_cannot(
             (warning,) = warnings
             assert warning["level"] == "warning"
             assert warning["limit"] == 200 and warning["wanted"] == 10_000 + RESERVE
+
+
+_ANNOUNCED = re.compile(r"on http://127\.0\.0\.1:(\d+)")
+
+
+@pytest.mark.parametrize("command", ["example-api", "serve"])
+async def test_a_server_asked_for_port_0_names_the_port_it_got(
+    feed_dsn: str, tmp_path: Path, command: str
+) -> None:
+    """``--port 0`` lets the system pick a free port; the line a server prints once
+    listening names that port (which is where it answers), not 0."""
+    if command == "serve":
+        config = tmp_path / "changefeed.toml"
+        config.write_text(
+            toml_document({"dsn": feed_dsn}, [{"name": "vm", "bootstrap_route": "/vms"}])
+        )
+        server = ChangefeedServer.standalone(command, config, 0, tmp_path)
+    else:
+        server = ChangefeedServer.example_api(command, feed_dsn, 0, tmp_path)
+    async with stopping(server), httpx.AsyncClient(timeout=2.0) as client:
+        server.start()
+        async with asyncio.timeout(30):
+            while not (found := _ANNOUNCED.search(server.log())):
+                assert server.alive(), server.log()
+                await asyncio.sleep(0.05)
+            port = int(found.group(1))
+            assert port != 0
+            # Announced once listening: it answers at once.
+            assert (await client.get(f"http://127.0.0.1:{port}/healthz")).status_code == 200
