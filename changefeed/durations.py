@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_SECONDS", "format_duration", "seconds_of", "too_long"]
+__all__ = ["MAX_SECONDS", "MIN_SECONDS", "format_duration", "seconds_of", "too_long"]
 
 MAX_SECONDS = 100 * 365 * 86400.0
 """The longest duration anything takes: 100 years (``36500d``)."""
+
+MIN_SECONDS = 0.001
+"""The shortest positive duration a cutoff takes: one millisecond, the smallest
+unit spelled. Anything shorter would round to nothing on the way to a timestamp
+(microseconds in Python and PostgreSQL alike) and silently mean zero."""
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}

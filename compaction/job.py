@@ -47,7 +47,7 @@ from typing import Any
 
 import asyncpg
 
-from changefeed.durations import too_long
+from changefeed.durations import MIN_SECONDS, too_long
 from changefeed.schemas import ORIGIN, Position, quote_schema
 from changefeed.schemas.errors import ProtocolError
 
@@ -152,6 +152,8 @@ def check_durations(
     for name, value in ((age_name, max_age), (lag_name, compaction_lag)):
         if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
             raise CompactionError(f"{name} must be a positive number of seconds, got {value!r}")
+        if value < MIN_SECONDS:
+            raise CompactionError(f"{name} must be at least 1ms, got {value:g}s")
         if (why := too_long(value)) is not None:
             raise CompactionError(f"{name} {why}")
     if max_age < compaction_lag:

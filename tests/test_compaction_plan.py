@@ -483,6 +483,9 @@ def test_find_jdbc_jar(tmp_path: object) -> None:
     [
         ({"max_age": 0, "compaction_lag": 1}, "max_age must be a positive"),
         ({"max_age": 60, "compaction_lag": -1}, "compaction_lag must be a positive"),
+        # Shorter than a microsecond rounds to a lag of nothing on the way to a cutoff.
+        ({"max_age": 60, "compaction_lag": 1e-10}, "compaction_lag must be at least 1ms"),
+        ({"max_age": 0.0005, "compaction_lag": 0.0001}, "max_age must be at least 1ms"),
         ({"max_age": 60, "compaction_lag": 600}, "must not be shorter than compaction_lag"),
         # 800000 days before now is no date: refused, not an OverflowError mid-run.
         ({"max_age": 800_000 * 86400, "compaction_lag": 60}, r"max_age must be at most 100 years"),

@@ -149,6 +149,10 @@ def test_the_dash_hint_names_the_spelling_of_an_option_that_was_typed(
         (["compact", "--compaction-lag", "0"], "changefeed compact: --compaction-lag must be"),
         (["compact", "--max-age", "0s"], "changefeed compact: --max-age must be"),
         (
+            ["compact", "--compaction-lag", "0.0000001ms"],
+            "changefeed compact: --compaction-lag must be at least 1ms",
+        ),
+        (
             ["compact", "--max-age", "1m", "--compaction-lag", "10m"],
             "changefeed compact: --max-age (60s) must not be shorter than --compaction-lag",
         ),
