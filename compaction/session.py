@@ -1,8 +1,11 @@
 """The Spark session the compaction job starts: quiet, on one machine, cleaned up after.
 
 Loopback only, UI off, log level WARN, scratch space (and the log4j2 settings)
-under the temp dir, removed when the session stops. The session active in
-the calling thread, when the application runs one, is used as it is.
+under the temp dir, removed when the session stops. A process killed outright
+(SIGKILL, the OOM killer) cannot remove its own: the scratch directory names
+its process, and the next session removes those whose process is gone. The
+session active in the calling thread, when the application runs one, is used
+as it is.
 """
 
 from __future__ import annotations
@@ -21,7 +24,16 @@ from urllib.parse import urlsplit
 from .errors import CompactionError
 from .jdbc import find_jdbc_jar
 
-__all__ = ["check_master_reachable", "session_conf", "spark_session", "standalone_masters"]
+__all__ = [
+    "check_master_reachable",
+    "remove_abandoned_scratch",
+    "session_conf",
+    "spark_session",
+    "standalone_masters",
+]
+
+_SCRATCH_PREFIX = "changefeed-spark-"
+_SCRATCH_OF = re.compile(r"^changefeed-spark-(\d+)-")
 
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
 _LOOPBACK_MASTER = re.compile(r"^spark://(127\.0\.0\.1|localhost)(:\d+)?$")
@@ -43,6 +55,40 @@ logger.sparkconf.filter.localdir.regex = .*spark[.]local[.]dir will be overridde
 logger.sparkconf.filter.localdir.onMatch = DENY
 logger.sparkconf.filter.localdir.onMismatch = NEUTRAL
 """
+
+
+def remove_abandoned_scratch(root: Path) -> list[Path]:
+    """Remove the scratch directories under ``root`` of sessions whose process is
+    gone (killed before it could remove its own); the ones removed.
+
+    Only this user's, and only where the process named is certainly not running: a
+    process that is running, or that this user may not signal, keeps its own.
+    """
+    removed = []
+    uid = os.getuid()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            match = _SCRATCH_OF.match(entry.name)
+            if match is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if _running(int(match.group(1))):
+                    continue
+                shutil.rmtree(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def _local_threads(master: str) -> int | None:
@@ -193,7 +239,8 @@ def spark_session(
         return
     check_master_reachable(master)
     jar = jdbc_jar if jdbc_jar is not None else find_jdbc_jar()
-    scratch = Path(tempfile.mkdtemp(prefix="changefeed-spark-"))
+    remove_abandoned_scratch(Path(tempfile.gettempdir()))
+    scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-"))
     try:
         (scratch / "log4j2.properties").write_text(_LOG4J2)
         if _local_threads(master) is not None or _LOOPBACK_MASTER.match(master):

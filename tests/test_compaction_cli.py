@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import pty
@@ -20,6 +21,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import time
 from typing import Any
@@ -251,28 +253,60 @@ async def test_sigterm_stops_the_run_and_leaves_no_spark_scratch_behind(feed_dsn
     """SIGTERM (systemd stopping the unit, a CronJob's deadline) used to kill the
     command where it stood (143), leaving Spark's scratch and spill directory in
     /tmp. It unwinds now like Ctrl-C: the session stops and takes it along."""
-    import glob
-    import tempfile
-
-    def scratch() -> set[str]:
-        return set(glob.glob(os.path.join(tempfile.gettempdir(), "changefeed-spark-*")))
-
     await seed(feed_dsn)
-    before = scratch()
+    before = _scratch()
     proc = await start(feed_dsn, stdout=subprocess.DEVNULL)
     try:
+        mine = await _scratch_while_running(proc, before)
+        proc.send_signal(signal.SIGTERM)
         assert proc.stderr is not None
-        async with asyncio.timeout(TIMEOUT):
-            while b'"phase":"scan-gc"' not in (line := await proc.stderr.readline()):
-                assert line, "the command ended before Spark started"
-            mine = scratch() - before
-            assert mine, "the session's scratch directory exists while it runs"
-            proc.send_signal(signal.SIGTERM)
-            await proc.stderr.read()
-            assert await proc.wait() == 128 + signal.SIGTERM
-        assert not mine & scratch(), mine
+        await proc.stderr.read()
+        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 128 + signal.SIGTERM
+        assert not mine & _scratch(), mine
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if proc.returncode is None:
-            await proc.wait()
+        await _killed(proc)
+
+
+async def test_the_scratch_of_a_killed_run_is_removed_by_the_next(feed_dsn: str) -> None:
+    """SIGKILL (the OOM killer, a node going away) leaves no chance to clean up: the
+    scratch directory stayed in /tmp for good. It names its process, and the next
+    run removes it once that process is gone."""
+    await seed(feed_dsn)
+    before = _scratch()
+    proc = await start(feed_dsn, stdout=subprocess.DEVNULL)
+    try:
+        mine = await _scratch_while_running(proc, before)
+        os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.wait_for(proc.wait(), TIMEOUT)
+        assert mine <= _scratch(), "a killed run cannot remove its own scratch"
+    finally:
+        await _killed(proc)
+    again = await start(feed_dsn, stdout=subprocess.DEVNULL)
+    try:
+        _, err = await asyncio.wait_for(again.communicate(), TIMEOUT)
+        assert again.returncode == 0, err.decode()[-3000:]
+        assert not mine & _scratch(), mine
+    finally:
+        await _killed(again)
+
+
+def _scratch() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "changefeed-spark-*")))
+
+
+async def _scratch_while_running(proc: asyncio.subprocess.Process, before: set[str]) -> set[str]:
+    """The scratch directory ``proc``'s session made, once Spark has started."""
+    assert proc.stderr is not None
+    async with asyncio.timeout(TIMEOUT):
+        while b'"phase":"scan-gc"' not in (line := await proc.stderr.readline()):
+            assert line, "the command ended before Spark started"
+    mine = _scratch() - before
+    assert mine, "the session's scratch directory exists while it runs"
+    return mine
+
+
+async def _killed(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode is None:
+        await proc.wait()
