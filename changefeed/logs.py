@@ -38,7 +38,24 @@ def log_event(
     """
     if logger.isEnabledFor(level):
         exc_info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+        if level >= logging.WARNING and not logger.hasHandlers():
+            _last_resort(logger, level, event, exc_info, fields)
+            return
         logger.log(level, event, exc_info=exc_info, extra={_FIELDS: fields}, stacklevel=2)
+
+
+def _last_resort(
+    logger: logging.Logger, level: int, event: str, exc_info: Any, fields: dict[str, Any]
+) -> None:
+    """Where nobody set up logging (an embedding app that never called
+    ``configure_logging``, or a module imported before it did, as uvicorn's
+    ``--ws`` option does), Python's last resort prints a warning's message
+    alone: the event's name, without the fields that say what happened. The
+    same line as a terminal shows it instead, fields and traceback included."""
+    record = logger.makeRecord(
+        logger.name, level, "", 0, event, (), exc_info, extra={_FIELDS: fields}
+    )
+    print(HumanFormatter().format(record), file=sys.stderr, flush=True)
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

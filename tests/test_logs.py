@@ -30,3 +30,27 @@ def test_other_libraries_warnings_come_out_as_json_lines_with_their_traceback() 
     assert foreign["event"] == "Failed to restore the pool"
     assert "ConnectionRefusedError: primary down" in foreign["exc"]
     assert own["event"] == "own.event" and own["answer"] == 42
+
+
+def test_a_warning_where_nobody_set_up_logging_keeps_its_fields_and_traceback() -> None:
+    """An app that embeds the publisher and never calls ``configure_logging`` (or
+    a module uvicorn's ``--ws`` option imports before the app could) has no
+    handler: Python's last resort printed a warning's event name alone, so "plain
+    ASGI" came without the reason why. The line keeps its fields and traceback;
+    what is below WARNING stays quiet, as it would have."""
+    code = (
+        "import logging\n"
+        "from changefeed.logs import log_event\n"
+        "log = logging.getLogger('changefeed.test')\n"
+        "log_event(log, 'quiet.event', answer=1)\n"
+        "try:\n"
+        "    raise ValueError('bad value')\n"
+        "except ValueError as exc:\n"
+        "    log_event(log, 'own.warning', logging.WARNING, exc=exc, why='the reason')\n"
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert "quiet.event" not in done.stderr
+    first, *rest = done.stderr.splitlines()
+    assert first.split()[1:] == ["warning", "changefeed.test", "own.warning", "why=the", "reason"]
+    assert "ValueError: bad value" in rest[-1]

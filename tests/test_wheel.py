@@ -57,7 +57,9 @@ def test_the_sdist_and_the_wheel_built_from_it_hold_the_package(wheel_venvs: Ven
     dist = wheel_venvs.dist
     with tarfile.open(dist.sdist) as sdist:
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
-    assert {"README.md", "pyproject.toml", "changefeed/publisher/service.py"} <= names
+    assert {"README.md", "LICENSE", "pyproject.toml", "changefeed/publisher/service.py"} <= names
+    # The tests need the checkout (its fixtures, deploy/, docs/): none ship half-way.
+    assert not [n for n in names if n.startswith("tests/")]
     wheel = set(zipfile.ZipFile(dist.wheel).namelist())
     for needed in (
         "changefeed/py.typed",
@@ -69,6 +71,7 @@ def test_the_sdist_and_the_wheel_built_from_it_hold_the_package(wheel_venvs: Ven
     ):
         assert needed in wheel, needed
     assert not [n for n in wheel if n.startswith(("tests/", "bench/", "docs/"))]
+    assert "changefeed-0.1.0.dist-info/licenses/LICENSE" in wheel
 
 
 def test_a_listener_only_install_is_light(light: Venv, tmp_path: Path) -> None:
@@ -235,6 +238,11 @@ def test_the_fast_path_asked_of_an_untested_uvicorn_is_plain_asgi_and_says_why(
     [line] = [json.loads(x) for x in done.stderr.splitlines() if '"serving.fast_path"' in x]
     assert line["level"] == "warning" and line["path"] == "plain ASGI"
     assert line["why"] == f"uvicorn {OLDEST_UVICORN} is outside the tested versions (>=0.54,<0.55)"
+    # Where the app has set up no logging, or not yet (uvicorn's --ws option imports
+    # the class before the app), the warning still says why.
+    bare = old.run(["python", "-c", code.split("\n", 2)[2]], cwd=tmp_path)
+    assert bare.returncode == 0, bare.stderr
+    assert f"why=uvicorn {OLDEST_UVICORN} is outside the tested versions" in bare.stderr
 
 
 def test_without_httptools_the_fast_path_runs_on_h11_and_the_deadlines_name_it(
