@@ -30,10 +30,13 @@ Servers, each in every round, in turn:
   socket by DrainingServer, ``--notsent-lowat`` bytes, the default
   ``[server] notsent_lowat`` unless given);
 * ``asgi``: the publisher through plain ASGI sends (uvicorn's own
-  ``websockets-sansio`` protocol), with the same listening socket setting;
-* ``asgi-host-default``: plain ASGI on a listening socket without the
-  setting (the host's ``net.ipv4.tcp_notsent_lowat``, unlimited by default):
-  what an API on any other server gets unless the host is tuned;
+  ``websockets-sansio`` protocol) on a plain ``uvicorn.Server``, as an API
+  that embeds it runs it: the publisher sets the same bound on the port's
+  sockets itself (its ``notsent_lowat``, changefeed.port_sockets);
+* ``asgi-host-default``: the same with the publisher's ``notsent_lowat = 0``
+  (the host's ``net.ipv4.tcp_notsent_lowat``, unlimited by default): what a
+  server gets where the publisher cannot reach its sockets and the host is
+  not tuned;
 * ``raw-websockets``: the baseline, a ``websockets`` server that sends each
   listener the same item frames with ``await connection.send`` (its default
   write limit), as a plain broadcast service would.
@@ -242,16 +245,21 @@ async def changefeed_server(dsn: str, server: str, notsent_lowat: int) -> AsyncI
     from changefeed.serving import DrainingServer, server_config
 
     config = PublisherConfig(
-        dsn=dsn, schema=SCHEMA, resources=(VM,), retention=False, create_schema=False
+        dsn=dsn,
+        schema=SCHEMA,
+        resources=(VM,),
+        retention=False,
+        create_schema=False,
+        notsent_lowat=0 if server == "asgi-host-default" else notsent_lowat,
     )
     publisher = Publisher(config)
     app = Starlette(routes=publisher.routes, lifespan=publisher.lifespan)
     settings = server_config(app, "127.0.0.1", 0, fast_path=server == "direct")
     runner: uvicorn.Server
-    if server == "asgi-host-default":
-        runner = uvicorn.Server(settings)
-    else:
+    if server == "direct":
         runner = DrainingServer(settings, [publisher], notsent_lowat=notsent_lowat)
+    else:
+        runner = uvicorn.Server(settings)
     runner.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     task = asyncio.create_task(runner.serve())
     await until(lambda: runner.started, 30)

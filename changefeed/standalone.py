@@ -12,6 +12,7 @@ import asyncio
 import sys
 
 import asyncpg
+import msgspec
 from starlette.applications import Starlette
 
 from changefeed.publisher import ConfigError, Publisher
@@ -134,7 +135,9 @@ async def run_standalone(path: str, *, host: str | None = None, port: int | None
     if config.read_dsn:
         await check_database(config.read_dsn, path, key="publisher.read_dsn")
         await check_same_feed(config.dsn, config.read_dsn, path)
-    publisher = Publisher(config)
+    # The server bounds its own sockets ([server] notsent_lowat, 0: the host's
+    # setting): the publisher leaves them as the server has them.
+    publisher = Publisher(msgspec.structs.replace(config, notsent_lowat=server.notsent_lowat))
     uvicorn_config = server_config(
         publisher.listeners_first(build_app(publisher)),
         host or server.host,

@@ -269,6 +269,21 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         int,
         key_doc("Listener connections one publisher process accepts.", ge=1),
     ] = 10000
+    notsent_lowat: Annotated[
+        int,
+        key_doc(
+            "Through plain ASGI (a server the publisher did not start: the embedding API's "
+            "uvicorn, hypercorn, granian): bytes the kernel may hold unsent for each "
+            "connection of the port listeners connect to (TCP_NOTSENT_LOWAT), set on that "
+            "port's sockets that have none when the first listener connects, so that a ping "
+            "or a pong to a listener catching up waits behind little. 0: leave the server's "
+            "sockets alone (the host's `net.ipv4.tcp_notsent_lowat` holds, unlimited by "
+            "default). `changefeed serve` sets `[server] notsent_lowat` itself.",
+            "bytes",
+            ge=0,
+            lt=1 << 31,
+        ),
+    ] = NOTSENT_LOWAT
     replay_limit: Annotated[
         int,
         key_doc(

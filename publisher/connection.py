@@ -89,6 +89,12 @@ def _peer(scope: Scope) -> str:
     return f"{client[0]}:{client[1]}" if client else ""
 
 
+def _local_port(scope: Scope) -> int | None:
+    server = scope.get("server")
+    port = server[1] if server and len(server) > 1 else None
+    return port if isinstance(port, int) else None
+
+
 def _server_closing(message: Message) -> Closing | None:
     """Why the server itself ended the connection, from a disconnect message."""
     cause = message.get(DISCONNECT_CAUSE)
@@ -141,7 +147,7 @@ class _Connection:
         message = await self.receive()
         if message["type"] != "websocket.connect":
             return
-        self.host.connection_opened(self.writer is not None)
+        self.host.connection_opened(self.writer is not None, _local_port(self.scope))
         try:
             await self._serve()
         except OSError:

@@ -49,8 +49,8 @@ class ListenerHost(Protocol):
     def refused(self, code: str, endpoint: str, peer: str, reason: str) -> None:
         """Count and log one refusal."""
 
-    def connection_opened(self, direct_writes: bool) -> None:
-        """A websocket handshake arrived (whatever becomes of it)."""
+    def connection_opened(self, direct_writes: bool, port: int | None) -> None:
+        """A websocket handshake arrived (whatever becomes of it) on local ``port``."""
 
     def connection_closed(self) -> None:
         """A connection counted by ``connection_opened`` ended."""

@@ -22,6 +22,7 @@ import asyncpg
 from changefeed.budgeted_log import BudgetedLines
 from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
+from changefeed.port_sockets import bound_unsent
 from changefeed.schemas import (
     ERROR_CLOSE_CODES,
     ORIGIN,
@@ -151,6 +152,8 @@ class Sessions:
         self.draining = False
         self.direct_writes: bool | None = None
         """Whether connections get direct writes (known from the first one)."""
+        self._ports_seen: set[int | None] = set()
+        """Local ports plain-ASGI listeners came through (their sockets are bounded)."""
         self._empty = asyncio.Event()
         self._empty.set()
         # Anyone can be refused at will (no token, a socket left idle): the first
@@ -216,11 +219,41 @@ class Sessions:
                 log, event, logging.WARNING, code=code, endpoint=endpoint, peer=peer, reason=reason
             )
 
-    def connection_opened(self, direct_writes: bool) -> None:
+    def connection_opened(self, direct_writes: bool, port: int | None) -> None:
         self._counters.connections_opened += 1
         if self.direct_writes is None:
             self.direct_writes = direct_writes
             log_event(log, "fanout.path", path="direct writes" if direct_writes else "ASGI sends")
+        if not direct_writes and port not in self._ports_seen:
+            self._ports_seen.add(port)
+            self._bound_unsent(port)
+
+    def _bound_unsent(self, port: int | None) -> None:
+        """Through plain ASGI: bound what the kernel holds unsent on the sockets of the
+        port listeners connect to, once per port (changefeed.port_sockets)."""
+        limit = self._config.notsent_lowat
+        if limit == 0:
+            return
+        done = bound_unsent(port, limit) if port is not None else None
+        if done is None or done.listening == 0:
+            log_event(
+                log,
+                "serving.notsent_unbounded",
+                logging.WARNING,
+                port=port,
+                why="no listening socket of this port found in this process; set the "
+                "server's TCP_NOTSENT_LOWAT, or the host's (net.ipv4.tcp_notsent_lowat)",
+            )
+            return
+        log_event(
+            log,
+            "serving.notsent_lowat",
+            port=port,
+            limit=limit,
+            listening=done.listening,
+            connections=done.connections,
+            bounded=done.bounded,
+        )
 
     def connection_closed(self) -> None:
         self._counters.connections_closed += 1

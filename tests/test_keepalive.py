@@ -306,6 +306,29 @@ async def test_a_draining_server_bounds_what_the_kernel_holds_unsent_for_each_co
         await asyncio.wait_for(task, 20)
 
 
+@pytest.mark.parametrize("limit", [12_288, 0])
+async def test_through_plain_asgi_the_publisher_bounds_the_sockets_of_the_port_listeners_use(
+    feed_dsn: str, limit: int
+) -> None:
+    """On a server it did not start (an embedding API's uvicorn), the publisher
+    sets TCP_NOTSENT_LOWAT on the listening socket of the port its first listener
+    came through, and on that connection; ``notsent_lowat = 0`` leaves them alone."""
+    async with running_publisher(feed_dsn, ws="asgi", notsent_lowat=limit) as pub:
+        (listening,) = [sock for srv in pub.server.server.servers for sock in srv.sockets]
+        assert notsent_lowat(listening) == 0
+        ws, ack = await register(pub.ws_url, registration())
+        async with ws:
+            assert ack["cursor"]
+            assert notsent_lowat(listening) == limit
+            accepted = [
+                s
+                for s in pub.server.server.server_state.connections
+                if s.transport.get_extra_info("peername") == ws.local_address
+            ]
+            (sock,) = [a.transport.get_extra_info("socket") for a in accepted]
+            assert notsent_lowat(sock) == limit
+
+
 @pytest.mark.slow
 async def test_listeners_paused_through_a_burst_then_reading_are_never_cut_off(
     feed_dsn: str,
@@ -326,17 +349,20 @@ async def test_listeners_paused_through_a_burst_then_reading_are_never_cut_off(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ws", ["direct", "asgi"])
 async def test_plain_clients_paused_through_a_burst_then_reading_never_close_themselves(
-    feed_dsn: str,
+    feed_dsn: str, ws: str
 ) -> None:
     """50 plain websockets clients paused 25 s while a 10,000-entry burst is
     written, then reading at 500 items/s, ping the publisher themselves at the
     library's defaults (every 20 s, closing themselves after 20 s without a
     pong): their pongs wait behind little more than their own receive buffers,
-    and every one gets every entry once, in order."""
+    and every one gets every entry once, in order. Through plain ASGI too, on a
+    server the publisher did not start (uvicorn as an embedding API runs it):
+    there it bounds the port's sockets itself (changefeed.port_sockets)."""
     total = 10_000
     async with (
-        running_publisher(feed_dsn, server=PRODUCTION_PINGS) as pub,
+        running_publisher(feed_dsn, ws=ws, server=PRODUCTION_PINGS) as pub,
         listeners(pub.ws_url, total, "50:25:500:default") as results,
     ):
         await publish_burst(feed_dsn, total)
@@ -345,15 +371,17 @@ async def test_plain_clients_paused_through_a_burst_then_reading_never_close_the
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ws", ["direct", "asgi"])
 async def test_plain_clients_reading_through_a_50000_entry_burst_are_never_cut_off(
-    feed_dsn: str,
+    feed_dsn: str, ws: str
 ) -> None:
     """Ten plain websockets clients at their default keepalive, three of them
     reading slower than the others, through a 50,000-entry burst: none closes
-    itself for a late pong, and each gets every entry once, in order."""
+    itself for a late pong, and each gets every entry once, in order (through
+    plain ASGI too)."""
     total = 50_000
     async with (
-        running_publisher(feed_dsn, server=PRODUCTION_PINGS) as pub,
+        running_publisher(feed_dsn, ws=ws, server=PRODUCTION_PINGS) as pub,
         listeners(pub.ws_url, total, "7:0:0:default", "3:0:900:default") as results,
     ):
         await publish_burst(feed_dsn, total)
