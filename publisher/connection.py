@@ -92,6 +92,8 @@ def _peer(scope: Scope) -> str:
 def _local_port(scope: Scope) -> int | None:
     server = scope.get("server")
     port = server[1] if server and len(server) > 1 else None
+    if isinstance(port, str) and port.isdigit():
+        return int(port)  # granian gives it as text
     return port if isinstance(port, int) else None
 
 

@@ -418,5 +418,11 @@ async def test_the_server_log_has_the_fan_out_path_and_no_error(running: Running
     ]
     paths = [e["path"] for e in events if e["event"] == "fanout.path"]
     assert paths == ["direct writes" if running.name.endswith("-fast") else "ASGI sends"]
+    if not running.name.endswith("-fast"):
+        # Through plain ASGI the publisher found the port's listening socket in its
+        # process and bounded what the kernel holds unsent (changefeed.port_sockets).
+        bounded = [e for e in events if e["event"].startswith("serving.notsent_")]
+        assert [e["event"] for e in bounded] == ["serving.notsent_lowat"], bounded
+        assert bounded[0]["listening"] >= 1
     errors = [e for e in events if e["logger"].startswith("changefeed") and e["level"] == "error"]
     assert errors == []
