@@ -63,13 +63,12 @@ from .embedded_host import (
     _children_of,
     _free_port,
     _make_dirs,
-    _pid_alive,
-    _pid_exists,
     _port_is_free,
     _RunAs,
     default_data_dir,
     find_postgres_bindir,
 )
+from .processes import pid_alive, pid_exists
 
 __all__ = [
     "DEFAULT_SETTINGS",
@@ -197,7 +196,7 @@ class EmbeddedPostgres:
     def is_running(self) -> bool:
         """Whether a postmaster is alive for this data directory."""
         pid = self._postmaster_pid()
-        return pid is not None and _pid_alive(pid)
+        return pid is not None and pid_alive(pid)
 
     def start(self) -> str:
         """Initialise the data directory if needed, start the server, return its DSN.
@@ -263,14 +262,14 @@ class EmbeddedPostgres:
 
     def _kill(self) -> None:
         pid = self._postmaster_pid()
-        if pid is None or not _pid_alive(pid):
+        if pid is None or not pid_alive(pid):
             return
         victims = [pid, *_children_of(pid)]
         for victim in victims:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + self.stop_timeout
-        while any(_pid_alive(v) for v in victims):
+        while any(pid_alive(v) for v in victims):
             if time.monotonic() > deadline:
                 raise EmbeddedPostgresError(
                     f"PostgreSQL processes {victims} of {self.data_dir} survived SIGKILL"
@@ -513,7 +512,7 @@ class EmbeddedPostgres:
         """
         deadline = time.monotonic() + min(self.stop_timeout, 5.0)
         while time.monotonic() < deadline:
-            if not any(_pid_exists(v) for v in victims):
+            if not any(pid_exists(v) for v in victims):
                 return
             time.sleep(0.02)
         dead = str(victims[0])

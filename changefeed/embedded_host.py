@@ -202,28 +202,6 @@ def _free_port(host: str) -> int:
     return port
 
 
-def _pid_alive(pid: int) -> bool:
-    if not _pid_exists(pid):
-        return False
-    try:
-        # A zombie (exited, not yet reaped by its parent) is not running.
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def _pid_exists(pid: int) -> bool:
-    """Whether ``pid`` exists at all, zombie or not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _children_of(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
     children = []

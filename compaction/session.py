@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from changefeed.processes import pid_alive
+
 from .errors import CompactionError
 from .jdbc import find_jdbc_jar
 
@@ -74,21 +76,11 @@ def remove_abandoned_scratch(root: Path) -> list[Path]:
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid != uid:
                     continue
-                if _running(int(match.group(1))):
+                if pid_alive(int(match.group(1))):
                     continue
                 shutil.rmtree(entry.path)
                 removed.append(Path(entry.path))
     return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 def _local_threads(master: str) -> int | None:
