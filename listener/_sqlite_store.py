@@ -54,6 +54,10 @@ file; the store refuses instead (``CheckpointRefused``). A newer-layout file
 that also holds tables that are not the store's (the application's own) is
 not moved either: the store refuses it with ``CheckpointRefused`` naming the
 file, so that an older version never takes an application's tables away.
+A checkpoint whose rows do not decode (written over by something else) is
+copied aside (``<file>.undecodable-<time>``, SQLite's backup, so that other
+names' checkpoints stay where they are), logged the same way, and the load
+answers None: the listener bootstraps, and its next whole save replaces it.
 
 It must never apply an incremental save to a checkpoint it was not made
 for (another listener's, or an older one: ``CheckpointError``), never
@@ -332,11 +336,17 @@ class SqliteCheckpointStore:
                 f" checkpoints in it ({', '.join(others)}): not moved aside; give this"
                 " listener a file of its own"
             ) from unusable
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        aside = Path(f"{self._file}.{unusable.suffix}-{stamp}")
+        aside = self._aside_path(unusable)
         for suffix in ("", "-wal", "-shm"):
             with contextlib.suppress(FileNotFoundError):
                 os.replace(f"{self._file}{suffix}", f"{aside}{suffix}")
+        self._report_aside(aside, unusable)
+
+    def _aside_path(self, unusable: _MoveAside) -> Path:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        return Path(f"{self._file}.{unusable.suffix}-{stamp}")
+
+    def _report_aside(self, aside: Path, unusable: _MoveAside) -> None:
         self.moved_aside.append(aside)
         log_event(
             log,
@@ -373,8 +383,7 @@ class SqliteCheckpointStore:
         Raises:
             CheckpointRefused: another store holds the file under this name, or a
                 newer-layout file holds the application's tables too.
-            CheckpointError: the checkpoint has an older layout version, or a row
-                that does not decode.
+            CheckpointError: the checkpoint has an older layout version.
             sqlite3.Error: the file cannot be read.
         """
         raw = await asyncio.to_thread(self._read)
@@ -396,8 +405,24 @@ class SqliteCheckpointStore:
                     resource, items, (), frozenset(orjson.loads(pending))
                 )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{self.path}: checkpoint {self.name!r}: {exc}") from exc
+            undecodable = _MoveAside("undecodable", f"checkpoint {self.name!r}: {exc}")
+            undecodable.__cause__ = exc
+            await asyncio.to_thread(self._copy_aside, undecodable)
+            return None
         return Checkpoint(cursor, kinds, parts, whole=True, sequence=sequence, saved_at=saved_at)
+
+    def _copy_aside(self, unusable: _MoveAside) -> None:
+        """Copy the file aside (a consistent copy, SQLite's backup) and log it: what
+        could not be read stays for someone to look at, and this file stays where it
+        is for the next save and for other names' checkpoints."""
+        aside = self._aside_path(unusable)
+        with self._mutex:
+            target = sqlite3.connect(aside)
+            try:
+                self._connection().backup(target)
+            finally:
+                target.close()
+        self._report_aside(aside, unusable)
 
     @staticmethod
     async def _split_items(

@@ -251,6 +251,46 @@ async def test_a_file_that_is_not_a_database_or_is_damaged_is_moved_aside_and_st
     await damaged.close()
 
 
+async def test_a_checkpoint_whose_rows_do_not_decode_is_copied_aside_and_started_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A valid SQLite file whose checkpoint rows do not decode used to fail the load
+    (the listener bootstrapped), and the next save wrote over the evidence. It is
+    copied aside (the file stays: other names' checkpoints live in it), logged at
+    ERROR, and the load starts afresh."""
+    path = tmp_path / "cp.sqlite"
+    store = SqliteCheckpointStore(path)
+    other = SqliteCheckpointStore(path, name="other")
+    part = MirrorCheckpoint("vm", vms(1, 50))
+    await store.save(Checkpoint("c1", (VM,), {"vms": part}, sequence=1))
+    await other.save(Checkpoint("o1", (VM,), {"vms": part}, sequence=1))
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "UPDATE changefeed_checkpoint SET change_kinds = '{not json' WHERE name = ?",
+            (store.name,),
+        )
+    with caplog.at_level(logging.ERROR, "changefeed.listener"):
+        assert await store.load() is None
+    (moved,) = _moved_aside(caplog.records)
+    aside = Path(moved["moved_to"])
+    assert aside.name.startswith("cp.sqlite.undecodable-") and store.moved_aside == [aside]
+    assert moved["why"].startswith(f"checkpoint {store.name!r}:")
+    assert caplog.records[0].levelno == logging.ERROR and caplog.records[0].exc_info
+    with sqlite3.connect(aside) as conn:  # the evidence, as it was
+        [(kinds,)] = conn.execute(
+            "SELECT change_kinds FROM changefeed_checkpoint WHERE name = ?", (store.name,)
+        )
+    assert kinds == "{not json"
+    # The file stayed: the other name's checkpoint loads, and the next save replaces this one.
+    loaded = await other.load()
+    assert loaded is not None and loaded.cursor == "o1"
+    await store.save(Checkpoint("c2", (VM,), {"vms": part}, sequence=2))
+    again = await store.load()
+    assert again is not None and again.cursor == "c2"
+    await store.close()
+    await other.close()
+
+
 async def test_a_file_of_a_newer_layout_is_moved_aside_unless_it_holds_other_tables(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
