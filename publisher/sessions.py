@@ -61,6 +61,12 @@ __all__ = ["Sessions"]
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT = 5.0
+
+_PORT_SCANS = 3
+"""Times a port's sockets are bounded: for its first plain-ASGI listener, and for
+later ones at least ``_PORT_RESCAN_AFTER`` seconds apart."""
+_PORT_RESCAN_AFTER = 1.0
+
 _DECISIONS = 3
 """Decisions on one registration at most, each made again because the feed changed
 (or the tailer began to join it again) meanwhile; then it is refused with 4010."""
@@ -152,8 +158,9 @@ class Sessions:
         self.draining = False
         self.direct_writes: bool | None = None
         """Whether connections get direct writes (known from the first one)."""
-        self._ports_seen: set[int | None] = set()
-        """Local ports plain-ASGI listeners came through (their sockets are bounded)."""
+        self._port_scans: dict[int | None, tuple[int, float]] = {}
+        """Per local port plain-ASGI listeners came through: how often its sockets
+        were bounded, and when last."""
         self._empty = asyncio.Event()
         self._empty.set()
         # Anyone can be refused at will (no token, a socket left idle): the first
@@ -224,17 +231,25 @@ class Sessions:
         if self.direct_writes is None:
             self.direct_writes = direct_writes
             log_event(log, "fanout.path", path="direct writes" if direct_writes else "ASGI sends")
-        if not direct_writes and port not in self._ports_seen:
-            self._ports_seen.add(port)
-            self._bound_unsent(port)
+        if not direct_writes:
+            scans, last = self._port_scans.get(port, (0, 0.0))
+            now = time.monotonic()
+            if scans == 0 or (scans < _PORT_SCANS and now - last >= _PORT_RESCAN_AFTER):
+                self._port_scans[port] = (scans + 1, now)
+                self._bound_unsent(port, first=scans == 0)
 
-    def _bound_unsent(self, port: int | None) -> None:
+    def _bound_unsent(self, port: int | None, *, first: bool) -> None:
         """Through plain ASGI: bound what the kernel holds unsent on the sockets of the
-        port listeners connect to, once per port (changefeed.port_sockets)."""
+        port listeners connect to (changefeed.port_sockets), when the first listener
+        comes through it, and again for a few of the next ones: connections the kernel
+        had completed but the server had not yet accepted when the listening socket
+        was bounded did not inherit it."""
         limit = self._config.notsent_lowat
         if limit == 0:
             return
         done = bound_unsent(port, limit) if port is not None else None
+        if not first:
+            return
         if done is None or done.listening == 0:
             log_event(
                 log,

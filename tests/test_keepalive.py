@@ -327,6 +327,15 @@ async def test_through_plain_asgi_the_publisher_bounds_the_sockets_of_the_port_l
             ]
             (sock,) = [a.transport.get_extra_info("socket") for a in accepted]
             assert notsent_lowat(sock) == limit
+            if limit:
+                # A connection that missed it (completed by the kernel, not yet
+                # accepted, when the listening socket was bounded) gets it when a
+                # later listener comes, a second on.
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, 0)
+                await asyncio.sleep(1.0)
+                later, _ = await register(pub.ws_url, registration(instance="later"))
+                async with later:
+                    assert notsent_lowat(sock) == limit
 
 
 @pytest.mark.slow
