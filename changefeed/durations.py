@@ -18,8 +18,9 @@ MAX_SECONDS = 100 * 365 * 86400.0
 
 MIN_SECONDS = 0.001
 """The shortest positive duration a cutoff takes: one millisecond, the smallest
-unit spelled. Anything shorter would round to nothing on the way to a timestamp
-(microseconds in Python and PostgreSQL alike) and silently mean zero."""
+unit spelled. Below a microsecond a duration rounds to nothing on the way to a
+timestamp (Python's and PostgreSQL's resolution) and silently means zero, and
+between the two none is of use to anyone."""
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}

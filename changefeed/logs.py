@@ -8,6 +8,7 @@ every step of a broadcast can be followed in either form (RFD 5 "Logging").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from datetime import UTC, datetime
@@ -52,10 +53,17 @@ def _last_resort(
     ``--ws`` option does), Python's last resort prints a warning's message
     alone: the event's name, without the fields that say what happened. The
     same line as a terminal shows it instead, fields and traceback included."""
+    if logging.lastResort is None:  # the application turned the last resort off
+        return
     record = logger.makeRecord(
         logger.name, level, "", 0, event, (), exc_info, extra={_FIELDS: fields}
     )
-    print(HumanFormatter().format(record), file=sys.stderr, flush=True)
+    if not logger.filter(record):
+        return
+    # Like the last resort, a stderr that is closed or gone loses the line, never
+    # the caller's work.
+    with contextlib.suppress(OSError, ValueError):
+        print(HumanFormatter().format(record), file=sys.stderr, flush=True)
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

@@ -11,6 +11,7 @@ as it is.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -36,6 +37,8 @@ __all__ = [
 
 _SCRATCH_PREFIX = "changefeed-spark-"
 _SCRATCH_OF = re.compile(r"^changefeed-spark-(\d+)-")
+_OWNER = ".owner"
+"""The file in a session's scratch directory whose lock the session holds."""
 
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
 _LOOPBACK_MASTER = re.compile(r"^spark://(127\.0\.0\.1|localhost)(:\d+)?$")
@@ -63,8 +66,11 @@ def remove_abandoned_scratch(root: Path) -> list[Path]:
     """Remove the scratch directories under ``root`` of sessions whose process is
     gone (killed before it could remove its own); the ones removed.
 
-    Only this user's, and only where the process named is certainly not running: a
-    process that is running, or that this user may not signal, keeps its own.
+    Only this user's, and only where the session is certainly over: its process is
+    not running (one this user may not signal counts as running), and the lock its
+    session holds on the directory's ``.owner`` file is free. The lock is what tells
+    a live session of another PID namespace (a container sharing the temp dir),
+    where the PID means nothing.
     """
     removed = []
     uid = os.getuid()
@@ -76,11 +82,34 @@ def remove_abandoned_scratch(root: Path) -> list[Path]:
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid != uid:
                     continue
-                if pid_alive(int(match.group(1))):
+                if pid_alive(int(match.group(1))) or _owned(Path(entry.path)):
                     continue
                 shutil.rmtree(entry.path)
                 removed.append(Path(entry.path))
     return removed
+
+
+def _own(scratch: Path) -> int:
+    """Lock ``scratch`` for this session: an open descriptor, locked until closed."""
+    fd = os.open(scratch / _OWNER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _owned(scratch: Path) -> bool:
+    """Whether a live session holds ``scratch``'s lock (a directory without one, of
+    a session killed before it took it, is nobody's)."""
+    try:
+        fd = os.open(scratch / _OWNER, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _local_threads(master: str) -> int | None:
@@ -233,7 +262,9 @@ def spark_session(
     jar = jdbc_jar if jdbc_jar is not None else find_jdbc_jar()
     remove_abandoned_scratch(Path(tempfile.gettempdir()))
     scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-"))
+    owner: int | None = None
     try:
+        owner = _own(scratch)
         (scratch / "log4j2.properties").write_text(_LOG4J2)
         if _local_threads(master) is not None or _LOOPBACK_MASTER.match(master):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -251,3 +282,5 @@ def spark_session(
             spark.stop()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if owner is not None:
+            os.close(owner)

@@ -101,8 +101,9 @@ class ListenerConfigError(ListenerError, ValueError):
 
 
 class CheckpointError(ListenerError):
-    """A checkpoint store cannot use what it holds (another layout version, a row that
-    does not decode), or refuses an incremental save that does not go on top of it."""
+    """A checkpoint store cannot use what it holds (an older layout version; a store
+    of the application's own, a row that does not decode), or refuses an incremental
+    save that does not go on top of it."""
 
 
 class CheckpointRefused(CheckpointError):

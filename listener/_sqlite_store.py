@@ -72,6 +72,7 @@ import itertools
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -343,8 +344,14 @@ class SqliteCheckpointStore:
         self._report_aside(aside, unusable)
 
     def _aside_path(self, unusable: _MoveAside) -> Path:
+        """A name no file has yet: two in the same second get ``-2``, ``-3``..."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        return Path(f"{self._file}.{unusable.suffix}-{stamp}")
+        aside = Path(f"{self._file}.{unusable.suffix}-{stamp}")
+        count = 1
+        while any(os.path.lexists(f"{aside}{suffix}") for suffix in ("", "-wal", "-shm")):
+            count += 1
+            aside = Path(f"{self._file}.{unusable.suffix}-{stamp}-{count}")
+        return aside
 
     def _report_aside(self, aside: Path, unusable: _MoveAside) -> None:
         self.moved_aside.append(aside)
@@ -416,12 +423,31 @@ class SqliteCheckpointStore:
         could not be read stays for someone to look at, and this file stays where it
         is for the next save and for other names' checkpoints."""
         aside = self._aside_path(unusable)
-        with self._mutex:
-            target = sqlite3.connect(aside)
-            try:
-                self._connection().backup(target)
-            finally:
-                target.close()
+        try:
+            # Created as private as the file itself: it holds the same data.
+            mode = stat.S_IMODE(os.stat(self._file).st_mode)
+            os.close(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode))
+            with self._mutex:
+                target = sqlite3.connect(aside)
+                try:
+                    self._connection().backup(target)
+                finally:
+                    target.close()
+        except (OSError, sqlite3.Error) as exc:
+            # No copy (a full disk, a directory it may not write): the load still
+            # starts afresh, and says what was lost.
+            with contextlib.suppress(OSError):
+                os.unlink(aside)
+            log_event(
+                log,
+                "listener.checkpoint.undecodable",
+                logging.ERROR,
+                exc=exc,
+                file=str(self.path),
+                name=self.name,
+                why=unusable.why,
+            )
+            return
         self._report_aside(aside, unusable)
 
     @staticmethod

@@ -303,6 +303,7 @@ class Publisher:
         publisher never writes the feed, it only reads and trims it in
         transactions)."""
         await self.drain(grace)
+        await self.sessions.port_bounds.close()
         self.broadcast.stop()
         for task in self._tasks:
             task.cancel()

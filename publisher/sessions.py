@@ -22,7 +22,6 @@ import asyncpg
 from changefeed.budgeted_log import BudgetedLines
 from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
-from changefeed.port_sockets import bound_unsent
 from changefeed.schemas import (
     ERROR_CLOSE_CODES,
     ORIGIN,
@@ -41,6 +40,7 @@ from .fanout import Fanout
 from .feed import DB_ERRORS, FeedReader, ResumeFacts
 from .host import Admitted
 from .identity import FeedIdentity
+from .port_bounds import PortBounds
 from .registration import (
     Refusal,
     Request,
@@ -61,11 +61,6 @@ __all__ = ["Sessions"]
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT = 5.0
-
-_PORT_SCANS = 3
-"""Times a port's sockets are bounded: for its first plain-ASGI listener, and for
-later ones at least ``_PORT_RESCAN_AFTER`` seconds apart."""
-_PORT_RESCAN_AFTER = 1.0
 
 _DECISIONS = 3
 """Decisions on one registration at most, each made again because the feed changed
@@ -158,9 +153,8 @@ class Sessions:
         self.draining = False
         self.direct_writes: bool | None = None
         """Whether connections get direct writes (known from the first one)."""
-        self._port_scans: dict[int | None, tuple[int, float]] = {}
-        """Per local port plain-ASGI listeners came through: how often its sockets
-        were bounded, and when last."""
+        self.port_bounds = PortBounds(config.notsent_lowat)
+        """Bounds the kernel's unsent bytes on the ports plain-ASGI listeners use."""
         self._empty = asyncio.Event()
         self._empty.set()
         # Anyone can be refused at will (no token, a socket left idle): the first
@@ -232,43 +226,7 @@ class Sessions:
             self.direct_writes = direct_writes
             log_event(log, "fanout.path", path="direct writes" if direct_writes else "ASGI sends")
         if not direct_writes:
-            scans, last = self._port_scans.get(port, (0, 0.0))
-            now = time.monotonic()
-            if scans == 0 or (scans < _PORT_SCANS and now - last >= _PORT_RESCAN_AFTER):
-                self._port_scans[port] = (scans + 1, now)
-                self._bound_unsent(port, first=scans == 0)
-
-    def _bound_unsent(self, port: int | None, *, first: bool) -> None:
-        """Through plain ASGI: bound what the kernel holds unsent on the sockets of the
-        port listeners connect to (changefeed.port_sockets), when the first listener
-        comes through it, and again for a few of the next ones: connections the kernel
-        had completed but the server had not yet accepted when the listening socket
-        was bounded did not inherit it."""
-        limit = self._config.notsent_lowat
-        if limit == 0:
-            return
-        done = bound_unsent(port, limit) if port is not None else None
-        if not first:
-            return
-        if done is None or done.listening == 0:
-            log_event(
-                log,
-                "serving.notsent_unbounded",
-                logging.WARNING,
-                port=port,
-                why="no listening socket of this port found in this process; set the "
-                "server's TCP_NOTSENT_LOWAT, or the host's (net.ipv4.tcp_notsent_lowat)",
-            )
-            return
-        log_event(
-            log,
-            "serving.notsent_lowat",
-            port=port,
-            limit=limit,
-            listening=done.listening,
-            connections=done.connections,
-            bounded=done.bounded,
-        )
+            self.port_bounds.saw(port)
 
     def connection_closed(self) -> None:
         self._counters.connections_closed += 1

@@ -269,12 +269,16 @@ async def test_a_checkpoint_whose_rows_do_not_decode_is_copied_aside_and_started
             "UPDATE changefeed_checkpoint SET change_kinds = '{not json' WHERE name = ?",
             (store.name,),
         )
+    path.chmod(0o600)
     with caplog.at_level(logging.ERROR, "changefeed.listener"):
         assert await store.load() is None
-    (moved,) = _moved_aside(caplog.records)
-    aside = Path(moved["moved_to"])
-    assert aside.name.startswith("cp.sqlite.undecodable-") and store.moved_aside == [aside]
-    assert moved["why"].startswith(f"checkpoint {store.name!r}:")
+        assert await store.load() is None  # again, before a save: a copy of its own
+    first, second = _moved_aside(caplog.records)
+    aside = Path(first["moved_to"])
+    assert aside.name.startswith("cp.sqlite.undecodable-")
+    assert store.moved_aside == [aside, Path(second["moved_to"])] and aside != store.moved_aside[1]
+    assert (os.stat(aside).st_mode & 0o777) == 0o600  # as private as the file it copies
+    assert first["why"].startswith(f"checkpoint {store.name!r}:")
     assert caplog.records[0].levelno == logging.ERROR and caplog.records[0].exc_info
     with sqlite3.connect(aside) as conn:  # the evidence, as it was
         [(kinds,)] = conn.execute(

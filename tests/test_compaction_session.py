@@ -9,9 +9,12 @@ SparkContext that names neither the master nor the cause.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -21,6 +24,7 @@ from test_compaction_cli import child_env, command, seed
 from changefeed.compaction.errors import CompactionError
 from changefeed.compaction.session import (
     check_master_reachable,
+    remove_abandoned_scratch,
     spark_session,
     standalone_masters,
 )
@@ -117,3 +121,32 @@ def test_the_applications_active_session_is_used_and_left_running(spark: Any) ->
     with spark_session("spark://127.0.0.1:1") as session:
         assert session is spark
     assert spark.range(3).count() == 3
+
+
+def test_only_scratch_of_a_session_that_is_over_is_removed(tmp_path: Path) -> None:
+    """A scratch directory names its process, and its session holds a lock on it:
+    the sweep removes the directories of sessions whose process is gone and whose
+    lock is free, never a live one's, even of a process it cannot see (another PID
+    namespace sharing the temp dir: its PID names nobody here)."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = {
+        "over": f"changefeed-spark-{dead.pid}-a",
+        "elsewhere": f"changefeed-spark-{dead.pid}-b",  # locked: a live session elsewhere
+        "running": f"changefeed-spark-{os.getpid()}-c",
+        "unlocked-old": f"changefeed-spark-{dead.pid}-d",  # killed before it took its lock
+        "not-ours": "changefeed-sparkle-1-e",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    for key in ("over", "elsewhere", "running"):
+        (tmp_path / names[key] / ".owner").touch()
+    held = os.open(tmp_path / names["elsewhere"] / ".owner", os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        removed = remove_abandoned_scratch(tmp_path)
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in removed) == sorted([names["over"], names["unlocked-old"]])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([names["elsewhere"], names["running"], names["not-ours"]])

@@ -54,3 +54,17 @@ def test_a_warning_where_nobody_set_up_logging_keeps_its_fields_and_traceback() 
     first, *rest = done.stderr.splitlines()
     assert first.split()[1:] == ["warning", "changefeed.test", "own.warning", "why=the", "reason"]
     assert "ValueError: bad value" in rest[-1]
+
+
+def test_a_warning_where_nobody_set_up_logging_and_stderr_is_gone_loses_only_the_line() -> None:
+    """A closed stderr (a daemon that closed its descriptors) costs the line, as
+    Python's last resort would, never the caller's work."""
+    code = (
+        "import logging, sys\n"
+        "from changefeed.logs import log_event\n"
+        "sys.stderr.close()\n"
+        "log_event(logging.getLogger('changefeed.test'), 'own.warning', logging.WARNING)\n"
+        "print('went on')\n"
+    )
+    done = run_python(code)
+    assert done.returncode == 0 and done.stdout.strip() == "went on", done.stderr

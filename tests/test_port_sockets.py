@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 
@@ -41,7 +42,7 @@ def test_the_listening_socket_and_the_connections_it_accepted_are_bounded(
     with later, inherited:
         assert notsent_lowat(inherited) == 16_384
     # The descriptors found were duplicates: the server's own are still open.
-    assert listening.fileno() >= 0 and accepted.getsockname()[1] == port
+    assert accepted.getsockname()[1] == port and listening.getsockname()[1] == port
 
 
 def test_a_socket_with_a_bound_of_its_own_keeps_it(
@@ -59,3 +60,30 @@ def test_a_port_with_no_socket_in_this_process_finds_nothing() -> None:
     port = probe.getsockname()[1]
     probe.close()
     assert bound_unsent(port, 8_192) == Bounded(listening=0, connections=0, bounded=0)
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_it_leaves_no_descriptor_open_and_no_other_socket_changed(
+    server: tuple[socket.socket, socket.socket, socket.socket],
+) -> None:
+    """Only the port's sockets are wrapped, each a duplicate closed at once: a
+    blocking socket of someone else's stays blocking, even under
+    ``socket.setdefaulttimeout`` (wrapping a descriptor then makes it non-blocking,
+    for everyone sharing it)."""
+    listening, _, _ = server
+    other_a, other_b = socket.socketpair()
+    elsewhere = socket.create_server(("127.0.0.1", 0))
+    before = _open_fds()
+    socket.setdefaulttimeout(5.0)
+    try:
+        assert bound_unsent(listening.getsockname()[1], 16_384) is not None
+    finally:
+        socket.setdefaulttimeout(None)
+    with other_a, other_b, elsewhere:
+        assert _open_fds() == before
+        for sock in (other_a, other_b, elsewhere):
+            assert os.get_blocking(sock.fileno())
+            assert notsent_lowat(sock) in (0, None)
