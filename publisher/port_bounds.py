@@ -1,17 +1,22 @@
 """Through plain ASGI, the kernel's unsent bytes bounded on the ports listeners use.
 
 The publisher bounds a port's sockets (changefeed.port_sockets) when the first
-listener comes through it, and twice more, a second apart: a connection the
-kernel had completed but the server had not yet accepted when the listening
-socket was bounded did not inherit the setting. Each pass reads ``/proc`` in a
-worker thread, never on the event loop, and a pass that fails is logged and
-changes nothing else: a listener's connection never waits for it.
+listener comes through it. The listening socket's setting is inherited by what
+it accepts from then on, but not by a connection the kernel had already
+completed and the server not yet accepted: so every later listener asks for a
+pass too, and passes on a port run at most once per ``PASS_INTERVAL``, each
+covering every listener that came before it. A listener is bounded within
+about a second of its handshake, at a cost that does not grow with how many
+arrive at once. Each pass reads ``/proc`` in a worker thread, never on the
+event loop, and a pass that fails is logged and changes nothing else: a
+listener's connection never waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from changefeed.logs import log_event
 from changefeed.port_sockets import Bounded, bound_unsent
@@ -20,16 +25,25 @@ __all__ = ["PortBounds"]
 
 log = logging.getLogger(__name__)
 
-PASSES = 3
-"""Times a port's sockets are bounded."""
 PASS_INTERVAL = 1.0
-"""Seconds between two passes on a port."""
+"""Seconds between two passes on a port, at least."""
 MAX_PORTS = 8
 """Ports looked at, at most: a server listens on a few."""
 
 
+@dataclass(slots=True)
+class _Port:
+    passes: int = 0
+    last: float = 0.0
+    asked: bool = False
+    """A listener came since the last pass began."""
+    running: asyncio.Task[None] | None = None
+    hopeless: bool = False
+    """A pass found no listening socket of the port: later ones would not either."""
+
+
 class PortBounds:
-    """Bounds, once per port, the sockets plain-ASGI listeners come through.
+    """Bounds the sockets of the ports plain-ASGI listeners come through.
 
     Args:
         limit: bytes the kernel may hold unsent (``notsent_lowat``); 0 leaves the
@@ -38,50 +52,63 @@ class PortBounds:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._ports: set[int | None] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._ports: dict[int, _Port] = {}
+        self._unbounded_said = False
 
     def saw(self, port: int | None) -> None:
         """A plain-ASGI listener connected through local ``port`` (None: not TCP)."""
-        if self.limit == 0 or port in self._ports or len(self._ports) >= MAX_PORTS:
+        if self.limit == 0:
             return
-        self._ports.add(port)
-        task = asyncio.get_running_loop().create_task(
-            self._bound(port), name=f"changefeed-bound-port-{port}"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if port is None:
+            self._say_unbounded(port)
+            return
+        state = self._ports.get(port)
+        if state is None:
+            if len(self._ports) >= MAX_PORTS:
+                return
+            state = self._ports[port] = _Port()
+        if state.hopeless:
+            return
+        state.asked = True
+        if state.running is None:
+            state.running = asyncio.get_running_loop().create_task(
+                self._passes(port, state), name=f"changefeed-bound-port-{port}"
+            )
 
     async def close(self) -> None:
         """Stop the passes under way."""
-        for task in self._tasks:
+        tasks = [s.running for s in self._ports.values() if s.running is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _bound(self, port: int | None) -> None:
-        for done_passes in range(PASSES):
-            if done_passes:
-                await asyncio.sleep(PASS_INTERVAL)
-            try:
-                bounded = await asyncio.to_thread(bound_unsent, port, self.limit) if port else None
-            except Exception as exc:  # a pass is a courtesy: say why it failed, go on serving
-                log_event(log, "serving.notsent_failed", logging.ERROR, exc=exc, port=port)
-                return
-            if done_passes == 0:
-                self._report(port, bounded)
-                if bounded is None or bounded.listening == 0:
+    async def _passes(self, port: int, state: _Port) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while state.asked:
+                wait = state.last + PASS_INTERVAL - loop.time() if state.passes else 0.0
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                state.asked = False
+                state.last = loop.time()
+                state.passes += 1
+                try:
+                    bounded = await asyncio.to_thread(bound_unsent, port, self.limit)
+                except Exception as exc:  # a courtesy: say why it failed, go on serving
+                    log_event(log, "serving.notsent_failed", logging.ERROR, exc=exc, port=port)
+                    state.hopeless = True
                     return
+                if state.passes == 1:
+                    self._report(port, bounded)
+                if bounded is None or bounded.listening == 0:
+                    state.hopeless = True
+                    return
+        finally:
+            state.running = None
 
-    def _report(self, port: int | None, bounded: Bounded | None) -> None:
+    def _report(self, port: int, bounded: Bounded | None) -> None:
         if bounded is None or bounded.listening == 0:
-            log_event(
-                log,
-                "serving.notsent_unbounded",
-                logging.WARNING,
-                port=port,
-                why="no listening socket of this port found in this process; set the "
-                "server's TCP_NOTSENT_LOWAT, or the host's (net.ipv4.tcp_notsent_lowat)",
-            )
+            self._say_unbounded(port)
             return
         log_event(
             log,
@@ -91,4 +118,17 @@ class PortBounds:
             listening=bounded.listening,
             connections=bounded.connections,
             bounded=bounded.bounded,
+        )
+
+    def _say_unbounded(self, port: int | None) -> None:
+        if self._unbounded_said:
+            return
+        self._unbounded_said = True
+        log_event(
+            log,
+            "serving.notsent_unbounded",
+            logging.WARNING,
+            port=port,
+            why="no listening socket of this port found in this process; set the "
+            "server's TCP_NOTSENT_LOWAT, or the host's (net.ipv4.tcp_notsent_lowat)",
         )
