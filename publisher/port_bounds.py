@@ -7,9 +7,12 @@ completed and the server not yet accepted: so every later listener asks for a
 pass too, and passes on a port run at most once per ``PASS_INTERVAL``, each
 covering every listener that came before it. A listener is bounded within
 about a second of its handshake, at a cost that does not grow with how many
-arrive at once. Each pass reads ``/proc`` in a worker thread, never on the
-event loop, and a pass that fails is logged and changes nothing else: a
-listener's connection never waits for it.
+arrive at once. Once a pass finds nothing left to bound, the listening socket
+has had the setting since before every connection it holds was accepted, and
+what it accepts later inherits it: the port needs no more passes. Each pass
+reads ``/proc`` in a worker thread, never on the event loop, and a pass that
+fails is logged and changes nothing else: a listener's connection never waits
+for it.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ class _Port:
     asked: bool = False
     """A listener came since the last pass began."""
     running: asyncio.Task[None] | None = None
-    hopeless: bool = False
-    """A pass found no listening socket of the port: later ones would not either."""
+    finished: bool = False
+    """No later pass would change anything: the last one found nothing to bound (or
+    no listening socket of the port, or failed)."""
 
 
 class PortBounds:
@@ -67,7 +71,7 @@ class PortBounds:
             if len(self._ports) >= MAX_PORTS:
                 return
             state = self._ports[port] = _Port()
-        if state.hopeless:
+        if state.finished:
             return
         state.asked = True
         if state.running is None:
@@ -96,12 +100,12 @@ class PortBounds:
                     bounded = await asyncio.to_thread(bound_unsent, port, self.limit)
                 except Exception as exc:  # a courtesy: say why it failed, go on serving
                     log_event(log, "serving.notsent_failed", logging.ERROR, exc=exc, port=port)
-                    state.hopeless = True
+                    state.finished = True
                     return
                 if state.passes == 1:
                     self._report(port, bounded)
-                if bounded is None or bounded.listening == 0:
-                    state.hopeless = True
+                if bounded is None or bounded.listening == 0 or bounded.bounded == 0:
+                    state.finished = True
                     return
         finally:
             state.running = None
