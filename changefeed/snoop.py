@@ -182,10 +182,10 @@ async def run_listen(args: argparse.Namespace) -> int:
     def reached() -> bool:
         return args.count is not None and shown >= args.count
 
-    def counted() -> None:
+    def counted(*, stop_run: bool) -> None:
         nonlocal shown
         shown += 1
-        if reached():
+        if stop_run and reached():
             stop.set()
 
     async def follow_items() -> None:
@@ -203,7 +203,9 @@ async def run_listen(args: argparse.Namespace) -> int:
                     )
                 elif isinstance(event, ChangeItem):
                     out.emit(event.to_json())
-                    counted()
+                    # --count ends this loop, not the main task: cancelled while the
+                    # listener closes, the run would lose its final checkpoint.
+                    counted(stop_run=False)
                     if reached():
                         # --count: not one more, whatever is buffered; and a
                         # checkpoint covers the last one printed.
@@ -217,7 +219,7 @@ async def run_listen(args: argparse.Namespace) -> int:
                     return  # --count: the main task stops the controllers next
                 state = states[-1] if op != "delete" else None
                 out.emit({"resource": resource, "op": op, "id": key, "state": state})
-                counted()
+                counted(stop_run=True)  # the controllers run on: the main task stops them
 
             return callback
 
