@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import socket
 import struct
+import sys
 import termios
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "notsent_lowat",
     "set_notsent_lowat",
     "unacked_bytes",
+    "unsent_bytes",
 ]
 
 NOTSENT_LOWAT = 8 * 1024
@@ -53,6 +55,10 @@ with 32 KiB, which is 1.3 s, 2.1 s and 3.4 s added to the pong of a listener
 reading 100 items a second."""
 
 _TCP_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+
+_SIOCOUTQNSD = 0x894B if sys.platform == "linux" else None
+"""Linux's ioctl for the bytes of a TCP socket's send queue not sent yet
+(``linux/sockios.h``); Python's ``termios`` does not name it."""
 
 _TCP_INFO_SIZE = 128
 _BYTES_ACKED = 120
@@ -96,6 +102,18 @@ def unacked_bytes(sock: Any) -> int:
         unacked: int = struct.unpack("i", outq)[0]
         return unacked
     return 0
+
+
+def unsent_bytes(sock: Any) -> int | None:
+    """Bytes in ``sock``'s kernel send queue not sent yet: what ``TCP_NOTSENT_LOWAT``
+    bounds (None where the kernel cannot tell)."""
+    if sock is None or _SIOCOUTQNSD is None:
+        return None
+    with contextlib.suppress(OSError, ValueError, struct.error):
+        outq = fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, b"\0\0\0\0")
+        unsent: int = struct.unpack("i", outq)[0]
+        return unsent
+    return None
 
 
 def bytes_acked(sock: Any) -> int | None:

@@ -11,6 +11,7 @@ listed in changefeed.uvicorn_private.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -30,6 +31,7 @@ from changefeed.tcp_liveness import (
     notsent_lowat,
     set_notsent_lowat,
     unacked_bytes,
+    unsent_bytes,
 )
 
 __all__ = ["FanoutWebSocketProtocol"]
@@ -78,6 +80,13 @@ class _DirectWriter:
         # The kernel's part too: for a listener that stopped reading on a quiet
         # feed, what it has not taken may all sit there (the stall watch).
         return self._transport.get_write_buffer_size() + unacked_bytes(self._socket)
+
+    @property
+    def unsent_limit(self) -> int:
+        return self._protocol.unsent_limit
+
+    def hold_while_unsent(self) -> bool:
+        return self._protocol.hold_while_unsent()
 
     @property
     def lost(self) -> bool:
@@ -146,7 +155,16 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     """
 
     paused = False
-    """The transport paused writing (asyncio flow control): a write would only queue."""
+    """Writes wait: the transport paused writing (asyncio flow control), or the
+    kernel holds ``unsent_limit`` unsent (``hold_while_unsent``)."""
+    unsent_limit = 0
+    """The connection's own ``TCP_NOTSENT_LOWAT`` (0: none, the host's holds)."""
+    unsent_holds = 0
+    """Times ``hold_while_unsent`` held writes (for tests and a debugger)."""
+    _flow_paused = False
+    _unsent_wait: int | None = None
+    """A duplicate of the socket's descriptor, watched for writability while
+    ``hold_while_unsent`` holds writes (None: not holding)."""
     lost = False
     """The connection is gone."""
     reading_held = False
@@ -166,12 +184,16 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     # -- asyncio's own protocol hooks (public), for state this class keeps itself
 
     def pause_writing(self) -> None:
-        self.paused = True
+        self._flow_paused = self.paused = True
         super().pause_writing()
 
     def resume_writing(self) -> None:
-        self.paused = False
+        self._flow_paused = False
         super().resume_writing()
+        if self._unsent_wait is not None:
+            self.writable.clear()  # the kernel still holds too much
+        else:
+            self.paused = False
         if self.reading_held:
             self.reading_held = False
             # uvicorn pauses reading too, while the app has not taken a message.
@@ -180,7 +202,68 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._end_unsent_wait()
         super().connection_lost(exc)
+
+    def hold_while_unsent(self) -> bool:
+        """Called after a write to a listener that is behind: True, and writes wait
+        (``paused``, and uvicorn's ``writable`` for ASGI sends), while the kernel
+        holds ``unsent_limit`` bytes or more that it has not sent.
+
+        ``TCP_NOTSENT_LOWAT`` alone does not bound them: the kernel checks it only
+        when a write needs a new segment, and appends to the last one (up to 64
+        KiB) unchecked, so a listener's backlog would sit there, ahead of every
+        ping and pong. The wait ends when the socket polls writable, which with
+        the option set is when less than half of it is left unsent. Pings and
+        pongs are written by the protocol itself and never wait."""
+        if self._unsent_wait is not None:
+            return True
+        if not self.unsent_limit or self.lost or self.transport.is_closing():
+            return False
+        if not self._too_much_unsent():
+            return False
+        sock = self.transport.get_extra_info("socket")
+        try:
+            # A descriptor of its own: the transport's is registered with the loop
+            # already, and a second registration would replace the transport's.
+            watched = os.dup(sock.fileno())
+        except OSError:
+            return False  # out of descriptors: asyncio's flow control alone
+        try:
+            self.loop.add_writer(watched, self._unsent_sent)
+        except Exception:
+            os.close(watched)
+            raise
+        self._unsent_wait = watched
+        self.unsent_holds += 1
+        self.paused = True
+        self.writable.clear()
+        return True
+
+    def _too_much_unsent(self) -> bool:
+        if self.transport.get_write_buffer_size():
+            return True  # the kernel refused part of a write: it is full
+        unsent = unsent_bytes(self.transport.get_extra_info("socket"))
+        return unsent is not None and unsent >= self.unsent_limit
+
+    def _unsent_sent(self) -> None:
+        """The socket polls writable. The transport, woken by the same poll, may
+        still have to write what it holds: then this waits on (the poll reports
+        the socket writable again only once the kernel has sent it)."""
+        if not self.lost and self._too_much_unsent():
+            return
+        self._end_unsent_wait()
+        if not self._flow_paused:
+            self.paused = False
+            self.writable.set()
+
+    def _end_unsent_wait(self) -> None:
+        # Held only while waiting: the duplicate keeps the socket open, so the
+        # transport's close takes effect once it is closed too.
+        watched, self._unsent_wait = self._unsent_wait, None
+        if watched is not None:
+            self.loop.remove_writer(watched)
+            os.close(watched)
 
     # -- uvicorn's (private, changefeed.uvicorn_private)
 
@@ -235,8 +318,10 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         the socket was given its own limit (a listening socket's is inherited)."""
         self.transport.set_write_buffer_limits(high=_WRITE_BUFFER_HIGH)
         sock = self.transport.get_extra_info("socket")
-        if notsent_lowat(sock) == 0:
-            set_notsent_lowat(sock, NOTSENT_LOWAT)
+        limit = notsent_lowat(sock)
+        if limit == 0 and set_notsent_lowat(sock, NOTSENT_LOWAT):
+            limit = NOTSENT_LOWAT
+        self.unsent_limit = limit or 0
 
     def handle_parser_exception(self) -> None:
         """A frame over ``ws_max_size`` gets the publisher's refusal, an error frame

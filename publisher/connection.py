@@ -66,6 +66,9 @@ _FRAMES_PER_FLUSH = 16
 for every listener before any of them gets a second turn, so a burst reaches
 all of them early; the senders then go on in turns of _FRAMES_PER_TURN."""
 
+_FRAME_OVERHEAD = 4
+"""Bytes a websocket frame adds to an item's text, near enough (an item under 64 KiB)."""
+
 _REFILL_TURNS = 2
 """Turns of items a catching-up connection queues at a time."""
 
@@ -352,10 +355,12 @@ class _Connection:
                     # was already kept, awaited nothing.
                     await asyncio.sleep(0)
                     continue
-                if direct is not None and direct.ready():
+                if direct is None:
+                    await self._send_turn(delivery, delivery.take(turn), direct)
+                elif direct.ready():
                     direct.write_turn()
                 else:
-                    await self._send_turn(delivery, delivery.take(turn), direct)
+                    await self._send_turn(delivery, direct.take(turn), direct)
                 if delivery.queue or not delivery.live:
                     # Yield even when the transport never blocks: without it one busy
                     # connection starves every other one on the event loop.
@@ -494,7 +499,7 @@ class _DirectSender:
     transport, does that part.
     """
 
-    __slots__ = ("_batches", "_delivery", "_flush_turn", "_turn", "_writer")
+    __slots__ = ("_batches", "_delivery", "_flush_turn", "_holding", "_turn", "_writer")
 
     def __init__(
         self, delivery: Delivery, writer: FrameWriter, max_batch: int, batches: BatchFrames
@@ -504,6 +509,10 @@ class _DirectSender:
         self._batches = batches
         self._turn = max_batch if delivery.batch else _FRAMES_PER_TURN
         self._flush_turn = max_batch if delivery.batch else _FRAMES_PER_FLUSH
+        self._holding = False
+        """A write found the kernel holding its limit unsent since the listener last
+        caught up: it reads slower than it is written to, and turns are cut to that
+        limit."""
 
     def lost(self) -> bool:
         """True once the connection is closing or gone."""
@@ -519,16 +528,31 @@ class _DirectSender:
         if not self.ready():
             return False
         delivery = self._delivery
-        items = delivery.take(self._flush_turn)
+        items = self.take(self._flush_turn)
         if items:
             self._write(items)
         return not delivery.queue
 
     def write_turn(self) -> None:
         """Write one turn of queued items (only when ``ready``)."""
-        items = self._delivery.take(self._turn)
+        items = self.take(self._turn)
         if items:
             self._write(items)
+
+    def take(self, most: int) -> list[Item]:
+        """Up to ``most`` queued items for the next write; for a listener that reads
+        slower than it is written to, no more than its kernel may hold unsent (at
+        least one), so that what waits ahead of its pings stays that small."""
+        delivery = self._delivery
+        if not self._holding:
+            return delivery.take(most)
+        queue, budget = delivery.queue, self._writer.unsent_limit
+        end = min(most, len(queue))
+        count = size = 0
+        while count < end and size < budget:
+            size += len(queue[count].text) + _FRAME_OVERHEAD
+            count += 1
+        return delivery.take(count)
 
     def _write(self, items: list[Any]) -> None:
         delivery = self._delivery
@@ -554,8 +578,16 @@ class _DirectSender:
     def wrote(self, size: int, items: list[Any]) -> None:
         """``items`` went out in ``size`` bytes (directly, or through the sender's
         ASGI sends): not taken until the listener's TCP acknowledges them."""
-        in_flight = self._delivery.in_flight
+        delivery = self._delivery
+        in_flight = delivery.in_flight
         if in_flight is not None and items:
             in_flight.wrote(size, len(items), items[0].published)
             if in_flight.crowded:
                 in_flight.settle(self._writer.buffered())
+        if delivery.queue or not delivery.live:
+            # Behind (more to write): one look at the kernel. A listener that keeps
+            # up costs none, which is every listener of a live fan-out.
+            if self._writer.hold_while_unsent():
+                self._holding = True
+        else:
+            self._holding = False  # caught up: full turns again

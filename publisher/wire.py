@@ -75,6 +75,16 @@ class FrameWriter(Protocol):
         """Bytes written that the peer has yet to take: in the transport's buffer,
         and in the kernel's unacknowledged where the server can tell."""
 
+    @property
+    def unsent_limit(self) -> int:
+        """Bytes the kernel may hold unsent for this connection before
+        ``hold_while_unsent`` holds writes (0: no limit of its own)."""
+
+    def hold_while_unsent(self) -> bool:
+        """After a write to a listener that is behind: True, and the writer is not
+        ``open`` until the kernel has sent most of it, when the kernel holds
+        ``unsent_limit`` or more unsent."""
+
 
 def batch_text(items: Sequence[str]) -> str:
     """The payload of a batch frame: the JSON array of already-encoded ``items``."""

@@ -39,7 +39,8 @@ from websockets.exceptions import ConnectionClosed
 from changefeed.publisher import publish_many
 from changefeed.publisher.inflight import InFlight
 from changefeed.serving import DrainingServer, server_config
-from changefeed.tcp_liveness import PingWatch, notsent_lowat
+from changefeed.tcp_liveness import NOTSENT_LOWAT, PingWatch, notsent_lowat, unsent_bytes
+from changefeed.uvicorn_fastpath import FanoutWebSocketProtocol
 
 LISTENERS = Path(__file__).with_name("keepalive_listeners.py")
 
@@ -341,6 +342,55 @@ async def test_through_plain_asgi_the_publisher_bounds_the_sockets_of_the_port_l
             later, _ = await register(pub.ws_url, registration(instance="later"))
             async with later:
                 await wait_until(lambda: notsent_lowat(sock) == limit, timeout=5)
+
+
+async def test_what_the_kernel_holds_unsent_for_a_slow_reader_stays_near_its_limit(
+    feed_dsn: str,
+) -> None:
+    """A listener reading slowly behind a backlog: whatever the kernel holds unsent
+    for it waits ahead of its pings' answers. ``TCP_NOTSENT_LOWAT`` alone lets
+    writes pile onto the kernel's last segment, as large as 64 KiB; the fast path
+    holds writes while the limit is reached and, once the listener has shown it is
+    slow, cuts turns to the limit: the kernel then never holds twice as much."""
+    total = 3_000
+    async with running_publisher(feed_dsn) as pub:
+        # The default receive buffer: the kernel then builds segments as large as
+        # 64 KiB (half the peer's largest window), and writes pile onto the last.
+        ws = await connect(pub.ws_url, max_queue=1, compression=None)
+        await ws.send(registration(subs=[]))
+        await asyncio.wait_for(ws.recv(), 10)  # the ack
+        (accepted,) = [
+            s
+            for s in pub.server.server.server_state.connections
+            if s.transport.get_extra_info("peername") == ws.local_address
+        ]
+        assert isinstance(accepted, FanoutWebSocketProtocol)
+        server_socket = accepted.transport.get_extra_info("socket")
+        limit = notsent_lowat(server_socket)
+        assert limit == NOTSENT_LOWAT
+        await publish_burst(feed_dsn, total)
+        samples: list[int] = []
+
+        async def watch() -> None:
+            while True:
+                if accepted.unsent_holds > 1:  # shown it is slow, and waited once
+                    samples.append(unsent_bytes(server_socket) or 0)
+                await asyncio.sleep(0.002)
+
+        items: list[dict[str, Any]] = []
+        watcher = asyncio.create_task(watch())
+        try:
+            async with asyncio.timeout(60):
+                while len(items) < total:
+                    items.append(orjson.loads(await ws.recv()))
+                    if len(items) % 10 == 0:
+                        await asyncio.sleep(0.005)  # about 1,500 items/s
+        finally:
+            watcher.cancel()
+        assert [i["changedResourceId"] for i in items] == [burst_id(i) for i in range(total)]
+        assert len(samples) > 100, len(samples)
+        assert max(samples) <= 2 * limit, max(samples)
+        await ws.close()
 
 
 @pytest.mark.slow
