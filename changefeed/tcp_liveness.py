@@ -5,11 +5,12 @@ reads slowly, behind a backlog, answers a ping only once it has read that
 far: it is alive, and reading. Two things keep that wait short and tell it
 apart from a dead peer:
 
-* ``set_notsent_lowat``: the kernel keeps at most about this many bytes
-  *unsent* for the connection (``TCP_NOTSENT_LOWAT``, Linux and the BSDs);
-  the rest waits in the publisher, which paces it (catch-up), so a ping or a
-  pong written now is behind that much and the peer's own receive buffer,
-  not behind megabytes.
+* ``set_notsent_lowat``: the kernel keeps about this many bytes *unsent* for
+  the connection (``TCP_NOTSENT_LOWAT``, Linux and the BSDs), and
+  ``unsent_bytes`` says how many it holds, by which the publisher holds its
+  writes; the rest waits in the publisher, which paces it (catch-up), so a
+  ping or a pong written now is behind that much and the peer's own receive
+  buffer, not behind megabytes.
 * ``PingWatch`` (pure): when a ping's deadline passes without its pong, the
   connection is still alive if it made progress meanwhile: its TCP
   acknowledged more of the stream (the listener read, and its window let
@@ -48,11 +49,12 @@ __all__ = [
 
 NOTSENT_LOWAT = 8 * 1024
 """Default bytes the kernel may hold unsent for one listener connection. The
-kernel checks it once per segment it builds, so it holds up to about one more
-segment (on loopback up to 64 KiB): bench/keepalive.py (``--notsent-lowat``)
-measured 28 KiB held ahead of a pong with 8 KiB, 45 KiB with 16 KiB and 72 KiB
-with 32 KiB, which is 1.3 s, 2.1 s and 3.4 s added to the pong of a listener
-reading 100 items a second."""
+kernel checks it only when a write needs a new segment, and appends to the
+last one (on loopback up to 64 KiB) unchecked: so the publisher also holds its
+writes to a listener that is behind while the kernel holds this much, and cuts
+their turns to it (changefeed.uvicorn_fastpath, changefeed.publisher.unsent).
+What waits ahead of a ping then stays under about twice this
+(bench/keepalive.py, ``--notsent-lowat`` to compare)."""
 
 _TCP_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 

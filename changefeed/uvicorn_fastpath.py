@@ -149,7 +149,8 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     never cut off by them; a handshake refused with an HTTP response (401) is
     not logged as an error; a handshake websockets cannot parse is answered
     (431) and closed, not left open for good; what waits below the app is
-    small (a 4 KiB transport buffer, ``TCP_NOTSENT_LOWAT``); and a connection
+    small (a 4 KiB transport buffer, ``TCP_NOTSENT_LOWAT``, and writes held
+    while the kernel holds that much, ``hold_while_unsent``); and a connection
     whose app is done is dropped once its close handshake had its time, even
     when the peer stopped reading (``run_asgi``).
     """
@@ -159,8 +160,6 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     kernel holds ``unsent_limit`` unsent (``hold_while_unsent``)."""
     unsent_limit = 0
     """The connection's own ``TCP_NOTSENT_LOWAT`` (0: none, the host's holds)."""
-    unsent_holds = 0
-    """Times ``hold_while_unsent`` held writes (for tests and a debugger)."""
     _flow_paused = False
     _unsent_wait: int | None = None
     """A duplicate of the socket's descriptor, watched for writability while
@@ -235,7 +234,6 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             os.close(watched)
             raise
         self._unsent_wait = watched
-        self.unsent_holds += 1
         self.paused = True
         self.writable.clear()
         return True
