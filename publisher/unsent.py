@@ -9,14 +9,16 @@ path holds its writes in its own protocol (changefeed.uvicorn_fastpath);
 through plain ASGI the server's protocol is not the publisher's, so the
 publisher looks at the socket itself.
 
-A connection's socket is found only once its listener falls behind (a write
-leaves more to write): ``ConnectionSockets`` finds those of one port in a
-pass over ``/proc``, off the event loop, one pass for every listener that
-asked meanwhile. From then on, after each write while behind, ``UnsentHold``
-waits while the kernel holds the bound, until the socket polls writable
-(with the option set, when less than half of it is left unsent), and the
-connection cuts its turns to the bound. Where the socket cannot be found
-(not Linux, another process's), writes go on as before.
+A connection's socket is looked for once its listener falls behind (a write
+leaves more to write), before the server's buffers below fill:
+``ConnectionSockets`` finds those of one port in a pass over ``/proc``, off
+the event loop, one pass for every listener that asked meanwhile. From then
+on, after each write while behind, ``UnsentHold`` waits while the kernel
+holds the bound, until the socket polls writable (with the option set, when
+less than half of it is left unsent), and once it has waited the connection
+cuts its turns to the bound. A listener that stays caught up
+``RELEASE_AFTER`` lets its socket go. Where it cannot be found (not Linux,
+another process's), writes go on as before.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ log = logging.getLogger(__name__)
 PASS_INTERVAL = 0.25
 """Seconds between two passes on a port, at least: the listeners that fall behind
 meanwhile share the next one."""
+RELEASE_AFTER = 10.0
+"""Seconds a listener stays caught up before its socket is let go: one that falls
+behind at every burst keeps it (no pass each time), an idle one holds no second
+descriptor."""
 
 
 class ConnectionSockets:
@@ -113,24 +119,39 @@ class UnsentHold:
         port: the local port it came through.
         peer: its remote end.
         limit: the port's ``TCP_NOTSENT_LOWAT``: writes wait while the kernel holds
-            this much unsent, and a turn of a listener found behind carries no more.
+            this much unsent, and once they have, a turn carries no more.
     """
 
-    __slots__ = ("_lookup", "_peer", "_port", "_sock", "_sockets", "holding", "limit")
+    __slots__ = (
+        "_lookup",
+        "_peer",
+        "_port",
+        "_release",
+        "_sock",
+        "_sockets",
+        "holding",
+        "limit",
+    )
 
     def __init__(self, sockets: ConnectionSockets, port: int, peer: Peer, limit: int) -> None:
         self.limit = limit
+        """The socket's own bound once found (0: none, or not found: never asked again)."""
         self.holding = False
         """A write found the kernel holding ``limit`` since the listener last caught up."""
         self._sockets = sockets
         self._port = port
         self._peer = peer
+        self._release: asyncio.TimerHandle | None = None
         self._lookup: asyncio.Future[socket.socket | None] | None = None
         self._sock: socket.socket | None = None
 
     async def after_write(self) -> None:
         """After a write that left more to write: wait while the kernel holds ``limit``
-        or more unsent. The first call asks for the socket and returns at once."""
+        or more unsent. The first call asks for the socket, and calls return at once
+        until it is found."""
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
         sock = self._socket()
         if sock is None:
             return
@@ -151,11 +172,21 @@ class UnsentHold:
             await asyncio.sleep(0)
 
     def caught_up(self) -> None:
-        """The listener took everything written: full turns again."""
+        """Nothing is left to write: full turns again, and the socket let go unless
+        the listener falls behind again within ``RELEASE_AFTER``."""
         self.holding = False
+        if self._release is None and self._lookup is not None:
+            loop = asyncio.get_running_loop()
+            self._release = loop.call_later(RELEASE_AFTER, self._let_go)
 
     def close(self) -> None:
         """The connection ended: let its socket go (the duplicate held it open)."""
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
         lookup, sock = self._lookup, self._sock
         if lookup is not None and sock is None:
             if not lookup.done():
@@ -164,14 +195,15 @@ class UnsentHold:
                 sock = lookup.result()  # found, not yet taken
         if sock is not None:
             sock.close()
-        self._sock = None
+        self._lookup = self._sock = None
 
     def _socket(self) -> socket.socket | None:
-        if self._sock is not None:
+        if self._sock is not None or not self.limit:
             return self._sock
         if self._lookup is None:
             self._lookup = self._sockets.find(self._port, self._peer)
-        if not self.limit or not self._lookup.done() or self._lookup.cancelled():
+            return None
+        if not self._lookup.done() or self._lookup.cancelled():
             return None
         sock = self._lookup.result()
         if sock is None:
@@ -184,7 +216,7 @@ class UnsentHold:
             own = self.limit
         if not own:
             sock.close()
-            self.limit = 0
+            self._lookup, self.limit = None, 0
             return None
         self.limit, self._sock = own, sock
         return sock

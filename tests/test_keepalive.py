@@ -366,7 +366,7 @@ async def test_what_the_kernel_holds_unsent_for_a_slow_reader_stays_near_its_lim
     plain ASGI on the connection's socket, which it finds itself (a duplicate of
     its descriptor, held while it needs it). The kernel then never holds twice
     the limit."""
-    total = 3_000
+    total = 6_000
     async with running_publisher(feed_dsn, ws=ws) as pub:
         # The default receive buffer: the kernel then builds segments as large as
         # 64 KiB (half the peer's largest window), and writes pile onto the last.
@@ -388,8 +388,8 @@ async def test_what_the_kernel_holds_unsent_for_a_slow_reader_stays_near_its_lim
         async def watch() -> None:
             nonlocal duplicated
             while True:
-                # Past the first turns, written whole before it showed it is slow.
-                if len(items) > 600:
+                # Past what was written before it showed it is slow.
+                if len(items) > total // 2:
                     samples.append(unsent_bytes(server_socket) or 0)
                 if len(samples) % 10 == 0:
                     duplicated = duplicated or descriptors_of(server_socket) > 1
