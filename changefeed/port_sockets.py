@@ -16,37 +16,25 @@ the connections already accepted. A socket that already has a bound of its own
 listed, or the platform has no such option, nothing changes, and the host's
 setting (``net.ipv4.tcp_notsent_lowat`` on Linux) is what holds.
 
-The bound is not enough on its own: the kernel checks it only when a write
-needs a new segment, and appends to the last one unchecked. So, for a listener
-that falls behind, ``connection_sockets`` finds its connection's socket the
-same way, and the publisher holds its writes to it while the kernel holds the
-bound (changefeed.publisher.unsent).
-
 Which descriptors are the port's is read from Linux's ``/proc`` (the socket
 inodes bound to the port, and the descriptors naming those inodes) without
 touching any other descriptor of the process: wrapping a descriptor in a
 Python socket can change its blocking mode (``socket.setdefaulttimeout``),
 which would break whoever owns it. Only the port's own are wrapped, each a
-duplicate with its file status flags put back, closed at once by
-``bound_unsent`` and by whoever asked ``connection_sockets`` for it.
+duplicate closed at once, with its file status flags put back.
 """
 
 from __future__ import annotations
 
 import fcntl
-import ipaddress
 import os
 import socket
-import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .tcp_liveness import notsent_lowat, set_notsent_lowat
 
-__all__ = ["Bounded", "Peer", "bound_unsent", "connection_sockets", "peer_of"]
-
-Peer = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
-"""A connection's remote address and port (an IPv4-mapped IPv6 address as IPv4)."""
+__all__ = ["Bounded", "bound_unsent"]
 
 _FDS = "/proc/self/fd"
 _TCP_TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
@@ -74,8 +62,7 @@ def bound_unsent(port: int, limit: int) -> Bounded | None:
     if inodes is None:
         return None
     listening = connections = bounded = 0
-    for fd, inode in _descriptors(inodes):
-        is_listening = inodes[inode]
+    for fd, is_listening in _descriptors(inodes):
         sock = _borrow(fd)
         if sock is None:
             continue
@@ -89,52 +76,10 @@ def bound_unsent(port: int, limit: int) -> Bounded | None:
     return Bounded(listening, connections, bounded)
 
 
-def connection_sockets(port: int, peers: Collection[Peer]) -> dict[Peer, socket.socket]:
-    """This process's accepted connections on local ``port`` from ``peers``, each a
-    Python socket on a duplicate of its descriptor: the caller closes them. Those
-    not found (gone, not this process's, not Linux) are left out. It reads
-    ``/proc``: run it off the event loop."""
-    wanted: dict[int, Peer] = {}
-    for inode, listening, remote in _port_rows(port) or ():
-        if not listening and remote in peers:
-            wanted[inode] = remote
-    found: dict[Peer, socket.socket] = {}
-    for fd, inode in _descriptors(wanted):
-        sock = _borrow(fd)
-        if sock is None:
-            continue
-        if os.fstat(sock.fileno()).st_ino != inode:
-            sock.close()  # the descriptor was closed and reused meanwhile
-            continue
-        found[wanted[inode]] = sock
-    return found
-
-
-def peer_of(client: tuple[str, int] | list[object] | None) -> Peer | None:
-    """An ASGI scope's ``client`` as a ``Peer`` (None: not a TCP address)."""
-    if client is None or len(client) != 2:
-        return None
-    host, port = client
-    try:
-        address = ipaddress.ip_address(str(host))
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return (address, int(str(port)))
-
-
 def _port_inodes(port: int) -> dict[int, bool] | None:
     """Inodes of the TCP sockets bound to local ``port`` (in this network namespace),
     each with whether it is listening; None where the tables cannot be read."""
-    rows = _port_rows(port)
-    return None if rows is None else {inode: listening for inode, listening, _ in rows}
-
-
-def _port_rows(port: int) -> list[tuple[int, bool, Peer]] | None:
-    """Each TCP socket bound to local ``port``: its inode, whether it is listening,
-    and its remote end; None where the tables cannot be read."""
-    found: list[tuple[int, bool, Peer]] = []
+    found: dict[int, bool] = {}
     read_any = False
     for table in _TCP_TABLES:
         try:
@@ -147,27 +92,14 @@ def _port_rows(port: int) -> list[tuple[int, bool, Peer]] | None:
                         continue
                     _, _, local_port = fields[1].rpartition(":")
                     if int(local_port, 16) == port and fields[9] != "0":
-                        found.append((int(fields[9]), fields[3] == _LISTEN, _peer(fields[2])))
+                        found[int(fields[9])] = fields[3] == _LISTEN
         except (OSError, ValueError):
             continue
     return found if read_any else None
 
 
-def _peer(field: str) -> Peer:
-    """A TCP table's ``rem_address`` (``0100007F:D431``: the address as 32-bit words
-    in the host's byte order, then the port) as a ``Peer``."""
-    hex_address, _, hex_port = field.partition(":")
-    raw = bytes.fromhex(hex_address)
-    if sys.byteorder == "little":
-        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(raw)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return (address, int(hex_port, 16))
-
-
-def _descriptors(inodes: Collection[int]) -> Iterator[tuple[int, int]]:
-    """This process's descriptors of those socket inodes, each with its inode."""
+def _descriptors(inodes: dict[int, bool]) -> Iterator[tuple[int, bool]]:
+    """This process's descriptors of those socket inodes, with whether listening."""
     try:
         names = os.listdir(_FDS)
     except OSError:
@@ -180,7 +112,7 @@ def _descriptors(inodes: Collection[int]) -> Iterator[tuple[int, int]]:
         if target.startswith("socket:[") and target.endswith("]"):
             inode = int(target[8:-1])
             if inode in inodes:
-                yield int(name), inode
+                yield int(name), inodes[inode]
 
 
 def _borrow(fd: int) -> socket.socket | None:

@@ -7,7 +7,7 @@ apart from a dead peer:
 
 * ``set_notsent_lowat``: the kernel keeps about this many bytes *unsent* for
   the connection (``TCP_NOTSENT_LOWAT``, Linux and the BSDs), and
-  ``unsent_bytes`` says how many it holds, by which the publisher holds its
+  ``unsent_bytes`` says how many it holds, by which the fast path holds its
   writes; the rest waits in the publisher, which paces it (catch-up), so a
   ping or a pong written now is behind that much and the peer's own receive
   buffer, not behind megabytes.
@@ -50,11 +50,11 @@ __all__ = [
 NOTSENT_LOWAT = 8 * 1024
 """Default bytes the kernel may hold unsent for one listener connection. The
 kernel checks it only when a write needs a new segment, and appends to the
-last one (on loopback up to 64 KiB) unchecked: so the publisher also holds its
+last one (on loopback up to 64 KiB) unchecked: so the fast path also holds its
 writes to a listener that is behind while the kernel holds this much, and cuts
-their turns to it (changefeed.uvicorn_fastpath, changefeed.publisher.unsent).
-What waits ahead of a ping then stays under about twice this
-(bench/keepalive.py, ``--notsent-lowat`` to compare)."""
+their turns to it (changefeed.uvicorn_fastpath). What waits ahead of a ping
+then stays under about twice this (bench/keepalive.py, ``--notsent-lowat`` to
+compare); through plain ASGI up to one segment more."""
 
 _TCP_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 

@@ -230,9 +230,10 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
             return False  # out of descriptors: asyncio's flow control alone
         try:
             self.loop.add_writer(watched, self._unsent_sent)
-        except Exception:
+        except Exception as exc:  # never out of a flush: asyncio's flow control alone
             os.close(watched)
-            raise
+            log_event(log, "listener.error", logging.ERROR, exc=exc, task="unsent hold")
+            return False
         self._unsent_wait = watched
         self.paused = True
         self.writable.clear()

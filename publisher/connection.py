@@ -32,7 +32,6 @@ from starlette.types import Message, Receive, Scope, Send
 
 from changefeed.backoff import Backoff
 from changefeed.logs import log_event
-from changefeed.port_sockets import peer_of
 from changefeed.schemas import ERROR_CLOSE_CODES, AccessDenied, ErrorFrame
 
 from .catchup import Filled
@@ -44,7 +43,6 @@ from .inflight import InFlight
 from .pages import CursorExpired
 from .registration import Refusal
 from .registry import Session
-from .unsent import UnsentHold
 from .wire import (
     DIRECT_WRITES,
     DISCONNECT_CAUSE,
@@ -197,7 +195,7 @@ class _Connection:
                 message = f"took not even its ack within {stall:g}s: evicted"
                 host.evict(session, "slow_listener", message)
                 return
-            direct = hold = None
+            direct = None
             if self.writer is not None:
                 direct = _DirectSender(
                     session.delivery, self.writer, host.config.max_batch, self._batches
@@ -205,13 +203,7 @@ class _Connection:
                 session.delivery.send_now = direct.send_now
                 session.delivery.buffered = self.writer.buffered
                 session.delivery.in_flight = InFlight()
-            else:
-                hold = host.unsent_hold(_local_port(self.scope), peer_of(self.scope.get("client")))
-            try:
-                await self._pump(session, direct, hold)
-            finally:
-                if hold is not None:
-                    hold.close()
+            await self._pump(session, direct)
         finally:
             session.delivery.send_now = None
             session.delivery.buffered = None
@@ -291,9 +283,7 @@ class _Connection:
 
     # -- delivery ------------------------------------------------------------
 
-    async def _pump(
-        self, session: Session, direct: _DirectSender | None, hold: UnsentHold | None
-    ) -> None:
+    async def _pump(self, session: Session, direct: _DirectSender | None) -> None:
         # The sender and the receiver are tasks of their own, not coroutines awaited
         # here: resuming a task wakes every coroutine frame it awaits through, and
         # this one sits under a dozen (server, middleware, router). A sender woken
@@ -301,7 +291,7 @@ class _Connection:
         # connection ends closes the delivery (each task does so when it ends), so
         # this waits for that alone: no asyncio.wait kept for each idle listener.
         sender = asyncio.create_task(
-            self._sender(session, direct, hold), name=f"changefeed-send-{session.id}"
+            self._sender(session, direct), name=f"changefeed-send-{session.id}"
         )
         receiver = asyncio.create_task(
             self._receive_loop(session), name=f"changefeed-receive-{session.id}"
@@ -340,13 +330,10 @@ class _Connection:
             )
             await self._close(why.close_code, error)
 
-    async def _sender(
-        self, session: Session, direct: _DirectSender | None, hold: UnsentHold | None
-    ) -> None:
+    async def _sender(self, session: Session, direct: _DirectSender | None) -> None:
         """Write what the delivery queues, and refill it while the listener catches
         up, until the delivery closes. One coroutine frame: every idle listener
-        holds it. ``hold``: through plain ASGI, what waits while the kernel holds
-        its bound for a listener that is behind (changefeed.publisher.unsent)."""
+        holds it."""
         delivery = session.delivery
         ready = delivery.ready
         turn = self.host.config.max_batch if delivery.batch else _FRAMES_PER_TURN
@@ -369,13 +356,7 @@ class _Connection:
                     await asyncio.sleep(0)
                     continue
                 if direct is None:
-                    budget = hold.limit if hold is not None and hold.holding else 0
-                    await self._send_turn(delivery, _take(delivery, turn, budget), None)
-                    if hold is not None:
-                        if delivery.queue or not delivery.live:
-                            await hold.after_write()
-                        else:
-                            hold.caught_up()
+                    await self._send_turn(delivery, delivery.take(turn), direct)
                 elif direct.ready():
                     direct.write_turn()
                 else:
@@ -508,22 +489,6 @@ class _Refused(Exception):
         self.refusal = refusal
 
 
-def _take(delivery: Delivery, most: int, budget: int) -> list[Item]:
-    """Up to ``most`` of ``delivery``'s queued items for the next write; with a
-    ``budget`` (a listener that reads slower than it is written to), no more bytes
-    than that (at least one item): what its kernel may hold unsent, so that what
-    waits ahead of its pings stays that small."""
-    if not budget:
-        return delivery.take(most)
-    queue = delivery.queue
-    end = min(most, len(queue))
-    count = size = 0
-    while count < end and size < budget:
-        size += len(queue[count].text) + _FRAME_OVERHEAD
-        count += 1
-    return delivery.take(count)
-
-
 class _DirectSender:
     """Direct writes for one connection (changefeed.publisher.wire): takes one turn
     of queued items and writes their frames, serialised once for every listener,
@@ -575,8 +540,19 @@ class _DirectSender:
             self._write(items)
 
     def take(self, most: int) -> list[Item]:
-        """Up to ``most`` queued items for the next write (``_take``)."""
-        return _take(self._delivery, most, self._writer.unsent_limit if self._holding else 0)
+        """Up to ``most`` queued items for the next write; for a listener that reads
+        slower than it is written to, no more than its kernel may hold unsent (at
+        least one), so that what waits ahead of its pings stays that small."""
+        delivery = self._delivery
+        if not self._holding:
+            return delivery.take(most)
+        queue, budget = delivery.queue, self._writer.unsent_limit
+        end = min(most, len(queue))
+        count = size = 0
+        while count < end and size < budget:
+            size += len(queue[count].text) + _FRAME_OVERHEAD
+            count += 1
+        return delivery.take(count)
 
     def _write(self, items: list[Any]) -> None:
         delivery = self._delivery

@@ -11,14 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from changefeed.port_sockets import Peer
 from changefeed.schemas import AccessDenied, AccessGranted
 
 from .catchup import Catchup
 from .config import PublisherConfig
 from .registration import Refusal
 from .registry import Session
-from .unsent import UnsentHold
 
 __all__ = ["Admitted", "ListenerHost"]
 
@@ -56,10 +54,6 @@ class ListenerHost(Protocol):
 
     def connection_closed(self) -> None:
         """A connection counted by ``connection_opened`` ended."""
-
-    def unsent_hold(self, port: int | None, peer: Peer | None) -> UnsentHold | None:
-        """For a plain-ASGI connection on local ``port`` from ``peer``: what holds its
-        writes while the kernel holds its bound unsent (None: no bound, or not TCP)."""
 
     def capacity(self) -> Refusal | None:
         """A refusal when the publisher takes no more listeners now (draining, full)."""

@@ -22,7 +22,6 @@ import asyncpg
 from changefeed.budgeted_log import BudgetedLines
 from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
-from changefeed.port_sockets import Peer
 from changefeed.schemas import (
     ERROR_CLOSE_CODES,
     ORIGIN,
@@ -55,7 +54,6 @@ from .resume_queries import ResumeQueries, StandbyBehind
 from .stall import stalled
 from .standby import Standby
 from .tailer import Tailer
-from .unsent import ConnectionSockets, UnsentHold
 from .window import Window
 
 __all__ = ["Sessions"]
@@ -157,8 +155,6 @@ class Sessions:
         """Whether connections get direct writes (known from the first one)."""
         self.port_bounds = PortBounds(config.notsent_lowat)
         """Bounds the kernel's unsent bytes on the ports plain-ASGI listeners use."""
-        self.connection_sockets = ConnectionSockets()
-        """Finds the sockets of plain-ASGI listeners that fall behind."""
         self._empty = asyncio.Event()
         self._empty.set()
         # Anyone can be refused at will (no token, a socket left idle): the first
@@ -234,12 +230,6 @@ class Sessions:
 
     def connection_closed(self) -> None:
         self._counters.connections_closed += 1
-
-    def unsent_hold(self, port: int | None, peer: Peer | None) -> UnsentHold | None:
-        limit = self.config.notsent_lowat
-        if not limit or port is None or peer is None:
-            return None
-        return UnsentHold(self.connection_sockets, port, peer, limit)
 
     def capacity(self) -> Refusal | None:
         """A refusal when this publisher takes no more listeners now (draining, full)."""

@@ -354,20 +354,17 @@ def descriptors_of(sock: socket.socket) -> int:
     return count
 
 
-@pytest.mark.parametrize("ws", ["direct", "asgi"])
 async def test_what_the_kernel_holds_unsent_for_a_slow_reader_stays_near_its_limit(
-    feed_dsn: str, ws: str
+    feed_dsn: str,
 ) -> None:
     """A listener reading slowly behind a backlog: whatever the kernel holds unsent
     for it waits ahead of its pings' answers. ``TCP_NOTSENT_LOWAT`` alone lets
     writes pile onto the kernel's last segment, as large as 64 KiB. The publisher
-    holds its writes while the limit is reached, and cuts its turns to it once the
-    listener has shown it is slow: on the fast path in its own protocol, through
-    plain ASGI on the connection's socket, which it finds itself (a duplicate of
-    its descriptor, held while it needs it). The kernel then never holds twice
-    the limit."""
+    holds its writes while the limit is reached (watching a duplicate of the
+    socket's descriptor while it waits), and cuts its turns to it once the
+    listener has shown it is slow. The kernel then never holds twice the limit."""
     total = 6_000
-    async with running_publisher(feed_dsn, ws=ws) as pub:
+    async with running_publisher(feed_dsn) as pub:
         # The default receive buffer: the kernel then builds segments as large as
         # 64 KiB (half the peer's largest window), and writes pile onto the last.
         client = await connect(pub.ws_url, max_queue=1, compression=None)

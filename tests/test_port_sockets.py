@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from collections.abc import Iterator
 
 import pytest
 
-from changefeed.port_sockets import Bounded, bound_unsent, connection_sockets, peer_of
+from changefeed.port_sockets import Bounded, bound_unsent
 from changefeed.tcp_liveness import notsent_lowat, set_notsent_lowat
 
 
@@ -88,60 +87,3 @@ def test_it_leaves_no_descriptor_open_and_no_other_socket_changed(
         for sock in (other_a, other_b, elsewhere):
             assert os.get_blocking(sock.fileno())
             assert notsent_lowat(sock) in (0, None)
-
-
-def test_a_connection_is_found_by_its_peer_as_a_duplicate_of_its_own_socket(
-    server: tuple[socket.socket, socket.socket, socket.socket],
-) -> None:
-    listening, accepted, client = server
-    other = socket.create_connection(listening.getsockname())
-    other_accepted, _ = listening.accept()
-    with other, other_accepted:
-        me = peer_of(client.getsockname())
-        assert me is not None
-        found = connection_sockets(listening.getsockname()[1], {me})
-        assert list(found) == [me]
-        sock = found[me]
-        try:
-            assert sock.fileno() != accepted.fileno()
-            assert os.fstat(sock.fileno()).st_ino == os.fstat(accepted.fileno()).st_ino
-            assert os.get_blocking(accepted.fileno())  # its flags as they were
-        finally:
-            sock.close()
-        # Closing the duplicate left the server's own open.
-        assert accepted.getpeername() == client.getsockname()
-
-
-def test_a_peer_not_connected_to_the_port_finds_nothing(
-    server: tuple[socket.socket, socket.socket, socket.socket],
-) -> None:
-    listening, _, _ = server
-    stranger = peer_of(("127.0.0.1", 1))
-    assert stranger is not None
-    before = _open_fds()
-    assert connection_sockets(listening.getsockname()[1], {stranger}) == {}
-    assert _open_fds() == before
-
-
-def test_an_asgi_client_address_is_a_peer_ipv4_mapped_or_not() -> None:
-    v4 = ipaddress.ip_address("127.0.0.1")
-    assert peer_of(("127.0.0.1", 5000)) == (v4, 5000)
-    assert peer_of(["::ffff:127.0.0.1", 5000]) == (v4, 5000)
-    assert peer_of(("::1", 80)) == (ipaddress.ip_address("::1"), 80)
-    assert peer_of(None) is None
-    assert peer_of(("unix-socket", 0)) is None
-
-
-def test_an_ipv6_connection_is_found_too() -> None:
-    try:
-        listening = socket.create_server(("::1", 0), family=socket.AF_INET6)
-    except OSError:
-        pytest.skip("no IPv6 loopback")
-    with listening, socket.create_connection(listening.getsockname()[:2]) as client:
-        accepted, _ = listening.accept()
-        with accepted:
-            me = peer_of(client.getsockname()[:2])
-            assert me is not None
-            found = connection_sockets(listening.getsockname()[1], {me})
-            assert list(found) == [me]
-            found[me].close()
