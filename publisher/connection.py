@@ -66,9 +66,6 @@ _FRAMES_PER_FLUSH = 16
 for every listener before any of them gets a second turn, so a burst reaches
 all of them early; the senders then go on in turns of _FRAMES_PER_TURN."""
 
-_FRAME_OVERHEAD = 4
-"""Bytes a websocket frame adds to an item's text, near enough (an item under 64 KiB)."""
-
 _REFILL_TURNS = 2
 """Turns of items a catching-up connection queues at a time."""
 
@@ -541,18 +538,8 @@ class _DirectSender:
 
     def take(self, most: int) -> list[Item]:
         """Up to ``most`` queued items for the next write; for a listener that reads
-        slower than it is written to, no more than its kernel may hold unsent (at
-        least one), so that what waits ahead of its pings stays that small."""
-        delivery = self._delivery
-        if not self._holding:
-            return delivery.take(most)
-        queue, budget = delivery.queue, self._writer.unsent_limit
-        end = min(most, len(queue))
-        count = size = 0
-        while count < end and size < budget:
-            size += len(queue[count].text) + _FRAME_OVERHEAD
-            count += 1
-        return delivery.take(count)
+        slower than it is written to, no more bytes than its kernel may hold unsent."""
+        return self._delivery.take(most, self._writer.unsent_limit if self._holding else 0)
 
     def _write(self, items: list[Any]) -> None:
         delivery = self._delivery
@@ -585,8 +572,8 @@ class _DirectSender:
             if in_flight.crowded:
                 in_flight.settle(self._writer.buffered())
         if delivery.queue or not delivery.live:
-            # Behind (more to write): one look at the kernel. A listener that keeps
-            # up costs none, which is every listener of a live fan-out.
+            # Behind (more to write): one look at the kernel, a system call per
+            # write. A listener whose writes leave nothing queued costs none.
             if self._writer.hold_while_unsent():
                 self._holding = True
         else:

@@ -30,6 +30,9 @@ from .wakeup import Wakeup
 
 __all__ = ["Closing", "Delivery"]
 
+FRAME_OVERHEAD = 4
+"""Bytes a websocket frame adds to an item's text, near enough (an item under 64 KiB)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Closing:
@@ -188,9 +191,18 @@ class Delivery:
         if not self.queue and self.closing is None:
             self.ready.clear()
 
-    def take(self, most: int) -> list[Item]:
-        """Remove and return up to ``most`` queued items (possibly none)."""
+    def take(self, most: int, most_bytes: int = 0) -> list[Item]:
+        """Remove and return up to ``most`` queued items (possibly none); with
+        ``most_bytes``, no more than about that many bytes of frames, and at least
+        one item (a listener that reads slower than it is written to gets no more
+        than its kernel may hold unsent: what waits ahead of its pings)."""
         queue = self.queue
+        if most_bytes:
+            end, count, size = min(most, len(queue)), 0, 0
+            while count < end and size < most_bytes:
+                size += len(queue[count].text) + FRAME_OVERHEAD
+                count += 1
+            most = count
         if len(queue) <= most:
             taken, self.queue = queue, []
         else:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from changefeed.publisher.catchup import Catchup, Filled
-from changefeed.publisher.delivery import Closing, Delivery
+from changefeed.publisher.delivery import FRAME_OVERHEAD, Closing, Delivery
 from changefeed.publisher.entries import Chunk
 from changefeed.publisher.fanout import Fanout
 from changefeed.publisher.feed import FeedEntry, PageOfFeed, Rewrites
@@ -646,3 +646,20 @@ def test_an_entry_that_arrives_already_old_leaves_the_window_in_time() -> None:
     window.append([late])
     window.expire(now)
     assert window.find(Position(10, 1)) is None and window.base == Position(11, 2)
+
+
+def test_a_turn_cut_to_a_byte_budget_still_takes_one_item_and_keeps_the_order() -> None:
+    window = Window(ORIGIN, 1 << 20, Encoder())
+    fanout = Fanout()
+    delivery = live(capacity=100)
+    fanout.join(delivery)
+    fanout.dispatch(*window.append(entries(1, 10)))
+    queued = [i.text for i in delivery.queue]
+    size = len(queued[0]) + FRAME_OVERHEAD
+    first = delivery.take(8, most_bytes=3 * size)
+    assert len(first) == 3
+    one = delivery.take(8, most_bytes=1)  # never none while items wait
+    assert len(one) == 1
+    rest = delivery.take(8)
+    assert len(rest) == 6 and not delivery.queue
+    assert [i.text for i in first + one + rest] == queued
