@@ -571,10 +571,12 @@ class _DirectSender:
             in_flight.wrote(size, len(items), items[0].published)
             if in_flight.crowded:
                 in_flight.settle(self._writer.buffered())
-        if delivery.queue or not delivery.live:
-            # Behind (more to write): one look at the kernel, a system call per
-            # write. A listener whose writes leave nothing queued costs none.
+        if not delivery.live or (self._holding and delivery.queue):
+            # Catching up, or still behind since: one look at the kernel, a system
+            # call per write. A live listener that never fell behind its queue costs
+            # none (its backlog is bounded by the queue): holding the writes of
+            # every listener a burst leaves briefly behind cost a live fan-out 14 %.
             if self._writer.hold_while_unsent():
                 self._holding = True
         else:
-            self._holding = False  # caught up: full turns again
+            self._holding = False  # live, nothing queued: full turns again
