@@ -17,6 +17,7 @@ one ``Resynced`` per kind, all consistent with the ack's cursor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Sequence
@@ -196,7 +197,11 @@ class Session:
                 close_timeout=config.close_timeout,
                 max_size=config.max_frame_bytes,
             ) as ws:
-                await ws.send(self._registration)
+                # A publisher may refuse right after the handshake, before it reads
+                # the registration (its authorizer unavailable, no room): the error
+                # frame it sent first, read next, says why and when to come back.
+                with contextlib.suppress(ConnectionClosed):
+                    await ws.send(self._registration)
                 ack, routes = await self._receive_ack(ws)
                 await self._serve(ws, ack, routes)
         except SessionError:

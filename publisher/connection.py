@@ -10,13 +10,14 @@ catches up, and a receiver, which takes whatever the listener sends
 answering pings only while someone reads) and notices the disconnect.
 
 Refusals: a missing or bad bearer token is refused at the handshake with HTTP
-401 (503 and ``Retry-After`` when the authorizer is unavailable; the decision
-is changefeed.schemas.access's), before anything is read from the listener;
-every later refusal is an error frame followed by a documented close code
-(changefeed.schemas.closecodes). Nothing a listener sends can stop
-the publisher from serving the others: every wait on a listener is bounded
-(``registration_timeout``, ``close_timeout``, and ``stall_timeout`` through
-the publisher's watch), and a connection's failure ends that connection only.
+401, before anything is read from the listener (an authorizer that is
+unavailable: close 4010 with ``retryAfter`` right after the handshake; the
+decision is changefeed.schemas.access's); every later refusal is an error
+frame followed by a documented close code (changefeed.schemas.closecodes).
+Nothing a listener sends can stop the publisher from serving the others:
+every wait on a listener is bounded (``registration_timeout``,
+``close_timeout``, and ``stall_timeout`` through the publisher's watch), and a
+connection's failure ends that connection only.
 It must never await anything that depends on another listener.
 """
 
@@ -210,10 +211,14 @@ class _Connection:
     # -- refusals and closing ----------------------------------------------
 
     async def _refuse_handshake(self, denied: AccessDenied) -> None:
-        """Refuse before accepting (``host.access`` counted it): an HTTP answer where the
-        server can send one (ASGI websocket denial response), else accept, error
-        frame, close code."""
-        if "websocket.http.response" not in self.scope.get("extensions", {}):
+        """Refuse a token (``host.access`` counted it). A bad token is answered before
+        accepting, in HTTP where the server can send it (ASGI websocket denial
+        response). An authorizer that is unavailable is answered as every other
+        retryable refusal on the websocket is: accepted, then error frame
+        ``unavailable`` with ``retryAfter`` and close 4010, which any websocket
+        client reads (a browser's cannot read a refused handshake's status)."""
+        denial = "websocket.http.response" in self.scope.get("extensions", {})
+        if not denial or denied.code == "unavailable":
             await self.send({"type": "websocket.accept"})
             await self._close(denied.close_code, denied.frame())
             return

@@ -388,11 +388,9 @@ async def test_a_pluggable_authorizer_decides_and_its_failures_are_retryable(
         with pytest.raises(InvalidStatus) as refused:
             await connect(url, additional_headers=bearer("bad"))
         assert refused.value.response.status_code == 401
-        # An authorizer that fails is "unavailable" (503, retry), never "unauthorized".
-        with pytest.raises(InvalidStatus) as refused:
-            await connect(url, additional_headers=bearer("broken"))
-        assert refused.value.response.status_code == 503
-        assert orjson.loads(refused.value.response.body)["error"]["code"] == "unavailable"
+        # An authorizer that fails is "unavailable" (4010, retry), never "unauthorized".
+        code, error = await refused_after_handshake(url, bearer("broken"))
+        assert code == CloseCode.UNAVAILABLE and error["code"] == "unavailable"
         response = await http.get("/changefeeds", headers=bearer("broken"))
         assert response.status_code == 503
         assert (await http.get("/changefeeds", headers=bearer("good"))).status_code == 200
@@ -524,13 +522,29 @@ def _outage_authorizer(outage: str, calls: list[str]) -> Authorize:
     return authorize
 
 
+async def refused_after_handshake(
+    url: str, headers: dict[str, str]
+) -> tuple[int | None, dict[str, Any]]:
+    """Connect as a plain websocket client would, and read what the publisher says before
+    it closes: the close code and the error frame (validated against its schema)."""
+    async with asyncio.timeout(30):  # a hanging authorizer is given 5 s
+        async with connect(url, additional_headers=headers) as ws:
+            body = orjson.loads(await ws.recv())
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+    validate("error", body)
+    return ws.close_code, body["error"]
+
+
 @pytest.mark.parametrize("outage", ["raises", "hangs", "broken"])
-async def test_an_authorizer_outage_is_503_with_retry_after_on_every_route(
+async def test_an_authorizer_outage_is_503_or_4010_with_retry_after_on_every_route(
     dsn: str, outage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Never 401 (which makes listeners give up for good): 503, ``Retry-After`` and the
-    error body ``unavailable`` with ``retryAfter``, on the websocket's handshake, the
-    publisher's routes and the API's bootstrap and write routes alike. The bootstrap
+    error body ``unavailable`` with ``retryAfter`` on the publisher's routes and the
+    API's bootstrap and write routes alike, and on the websocket the same error frame
+    and close 4010 (it used to be an HTTP 503 at the handshake, which a browser's
+    websocket cannot read). The bootstrap
     routes used to answer 401. The authorizer's error is logged with its traceback;
     its deadline passing, with none."""
     from test_listener_support import VmApiServer
@@ -544,18 +558,14 @@ async def test_an_authorizer_outage_is_503_with_retry_after_on_every_route(
     ):
         headers = bearer("anyone")
 
-        async def handshake() -> Any:
-            with pytest.raises(InvalidStatus) as refused:
-                await connect(api.ws_url, additional_headers=headers, open_timeout=30)
-            return refused.value.response
-
         async with asyncio.timeout(30):  # a hanging authorizer is given 5 s, all at once
-            answers = await asyncio.gather(
-                *(http.get(path, headers=headers) for path in OUTAGE_PATHS),
-                http.post("/vms", headers=headers, json={"alias": "x"}),
-                handshake(),
+            responses, refused = await asyncio.gather(
+                asyncio.gather(
+                    *(http.get(path, headers=headers) for path in OUTAGE_PATHS),
+                    http.post("/vms", headers=headers, json={"alias": "x"}),
+                ),
+                refused_after_handshake(api.ws_url, headers),
             )
-        *responses, refused = answers
         for path, response in zip((*OUTAGE_PATHS, "POST /vms"), responses, strict=True):
             assert response.status_code == 503, (path, response.text)
             assert response.headers["Retry-After"] == "1", path
@@ -565,17 +575,21 @@ async def test_an_authorizer_outage_is_503_with_retry_after_on_every_route(
                     "message": "authorization is unavailable; retry later",
                     "retryAfter": 1,
                 }, path
-        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
-        body = orjson.loads(refused.body)
-        validate("error", body)
-        assert body["error"]["code"] == "unavailable" and body["error"]["retryAfter"] == 1
+        answered = len(responses) + 1
+        close_code, error = refused
+        assert close_code == CloseCode.UNAVAILABLE
+        assert error == {
+            "code": "unavailable",
+            "message": "authorization is unavailable; retry later",
+            "retryAfter": 1,
+        }
         publisher = api.app.state.publisher
-        assert publisher.stats()["counters"]["refused"] == {"unavailable": len(answers)}
+        assert publisher.stats()["counters"]["refused"] == {"unavailable": answered}
         # The same token once the service answers again: let in.
         assert (await http.get("/vms", headers=bearer("good"))).status_code == 200
-    assert calls.count("anyone") == len(answers)
+    assert calls.count("anyone") == answered
     logged = [r for r in caplog.records if r.getMessage() == "auth.unavailable"]
-    assert len(logged) == len(answers)
+    assert len(logged) == answered
     for record in logged:
         if outage != "hangs":
             assert record.exc_info is not None
@@ -652,8 +666,8 @@ async def test_a_token_not_allowed_the_resource_is_forbidden_on_every_route(dsn:
 
 
 async def test_a_listener_waits_out_an_authorizer_outage_and_then_goes_live(dsn: str) -> None:
-    """The identity service is down when the listener first connects (503 at the
-    handshake, ``Retry-After: 1``) and again for its first bootstrap page (503 there):
+    """The identity service is down when the listener first connects (4010 with
+    ``retryAfter: 1``) and again for its first bootstrap page (503 there):
     it keeps its registration going, waits at least the ``Retry-After``, and goes
     live once the service answers."""
     from test_listener import make_listener, next_event, seed_vms
