@@ -261,7 +261,9 @@ class ConnectionLoop:
             attempt=self.attempts,
         )
         if new is S.LIVE:
-            log_event(log, "listener.live", **self.fields(), cursor=self._inbox.resume)
+            # Where a reconnect would resume: null until the application has taken
+            # what a bootstrap gave it (a reconnect meanwhile bootstraps again).
+            log_event(log, "listener.live", **self.fields(), resumes_from=self._inbox.resume)
 
     # -- what a session reports (SessionHost) -------------------------------------------
 
