@@ -39,6 +39,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from changefeed.budgeted_log import BudgetedLines
 from changefeed.log_budget import LogBudget
@@ -62,6 +63,7 @@ __all__ = [
     "BootstrapRoute",
     "ItemEncoder",
     "PoolSource",
+    "PrivateRoute",
     "RequestCheck",
     "encode_json",
     "error_response",
@@ -140,6 +142,28 @@ def private_answers(
     return answer
 
 
+class PrivateRoute(Route):
+    """A GET route whose every answer carries the ``PRIVATE_HEADERS``, a wrong
+    method's 405 included: Starlette answers that before the endpoint runs, in
+    plain text and without them, so this route answers it itself."""
+
+    def __init__(self, path: str, endpoint: Callable[[Request], Awaitable[Response]]) -> None:
+        super().__init__(path, private_answers(endpoint), methods=["GET"])
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        allowed = self.methods or set()
+        if scope["type"] == "http" and scope["method"] not in allowed:
+            response = error_response(
+                405,
+                "method_not_allowed",
+                f"{scope['method']} is not allowed here; use GET",
+                {"Allow": ", ".join(sorted(allowed)), **PRIVATE_HEADERS},
+            )
+            await response(scope, receive, send)
+            return
+        await super().handle(scope, receive, send)
+
+
 def unavailable_response(exc: BaseException, retry_after: int = 1) -> JSONResponse:
     """503 for a database that cannot be reached (``exc`` is named, not traced)."""
     return error_response(
@@ -211,11 +235,11 @@ class BootstrapRoute:
         Raises:
             BootstrapConfigError: ``item`` for a composite key without ``id_column``.
         """
-        routes = [Route(self.path, private_answers(self.list_endpoint), methods=["GET"])]
+        routes = [PrivateRoute(self.path, self.list_endpoint)]
         if item:
             self.query.item_statement()  # refuses a source without an id column
             routes.append(
-                Route(f"{self.path}/{{id}}", private_answers(self.item_endpoint), methods=["GET"])
+                PrivateRoute(f"{self.path}/{{id}}", self.item_endpoint)
             )
         return routes
 

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from changefeed.bootstrap.route import error_response, private_answers
+from changefeed.bootstrap.route import PrivateRoute, error_response
 from changefeed.schemas import AccessDenied, allows, decide
 
 from .auth import BearerAuth
@@ -204,9 +204,9 @@ def publisher_routes(publisher: PublisherView) -> list[BaseRoute]:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     return [
-        Route("/changefeeds", private_answers(resources), methods=["GET"]),
+        PrivateRoute("/changefeeds", resources),
         WebSocketRoute("/changefeeds", ListenerEndpoint(publisher.sessions)),
-        Route("/changefeeds/stats", private_answers(stats), methods=["GET"]),
+        PrivateRoute("/changefeeds/stats", stats),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

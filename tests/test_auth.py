@@ -168,7 +168,8 @@ async def test_answers_that_depend_on_the_token_are_neither_cached_nor_sniffed(
     feed_dsn: str,
 ) -> None:
     """/changefeeds and /changefeeds/stats answer with ``Cache-Control: no-store`` and
-    ``X-Content-Type-Options: nosniff``, refusals included (the dashboard has both)."""
+    ``X-Content-Type-Options: nosniff``, refusals and a wrong method's 405 included (the
+    dashboard has both)."""
     async with (
         running_publisher(feed_dsn, **TOKENS) as pub,
         httpx.AsyncClient(base_url=pub.server.url) as http,
@@ -181,8 +182,12 @@ async def test_answers_that_depend_on_the_token_are_neither_cached_nor_sniffed(
             await http.get("/changefeeds/stats?limit=x", headers=bearer(OPS)),
             await http.get("/changefeeds", headers=bearer(OPS)),
             await http.get("/changefeeds"),
+            await http.post("/changefeeds/stats", headers=bearer(OPS)),
+            await http.delete("/changefeeds"),
         ]
-        assert [a.status_code for a in answers] == [200, 200, 401, 403, 400, 200, 401]
+        assert [a.status_code for a in answers] == [200, 200, 401, 403, 400, 200, 401, 405, 405]
+        assert answers[-1].headers["Allow"] == "GET, HEAD"
+        assert answers[-1].json()["error"]["code"] == "method_not_allowed"
         for answer in answers:
             assert answer.headers["Cache-Control"] == "no-store", answer.request.url
             assert answer.headers["X-Content-Type-Options"] == "nosniff", answer.request.url
