@@ -235,12 +235,10 @@ class BootstrapRoute:
         Raises:
             BootstrapConfigError: ``item`` for a composite key without ``id_column``.
         """
-        routes = [PrivateRoute(self.path, self.list_endpoint)]
+        routes: list[Route] = [PrivateRoute(self.path, self.list_endpoint)]
         if item:
             self.query.item_statement()  # refuses a source without an id column
-            routes.append(
-                PrivateRoute(f"{self.path}/{{id}}", self.item_endpoint)
-            )
+            routes.append(PrivateRoute(f"{self.path}/{{id}}", self.item_endpoint))
         return routes
 
     def stats(self) -> dict[str, Any]:
