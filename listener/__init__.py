@@ -47,7 +47,8 @@ internal. A frame's way to a callback reads in four of them::
 Around them: ``_connection`` (the connection loop: one session per attempt,
 back-off), ``_listener`` and ``_controller`` (the faces: settings, start and
 stop, status), ``_attachments`` (the controllers attached to a listener),
-``_checkpointer`` and ``_sqlite_store`` (checkpoints), ``_metrics``
+``_checkpointer``, ``_sqlite_store`` (checkpoint rows) and ``_sqlite_file``
+(the file: claimed, checked, moved aside), ``_metrics``
 (Prometheus, from the figures each status declares on its fields in
 ``_figures``). Pure code, tested without sockets: ``_lifecycle`` (the
 connection state machine and what a failure means), ``_backoff`` (the

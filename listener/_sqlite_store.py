@@ -33,31 +33,8 @@ save, closed by ``close``); loading splits the chunks on the event loop one
 at a time, with the garbage collector paused meanwhile (as the bootstrap
 pager does), so the loop is never held for long.
 
-**One writer.** Opening the store claims the file under its name
-(``_file_claim``: an exclusive lock on ``<file>.<name>.lock``), held until
-``close`` (or the process's end, however it ends): a second store on the
-same file and name, in this process or another, is refused with
-``CheckpointRefused`` when it first loads or saves, so two listeners can
-never overwrite each other's checkpoints, whole saves included. Other names
-in the same file are not held up.
-
-**A file it cannot use.** A file that is not a SQLite database, or one
-SQLite finds corrupt, or one holding a checkpoint of a newer layout than this
-store writes, is renamed aside (``<file>.corrupt-<time>``, ``<file>.v<N>-<time>``,
-with its ``-wal`` and ``-shm``), logged at ERROR
-(``listener.checkpoint.moved_aside``), and a new file is started: the
-listener bootstraps once, and its saves succeed again instead of failing at
-every interval. Not while another store holds a checkpoint of another name
-in the same file (its lock file is held): moving the file would take that
-listener's checkpoints with it, and its saves would go on into the renamed
-file; the store refuses instead (``CheckpointRefused``). A newer-layout file
-that also holds tables that are not the store's (the application's own) is
-not moved either: the store refuses it with ``CheckpointRefused`` naming the
-file, so that an older version never takes an application's tables away.
-A checkpoint whose rows do not decode (written over by something else) is
-copied aside (``<file>.undecodable-<time>``, SQLite's backup, so that other
-names' checkpoints stay where they are), logged the same way, and the load
-answers None: the listener bootstraps, and its next whole save replaces it.
+The file itself (claimed under the store's name, checked, created, moved
+aside when it cannot be used) is ``_sqlite_file``'s.
 
 It must never apply an incremental save to a checkpoint it was not made
 for (another listener's, or an older one: ``CheckpointError``), never
@@ -69,33 +46,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import os
 import sqlite3
-import stat
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
 from changefeed.collector import collector_paused
-from changefeed.logs import log_event
 from changefeed.schemas import ChangeKind
 
 from ._checkpoint import Checkpoint, JsonItems, MirrorCheckpoint
-from ._errors import CheckpointError, CheckpointRefused
-from ._file_claim import FileClaim, FileHeld
-from ._log import log
+from ._errors import CheckpointError
+from ._sqlite_file import FORMAT_VERSION, CheckpointFile
 
 __all__ = ["FOLD_FLOOR", "FOLD_RATIO", "FORMAT_VERSION", "SqliteCheckpointStore"]
-
-R = TypeVar("R")
-
-FORMAT_VERSION = 1
-"""The layout's version; a file of another version is refused, not guessed at."""
 
 FOLD_RATIO = 0.25
 """An incremental save folds a controller's change rows into its chunks once they
@@ -107,61 +74,11 @@ FOLD_FLOOR = 1_000
 """... but never for fewer change rows than this (a small mirror is not rewritten
 at every save)."""
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS changefeed_checkpoint (
-    name         TEXT PRIMARY KEY,
-    version      INTEGER NOT NULL,
-    sequence     INTEGER NOT NULL,
-    cursor       TEXT,
-    change_kinds TEXT NOT NULL,
-    saved_at     REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS changefeed_checkpoint_mirror (
-    name       TEXT NOT NULL,
-    controller TEXT NOT NULL,
-    resource   TEXT NOT NULL,
-    pending    BLOB NOT NULL,
-    PRIMARY KEY (name, controller)
-);
-CREATE TABLE IF NOT EXISTS changefeed_checkpoint_chunk (
-    name       TEXT NOT NULL,
-    controller TEXT NOT NULL,
-    seq        INTEGER NOT NULL,
-    ids        BLOB NOT NULL,
-    items      BLOB NOT NULL,
-    PRIMARY KEY (name, controller, seq)
-);
-CREATE TABLE IF NOT EXISTS changefeed_checkpoint_change (
-    name       TEXT NOT NULL,
-    controller TEXT NOT NULL,
-    id         TEXT NOT NULL,
-    item       BLOB,
-    PRIMARY KEY (name, controller, id)
-) WITHOUT ROWID;
-"""
-
-_UNUSABLE = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
-"""SQLite's result codes for a file that is not a database, or a damaged one: moved aside.
-Any other error (locked, cannot open, I/O) says nothing against the file itself."""
-
 _Raw = tuple[
     tuple[int, int, str | None, str, float],
     dict[str, tuple[str, bytes, list[tuple[bytes, bytes]], list[tuple[str, bytes | None]]]],
 ]
 """What a load reads: the checkpoint's row, and each controller's rows."""
-
-
-class _MoveAside(Exception):
-    """The file cannot be used as it is: move it aside (``suffix``) and start a new one."""
-
-    def __init__(self, suffix: str, why: str) -> None:
-        super().__init__(why)
-        self.suffix = suffix
-        self.why = why
-
-
-def _unusable(exc: sqlite3.DatabaseError) -> bool:
-    return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _UNUSABLE
 
 
 class SqliteCheckpointStore:
@@ -192,17 +109,11 @@ class SqliteCheckpointStore:
         self.path = Path(path)
         self.name = name
         self.chunk_items = chunk_items
-        self.timeout = timeout
-        # The file itself, links resolved: two paths to one file share one lock, and
-        # the file (not a link to it) is what is opened and moved aside.
-        self._file = self.path.resolve()
-        self._claim = FileClaim(self._file, name)
-        self.lock_path = self._claim.lock_path
+        self._file = CheckpointFile(self.path, name, timeout)
+        self.lock_path = self._file.lock_path
         """The file whose lock says this store holds the checkpoint."""
-        self.moved_aside: list[Path] = []
+        self.moved_aside = self._file.moved_aside
         """Where files this store could not use were moved (newest last)."""
-        self._conn: sqlite3.Connection | None = None
-        self._mutex = threading.Lock()  # one worker thread at a time on the connection
 
     def __repr__(self) -> str:
         return f"SqliteCheckpointStore({str(self.path)!r}, name={self.name!r})"
@@ -210,176 +121,11 @@ class SqliteCheckpointStore:
     async def close(self) -> None:
         """Close the connection and let go of the file (a later load or save opens it
         again). The listener calls it when it closes."""
-        await asyncio.to_thread(self._locked, self._close)
+        await asyncio.to_thread(self._file.close)
 
     def size_on_disk(self) -> int:
         """Bytes of the file and its write-ahead log."""
-        total = 0
-        for suffix in ("", "-wal"):
-            with contextlib.suppress(FileNotFoundError):
-                total += os.path.getsize(f"{self._file}{suffix}")
-        return total
-
-    # -- the connection (worker thread only) -------------------------------------
-
-    def _locked(self, work: Callable[[], R]) -> R:
-        with self._mutex:
-            return work()
-
-    def _connection(self) -> sqlite3.Connection:
-        """The store's connection, opened (the file claimed, checked, created or moved
-        aside) on first use.
-
-        Raises:
-            CheckpointRefused: another store holds the file under this name.
-            CheckpointError: a newer-layout file that holds the application's tables.
-            sqlite3.Error: the file cannot be opened (a missing directory, ...).
-        """
-        if self._conn is not None:
-            return self._conn
-        try:
-            self._claim.claim()
-        except FileHeld as held:
-            raise CheckpointRefused(
-                f"{self.path}: checkpoint {self.name!r} is in use by another listener"
-                f" (process {held.holder}; lock {self.lock_path}): two listeners must not"
-                " share a checkpoint; give each its own file or name"
-            ) from None
-        try:
-            try:
-                self._conn = self._open()
-            except _MoveAside as unusable:
-                self._move_aside(unusable)
-                self._conn = self._open()
-        except BaseException:
-            self._claim.release()
-            raise
-        return self._conn
-
-    def _close(self) -> None:
-        conn, self._conn = self._conn, None
-        try:
-            if conn is not None:
-                conn.close()
-        finally:
-            self._claim.release()
-
-    def _open(self) -> sqlite3.Connection:
-        """A connection to the file, set up and checked.
-
-        Raises:
-            _MoveAside: the file is not a database, is damaged, or holds a newer layout.
-        """
-        conn = sqlite3.connect(
-            self._file, timeout=self.timeout, isolation_level=None, check_same_thread=False
-        )
-        try:
-            # Checked before anything is written to the file: a newer layout's file is
-            # left as it was (moved aside, or refused when the application's tables
-            # are in it too).
-            held = conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                ("changefeed_checkpoint",),
-            ).fetchone()
-            if held is not None:
-                (newest,) = conn.execute(
-                    "SELECT max(version) FROM changefeed_checkpoint"
-                ).fetchone()
-                if newest is not None and newest > FORMAT_VERSION:
-                    self._refuse_if_shared(conn, newest)
-                    raise _MoveAside(
-                        f"v{newest}",
-                        f"it holds checkpoints of layout version {newest}, this store writes"
-                        f" {FORMAT_VERSION}",
-                    )
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            # A whole save of a large mirror passes through the log: give the disk back after.
-            conn.execute("PRAGMA journal_size_limit=67108864")
-            conn.executescript(_SCHEMA)
-        except sqlite3.DatabaseError as exc:
-            conn.close()
-            if _unusable(exc):
-                raise _MoveAside("corrupt", f"{type(exc).__name__}: {exc}") from exc
-            raise
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-
-    def _refuse_if_shared(self, conn: sqlite3.Connection, version: int) -> None:
-        """A newer-layout file that also holds tables of the application's is not moved."""
-        others = [
-            name
-            for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-            if not name.startswith("changefeed_checkpoint")
-        ]
-        if others:
-            conn.close()
-            raise CheckpointRefused(
-                f"{self.path}: holds checkpoints of layout version {version} (this store writes"
-                f" {FORMAT_VERSION}) beside other tables ({', '.join(sorted(others)[:5])}):"
-                " not moved aside; use another file, or a newer changefeed"
-            )
-
-    def _move_aside(self, unusable: _MoveAside) -> None:
-        """Rename the file (and its log) aside, unless other listeners hold checkpoints
-        in it: moving it would take theirs too, and their next saves would go on into
-        the renamed file.
-
-        Raises:
-            CheckpointRefused: other stores hold the file.
-        """
-        others = self._claim.held_by_others()
-        if others:
-            raise CheckpointRefused(
-                f"{self.path}: cannot be used ({unusable.why}), and other listeners hold"
-                f" checkpoints in it ({', '.join(others)}): not moved aside; give this"
-                " listener a file of its own"
-            ) from unusable
-        aside = self._aside_path(unusable)
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(f"{self._file}{suffix}", f"{aside}{suffix}")
-        self._report_aside(aside, unusable)
-
-    def _aside_path(self, unusable: _MoveAside) -> Path:
-        """A name no file has yet: two in the same second get ``-2``, ``-3``..."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        aside = Path(f"{self._file}.{unusable.suffix}-{stamp}")
-        count = 1
-        while any(os.path.lexists(f"{aside}{suffix}") for suffix in ("", "-wal", "-shm")):
-            count += 1
-            aside = Path(f"{self._file}.{unusable.suffix}-{stamp}-{count}")
-        return aside
-
-    def _report_aside(self, aside: Path, unusable: _MoveAside) -> None:
-        self.moved_aside.append(aside)
-        log_event(
-            log,
-            "listener.checkpoint.moved_aside",
-            logging.ERROR,
-            exc=unusable.__cause__ if isinstance(unusable.__cause__, BaseException) else None,
-            file=str(self.path),
-            name=self.name,
-            moved_to=str(aside),
-            why=unusable.why,
-        )
-
-    def _reopen_aside(self, exc: sqlite3.DatabaseError) -> None:
-        """The file turned out damaged while in use: move it aside, start a new one."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
-        unusable = _MoveAside("corrupt", f"{type(exc).__name__}: {exc}")
-        unusable.__cause__ = exc
-        try:
-            self._move_aside(unusable)
-        except CheckpointRefused:
-            self._claim.release()  # the next use claims the file again, and is refused again
-            raise
-        self._conn = self._open()
+        return self._file.size_on_disk()
 
     # -- load ----------------------------------------------------------------------
 
@@ -412,43 +158,10 @@ class SqliteCheckpointStore:
                     resource, items, (), frozenset(orjson.loads(pending))
                 )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            undecodable = _MoveAside("undecodable", f"checkpoint {self.name!r}: {exc}")
-            undecodable.__cause__ = exc
-            await asyncio.to_thread(self._copy_aside, undecodable)
+            why = f"checkpoint {self.name!r}: {exc}"
+            await asyncio.to_thread(self._file.copy_aside, "undecodable", why, exc)
             return None
         return Checkpoint(cursor, kinds, parts, whole=True, sequence=sequence, saved_at=saved_at)
-
-    def _copy_aside(self, unusable: _MoveAside) -> None:
-        """Copy the file aside (a consistent copy, SQLite's backup) and log it: what
-        could not be read stays for someone to look at, and this file stays where it
-        is for the next save and for other names' checkpoints."""
-        aside = self._aside_path(unusable)
-        try:
-            # Created as private as the file itself: it holds the same data.
-            mode = stat.S_IMODE(os.stat(self._file).st_mode)
-            os.close(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode))
-            with self._mutex:
-                target = sqlite3.connect(aside)
-                try:
-                    self._connection().backup(target)
-                finally:
-                    target.close()
-        except (OSError, sqlite3.Error) as exc:
-            # No copy (a full disk, a directory it may not write): the load still
-            # starts afresh, and says what was lost.
-            with contextlib.suppress(OSError):
-                os.unlink(aside)
-            log_event(
-                log,
-                "listener.checkpoint.undecodable",
-                logging.ERROR,
-                exc=exc,
-                file=str(self.path),
-                name=self.name,
-                why=unusable.why,
-            )
-            return
-        self._report_aside(aside, unusable)
 
     @staticmethod
     async def _split_items(
@@ -464,15 +177,8 @@ class SqliteCheckpointStore:
         return items
 
     def _read(self) -> _Raw | None:
-        with self._mutex:
-            conn = self._connection()
-            try:
-                return self._read_from(conn)
-            except sqlite3.DatabaseError as exc:
-                if not _unusable(exc):
-                    raise
-                self._reopen_aside(exc)
-                return None
+        # A file found damaged is moved aside: nothing to load from the new one.
+        return self._file.use(self._read_from, lambda _conn, _exc: None)
 
     def _read_from(self, conn: sqlite3.Connection) -> _Raw | None:
         conn.execute("BEGIN")  # one read snapshot: a save in between is seen whole or not
@@ -522,21 +228,17 @@ class SqliteCheckpointStore:
         await asyncio.to_thread(self._write, checkpoint)
 
     def _write(self, checkpoint: Checkpoint) -> None:
-        with self._mutex:
-            conn = self._connection()
-            try:
-                self._write_to(conn, checkpoint)
-            except sqlite3.DatabaseError as exc:
-                if not _unusable(exc):
-                    raise
-                self._reopen_aside(exc)
-                if not checkpoint.whole:
-                    raise CheckpointError(
-                        f"{self.path} was damaged and has been moved aside: an incremental"
-                        " checkpoint has nothing to go on top of (the next save is whole)"
-                    ) from exc
-                assert self._conn is not None
-                self._write_to(self._conn, checkpoint)
+        def again(conn: sqlite3.Connection, exc: sqlite3.DatabaseError) -> None:
+            """The file was found damaged and moved aside: a whole save goes into the
+            new one; an incremental one has nothing to go on top of."""
+            if not checkpoint.whole:
+                raise CheckpointError(
+                    f"{self.path} was damaged and has been moved aside: an incremental"
+                    " checkpoint has nothing to go on top of (the next save is whole)"
+                ) from exc
+            self._write_to(conn, checkpoint)
+
+        self._file.use(lambda conn: self._write_to(conn, checkpoint), again)
 
     def _write_to(self, conn: sqlite3.Connection, checkpoint: Checkpoint) -> None:
         name = self.name
