@@ -9,7 +9,12 @@ ordinary requests would queue behind them. Two limits, per process:
   beyond the cap is refused at once (429, ``Retry-After``), before it costs a
   query. A walk's *continuation* pages are never refused by this cap, so a
   walk that got in finishes; a walk ends with its last page, or is forgotten
-  after ``walk_idle_timeout`` without a page (its client went away).
+  after ``walk_idle_timeout`` without a page (its client went away). A
+  continuation of a walk this process does not know is admitted as one when
+  its token was issued within ``walk_idle_timeout`` (the walk began on
+  another instance behind the same balancer); an older one, whose walk every
+  instance has forgotten, is admitted as a new walk, under the cap: tokens
+  kept aside never open walks the cap does not count.
 * **Page queries** (``max_queries``). At most this many page queries run at
   once; a page waits up to ``queue_timeout`` for a slot, then is refused with
   429 too. Keep it below the API's pool size so ordinary requests always
@@ -82,6 +87,11 @@ class WalkTable:
     def __len__(self) -> int:
         return len(self._last_seen)
 
+    def __contains__(self, walk: object) -> bool:
+        """Whether ``walk`` is in progress here (seen within ``idle_timeout``)."""
+        self._expire(self._clock())
+        return walk in self._last_seen
+
     def _expire(self, now: float) -> None:
         while self._last_seen:
             walk, seen = next(iter(self._last_seen.items()))
@@ -105,8 +115,8 @@ class WalkTable:
         return walk
 
     def touch(self, walk: str) -> None:
-        """A continuation page of ``walk`` (always admitted, even if it was forgotten
-        or began on another process)."""
+        """A continuation page of ``walk`` (admitted even if it began on another
+        process)."""
         now = self._clock()
         self._expire(now)
         self._last_seen[walk] = now
@@ -196,6 +206,8 @@ class Admission:
         max_retry_after: the largest.
         expected_walk_seconds: mean walk duration assumed until one is measured.
         clock: monotonic seconds (tests inject one).
+        wall_clock: wall-clock seconds, to age a page token another process may
+            have issued (tests inject one).
     """
 
     def __init__(
@@ -209,17 +221,20 @@ class Admission:
         max_retry_after: int = 60,
         expected_walk_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not 0 <= retry_after <= max_retry_after:
             raise BootstrapConfigError(
                 f"need 0 <= retry_after ({retry_after}) <= max_retry_after ({max_retry_after})"
             )
         self.walks = WalkTable(max_walks, walk_idle_timeout, clock, expected_walk_seconds)
+        self.walk_idle_timeout = walk_idle_timeout
         self.slots = QuerySlots(max_queries)
         self.queue_timeout = queue_timeout
         self.retry_after = retry_after
         self.max_retry_after = max_retry_after
         self._clock = clock
+        self._wall_clock = wall_clock
         self._appointments = 0.0  # the virtual time the last refused walk was told to return
         self.pages_served = 0
         self.pages_refused = 0
@@ -233,16 +248,18 @@ class Admission:
         wait = math.ceil(self._appointments - now)
         return min(max(wait, self.retry_after), self.max_retry_after)
 
-    def admit(self, walk: str | None) -> tuple[str, bool]:
-        """Admit a page of ``walk`` (None: a new walk).
+    def admit(self, walk: str | None, issued: int | None = None) -> tuple[str, bool]:
+        """Admit a page of ``walk`` (None: a new walk), whose token was ``issued``
+        (Unix seconds; None: it did not say).
 
         Returns:
-            the walk id, and whether the walk is new.
+            the walk id (a new one for a continuation admitted as a new walk), and
+            whether the walk is new.
 
         Raises:
             WalkRefused: a new walk while ``max_walks`` walks are in progress.
         """
-        if walk is not None:
+        if walk is not None and (walk in self.walks or self._recent(issued)):
             self.walks.touch(walk)
             return walk, False
         started = self.walks.start()
@@ -255,6 +272,13 @@ class Admission:
                 retry_after,
             )
         return started, True
+
+    def _recent(self, issued: int | None) -> bool:
+        """Whether a token issued then may still belong to a walk some process knows.
+        A second of slack for the token's whole seconds (and a little clock skew)."""
+        if issued is None:
+            return False
+        return self._wall_clock() - issued <= self.walk_idle_timeout + 1
 
     @asynccontextmanager
     async def query_slot(self) -> AsyncIterator[None]:

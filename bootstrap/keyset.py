@@ -87,7 +87,7 @@ class Filter:
 class PageRequest:
     """``GET <route>?limit=N[&after=<token>][&<filter>=<value>...]``.
 
-    ``walk`` and ``after`` are None on a walk's first page.
+    ``walk``, ``after`` and ``issued`` are None on a walk's first page.
     """
 
     limit: int
@@ -95,6 +95,8 @@ class PageRequest:
     after: SortKey | None = None
     filters: tuple[tuple[str, Any], ...] = ()
     filter_text: tuple[tuple[str, str], ...] = ()
+    issued: int | None = None
+    """When the ``after`` token was issued (``PageToken.issued``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +314,9 @@ class KeysetQuery:
         limit = self._parse_limit(seen.get("limit"))
         if "after" in seen:
             token = self.tokens.decode(seen["after"])
-            return PageRequest(limit, token.walk, token.key, tuple(filters), filter_text)
+            return PageRequest(
+                limit, token.walk, token.key, tuple(filters), filter_text, token.issued
+            )
         return PageRequest(limit, None, None, tuple(filters), filter_text)
 
     def _parse_limit(self, text: str | None) -> int:

@@ -335,7 +335,7 @@ class BootstrapRoute:
     async def _page(self, request: Request, parsed: PageRequest) -> Response:
         admission = self.admission
         try:
-            walk, new = admission.admit(parsed.walk)
+            walk, new = admission.admit(parsed.walk, parsed.issued)
         except WalkRefused as exc:
             log_event(log, "bootstrap.refused", logging.DEBUG, route=self.path, reason="walks")
             return self._busy(exc)

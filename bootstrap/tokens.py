@@ -1,9 +1,13 @@
 """Opaque, tamper-checked page tokens: the ``after`` of a keyset-paginated route.
 
-A token carries the walk's id (admission control counts walks by it) and the
-sort key of the last item of the previous page. It is the JSON of both,
-prefixed with a version byte and followed by a keyed digest, base64url-encoded
-without padding, so it travels in a query string as it is. The digest covers a
+A token carries the walk's id (admission control counts walks by it), the
+second it was issued (wall clock: a continuation whose walk every process has
+long forgotten is admitted as a new walk, so that hoarded tokens never open
+walks past the cap) and the sort key of the last item of the previous page. It
+is the JSON of these, prefixed with a version byte and followed by a keyed
+digest, base64url-encoded without padding, so it travels in a query string as
+it is. Tokens of the first version, which carried no time, are still read (as
+issued long ago). The digest covers a
 *scope* (the route's name) as well, so a token of one route is refused by
 another. The key is never a known one: every process serving the route must
 share it (``Publisher.page_token_key`` derives one from the feed's own secret
@@ -25,6 +29,7 @@ import binascii
 import hashlib
 import hmac
 import secrets
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +50,9 @@ read the feed)."""
 MAX_TOKEN_LENGTH = 2048
 """Longer ``after`` values are refused before any decoding."""
 
-_VERSION = b"\x01"
+_VERSION = b"\x02"
+_UNTIMED = b"\x01"
+"""The first version: ``[walk, key...]``, without the second it was issued."""
 _DIGEST_SIZE = 10
 
 SortKey = tuple[Any, ...]
@@ -58,6 +65,9 @@ class PageToken:
 
     walk: str
     key: SortKey
+    issued: int | None = None
+    """The wall-clock second (Unix time) it was issued; None for a token of the
+    first version, which did not say."""
 
 
 def _tag(value: Any) -> list[Any]:
@@ -103,14 +113,22 @@ class PageTokenCodec:
             the route must use the same one. None: a random key of this codec's
             own, for a route one process serves.
         key_length: number of sort-key columns a token must carry.
+        clock: wall-clock seconds, for the time a token is issued (tests inject one).
     """
 
-    def __init__(self, scope: str, key: TokenKey | None = None, key_length: int = 1) -> None:
+    def __init__(
+        self,
+        scope: str,
+        key: TokenKey | None = None,
+        key_length: int = 1,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if key_length < 1:
             raise BootstrapConfigError("a sort key needs at least one column")
         self._scope = scope.encode()
         self._key: TokenKey = secrets.token_bytes(32) if key is None else key
         self._key_length = key_length
+        self._clock = clock
 
     def _digest(self, body: bytes) -> bytes:
         key = self._key if isinstance(self._key, bytes) else self._key()
@@ -132,7 +150,8 @@ class PageTokenCodec:
             raise BootstrapConfigError(
                 f"sort key has {len(key)} values, the route's key has {self._key_length} columns"
             )
-        body = _VERSION + orjson.dumps([walk, *(_tag(v) for v in key)])
+        issued = int(self._clock())
+        body = _VERSION + orjson.dumps([walk, issued, *(_tag(v) for v in key)])
         raw = body + self._digest(body)
         return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
@@ -156,7 +175,7 @@ class PageTokenCodec:
         if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != token:
             # Trailing bits that decoding ignores would give one token several spellings.
             raise PageTokenError("after: page token is not one this route issued (not canonical)")
-        if len(raw) <= len(_VERSION) + _DIGEST_SIZE or raw[:1] != _VERSION:
+        if len(raw) <= len(_VERSION) + _DIGEST_SIZE or raw[:1] not in (_VERSION, _UNTIMED):
             raise PageTokenError("after: page token is not one this route issued (bad version)")
         body, digest = raw[:-_DIGEST_SIZE], raw[-_DIGEST_SIZE:]
         if not hmac.compare_digest(digest, self._digest(body)):
@@ -164,15 +183,20 @@ class PageTokenCodec:
                 "after: page token is not one this route issued (checksum mismatch; every"
                 " process serving a route must share its token_key)"
             )
+        timed = body[:1] == _VERSION
         try:
             doc = orjson.loads(body[1:])
-            if not (isinstance(doc, list) and len(doc) == self._key_length + 1):
+            head = 2 if timed else 1
+            if not (isinstance(doc, list) and len(doc) == self._key_length + head):
                 raise ValueError("wrong number of key values")
             walk = doc[0]
             if not isinstance(walk, str):
                 raise ValueError("walk id is not a string")
-            key = tuple(_untag(pair) for pair in doc[1:])
+            issued = doc[1] if timed else None
+            if timed and (not isinstance(issued, int) or isinstance(issued, bool)):
+                raise ValueError("issue time is not an integer")
+            key = tuple(_untag(pair) for pair in doc[head:])
         except ValueError as exc:
             # Only reachable with the right key: a bug or a key reused across route shapes.
             raise PageTokenError(f"after: page token is malformed ({exc})") from None
-        return PageToken(walk, key)
+        return PageToken(walk, key, issued)

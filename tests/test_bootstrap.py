@@ -8,7 +8,9 @@ by tiny inline apps, by stopping a real server, and by real table locks.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hmac
 import logging
 import random
 import re
@@ -44,11 +46,13 @@ from changefeed.bootstrap import (
     PageRequest,
     PageRequestError,
     PagerProgress,
+    PageToken,
     PageTokenCodec,
     PageTokenError,
     PagingError,
     QuerySlots,
     TokenKeyUnavailable,
+    WalkRefused,
     WalkTable,
     error_response,
     fetch_many,
@@ -126,6 +130,17 @@ def test_token_tampering_is_refused() -> None:
         PageTokenCodec("nics").decode(token)  # another route's token
     with pytest.raises(PageTokenError, match="checksum"):
         PageTokenCodec("items", key=b"other").decode(token)
+
+
+def test_a_token_says_when_it_was_issued_and_a_first_version_one_is_read_as_untimed() -> None:
+    codec = PageTokenCodec("items", key=b"k" * 32, clock=lambda: 1_800_000_000.7)
+    assert codec.decode(codec.encode("w", (5,))).issued == 1_800_000_000
+    # A token of the first version ([walk, key...], no time), as a publisher before
+    # this one issued it: still read, as a token that does not say when.
+    body = b"\x01" + orjson.dumps(["w", ["i", 5]])
+    mac = hmac.new(b"k" * 32, len(b"items").to_bytes(2, "big") + b"items" + body, "blake2b")
+    first = base64.urlsafe_b64encode(body + mac.digest()[:10]).rstrip(b"=").decode()
+    assert codec.decode(first) == PageToken("w", (5,), None)
 
 
 def test_no_token_key_is_a_known_one() -> None:
@@ -312,6 +327,33 @@ def test_walk_table_forgets_idle_walks() -> None:
     clock.now = 59.5
     assert walks.start() is not None
     assert walks.expired == 1
+
+
+def test_a_continuation_whose_walk_every_process_forgot_is_admitted_as_a_new_walk() -> None:
+    """Tokens never expired: a client that kept continuation tokens aside could
+    open any number of walks the cap never counted. A continuation of a walk this
+    process does not know is taken as one only while its token is recent (the
+    walk began on another instance); an older one is a new walk, under the cap."""
+    clock, wall = FakeClock(), FakeClock()
+    wall.now = 1_800_000_000.0
+    admission = Admission(max_walks=1, walk_idle_timeout=30.0, clock=clock, wall_clock=wall)
+    mine, new = admission.admit(None)
+    assert new
+    issued = int(wall.now)
+    wall.now += 60.0  # a token kept for a minute: still this process's walk, in progress
+    clock.now += 20.0
+    assert admission.admit(mine, issued) == (mine, False)
+    # Another instance's walk, token issued 10 s ago: admitted as that walk, at the cap.
+    assert admission.admit("theirs", int(wall.now) - 10) == ("theirs", False)
+    # A token from long ago (or of the first version, which says nothing) of a walk
+    # no process knows any more: a new walk, refused at the cap.
+    for stale in (int(wall.now) - 3600, None):
+        with pytest.raises(WalkRefused):
+            admission.admit("hoarded", stale)
+    admission.served(mine, last=True)
+    admission.served("theirs", last=True)
+    walk, new = admission.admit("hoarded", None)
+    assert new and walk != "hoarded"  # counted from here, under its own id
 
 
 async def test_query_slots_hand_over_and_time_out() -> None:
