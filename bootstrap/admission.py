@@ -8,13 +8,16 @@ ordinary requests would queue behind them. Two limits, per process:
   ``after`` and is known by the walk id its page tokens carry. A *new* walk
   beyond the cap is refused at once (429, ``Retry-After``), before it costs a
   query. A walk's *continuation* pages are never refused by this cap, so a
-  walk that got in finishes; a walk ends with its last page, or is forgotten
-  after ``walk_idle_timeout`` without a page (its client went away). A
-  continuation of a walk this process does not know is admitted as one when
-  its token was issued within ``walk_idle_timeout`` (the walk began on
-  another instance behind the same balancer); an older one, whose walk every
-  instance has forgotten, is admitted as a new walk, under the cap: tokens
-  kept aside never open walks the cap does not count.
+  walk that got in finishes while it keeps going; a walk ends with its last
+  page, or is forgotten after ``walk_idle_timeout`` without a page (its
+  client went away). A continuation of a walk this process does not know is
+  admitted as that walk when its token was issued within
+  ``walk_idle_timeout`` (the walk began on another instance behind the same
+  balancer). One whose walk ended here, or whose token is older (or dated
+  ahead), is admitted as a new walk, under the cap, and may be refused:
+  tokens kept aside never open walks the cap does not count. A walk that
+  ended on one instance can still be taken up, counted, on another for
+  ``walk_idle_timeout``: instances share no state.
 * **Page queries** (``max_queries``). At most this many page queries run at
   once; a page waits up to ``queue_timeout`` for a slot, then is refused with
   429 too. Keep it below the API's pool size so ordinary requests always
@@ -53,6 +56,14 @@ __all__ = ["Admission", "QuerySlots", "WalkTable"]
 
 _DURATION_WEIGHT = 0.2  # of the newest walk in the mean duration (exponential moving average)
 
+_CLOCK_SLACK = 2.0
+"""Seconds a page token's issue time may be off: it is whole seconds, and
+instances' clocks differ a little. Not more: a token dated far ahead would
+otherwise stay recent for as long."""
+
+_MOST_ENDED = 100_000
+"""Walks remembered as ended, at most (the oldest are forgotten first)."""
+
 
 class WalkTable:
     """The walks in progress, by id, ordered by when each was last seen.
@@ -78,6 +89,9 @@ class WalkTable:
         self._clock = clock
         self._last_seen: OrderedDict[str, float] = OrderedDict()
         self._started_at: dict[str, float] = {}
+        # Walks that finished or idled out here, with when: their tokens may still
+        # look recent, and must not bring them back uncounted (``ended``).
+        self._ended: OrderedDict[str, float] = OrderedDict()
         self.mean_duration = expected_duration
         self.started = 0
         self.finished = 0
@@ -92,6 +106,12 @@ class WalkTable:
         self._expire(self._clock())
         return walk in self._last_seen
 
+    def ended(self, walk: str) -> bool:
+        """Whether ``walk`` finished or idled out here lately (for as long as one of
+        its tokens can look recent)."""
+        self._expire(self._clock())
+        return walk in self._ended
+
     def _expire(self, now: float) -> None:
         while self._last_seen:
             walk, seen = next(iter(self._last_seen.items()))
@@ -99,7 +119,18 @@ class WalkTable:
                 break
             del self._last_seen[walk]
             self._started_at.pop(walk, None)
+            self._end(walk, now)
             self.expired += 1
+        remembered = self.idle_timeout + 2 * _CLOCK_SLACK + 1
+        while self._ended:
+            walk, when = next(iter(self._ended.items()))
+            if now - when < remembered and len(self._ended) <= _MOST_ENDED:
+                break
+            del self._ended[walk]
+
+    def _end(self, walk: str, now: float) -> None:
+        self._ended[walk] = now
+        self._ended.move_to_end(walk)
 
     def start(self) -> str | None:
         """Admit a new walk: its id, or None when the cap is reached."""
@@ -126,6 +157,7 @@ class WalkTable:
         """``walk`` served its last page."""
         if self._last_seen.pop(walk, None) is not None:
             self.finished += 1
+            self._end(walk, self._clock())
         started = self._started_at.pop(walk, None)
         if started is not None:
             duration = self._clock() - started
@@ -228,7 +260,6 @@ class Admission:
                 f"need 0 <= retry_after ({retry_after}) <= max_retry_after ({max_retry_after})"
             )
         self.walks = WalkTable(max_walks, walk_idle_timeout, clock, expected_walk_seconds)
-        self.walk_idle_timeout = walk_idle_timeout
         self.slots = QuerySlots(max_queries)
         self.queue_timeout = queue_timeout
         self.retry_after = retry_after
@@ -248,9 +279,11 @@ class Admission:
         wait = math.ceil(self._appointments - now)
         return min(max(wait, self.retry_after), self.max_retry_after)
 
-    def admit(self, walk: str | None, issued: int | None = None) -> tuple[str, bool]:
+    def admit(self, walk: str | None, *, issued: int | None = None) -> tuple[str, bool]:
         """Admit a page of ``walk`` (None: a new walk), whose token was ``issued``
-        (Unix seconds; None: it did not say).
+        (Unix seconds; None: it did not say). A continuation is admitted as its walk
+        when this process knows the walk, or when its token is recent and the walk
+        did not end here (it began on another instance); otherwise as a new walk.
 
         Returns:
             the walk id (a new one for a continuation admitted as a new walk), and
@@ -259,7 +292,9 @@ class Admission:
         Raises:
             WalkRefused: a new walk while ``max_walks`` walks are in progress.
         """
-        if walk is not None and (walk in self.walks or self._recent(issued)):
+        if walk is not None and (
+            walk in self.walks or (self._recent(issued) and not self.walks.ended(walk))
+        ):
             self.walks.touch(walk)
             return walk, False
         started = self.walks.start()
@@ -274,11 +309,11 @@ class Admission:
         return started, True
 
     def _recent(self, issued: int | None) -> bool:
-        """Whether a token issued then may still belong to a walk some process knows.
-        A second of slack for the token's whole seconds (and a little clock skew)."""
+        """Whether a token issued then may still belong to a walk some process knows."""
         if issued is None:
             return False
-        return self._wall_clock() - issued <= self.walk_idle_timeout + 1
+        age = self._wall_clock() - issued
+        return -_CLOCK_SLACK <= age <= self.walks.idle_timeout + _CLOCK_SLACK
 
     @asynccontextmanager
     async def query_slot(self) -> AsyncIterator[None]:

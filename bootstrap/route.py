@@ -17,7 +17,8 @@ no-store`` and ``X-Content-Type-Options: nosniff`` (what a token may read is
 for that token only, and a page is stale the moment it is served). Every
 failure is an HTTP status with the
 protocol's error body: 400 ``bad_request``, 401 ``unauthorized``, 403
-``forbidden``, 404 ``not_found``, 429 ``busy`` and 503 ``unavailable`` (both
+``forbidden``, 404 ``not_found``, 405 ``method_not_allowed``, 429 ``busy`` and
+503 ``unavailable`` (both
 with ``Retry-After``; the database, or the authorizer, cannot answer now), 500
 ``internal``.
 
@@ -145,10 +146,11 @@ def private_answers(
 class PrivateRoute(Route):
     """A GET route whose every answer carries the ``PRIVATE_HEADERS``, a wrong
     method's 405 included: Starlette answers that before the endpoint runs, in
-    plain text and without them, so this route answers it itself."""
+    plain text and without them, so this route answers it itself (with the
+    protocol's error body; the application's own 405 handler is not asked)."""
 
     def __init__(self, path: str, endpoint: Callable[[Request], Awaitable[Response]]) -> None:
-        super().__init__(path, private_answers(endpoint), methods=["GET"])
+        super().__init__(path, private_answers(endpoint), methods=["GET"], name=endpoint.__name__)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         allowed = self.methods or set()
@@ -335,7 +337,7 @@ class BootstrapRoute:
     async def _page(self, request: Request, parsed: PageRequest) -> Response:
         admission = self.admission
         try:
-            walk, new = admission.admit(parsed.walk, parsed.issued)
+            walk, new = admission.admit(parsed.walk, issued=parsed.issued)
         except WalkRefused as exc:
             log_event(log, "bootstrap.refused", logging.DEBUG, route=self.path, reason="walks")
             return self._busy(exc)

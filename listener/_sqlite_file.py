@@ -214,7 +214,8 @@ class CheckpointFile:
 
         Raises:
             CheckpointRefused: another store holds the file under this name.
-            CheckpointError: a newer-layout file that holds the application's tables.
+            CheckpointRefused: a newer-layout file that holds the application's tables
+                too, or an unusable file other stores hold.
             sqlite3.Error: the file cannot be opened (a missing directory, ...).
         """
         if self._conn is not None:

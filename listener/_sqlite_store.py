@@ -115,6 +115,11 @@ class SqliteCheckpointStore:
         self.moved_aside = self._file.moved_aside
         """Where files this store could not use were moved (newest last)."""
 
+    @property
+    def timeout(self) -> float:
+        """Seconds to wait for another connection's lock on the file."""
+        return self._file.timeout
+
     def __repr__(self) -> str:
         return f"SqliteCheckpointStore({str(self.path)!r}, name={self.name!r})"
 

@@ -141,6 +141,12 @@ def test_a_token_says_when_it_was_issued_and_a_first_version_one_is_read_as_unti
     mac = hmac.new(b"k" * 32, len(b"items").to_bytes(2, "big") + b"items" + body, "blake2b")
     first = base64.urlsafe_b64encode(body + mac.digest()[:10]).rstrip(b"=").decode()
     assert codec.decode(first) == PageToken("w", (5,), None)
+    for issued in ("x", True, 1.5, None):  # signed, but not a time: refused
+        body = b"\x02" + orjson.dumps(["w", issued, ["i", 5]])
+        mac = hmac.new(b"k" * 32, len(b"items").to_bytes(2, "big") + b"items" + body, "blake2b")
+        bad = base64.urlsafe_b64encode(body + mac.digest()[:10]).rstrip(b"=").decode()
+        with pytest.raises(PageTokenError, match="issue time"):
+            codec.decode(bad)
 
 
 def test_no_token_key_is_a_known_one() -> None:
@@ -342,18 +348,40 @@ def test_a_continuation_whose_walk_every_process_forgot_is_admitted_as_a_new_wal
     issued = int(wall.now)
     wall.now += 60.0  # a token kept for a minute: still this process's walk, in progress
     clock.now += 20.0
-    assert admission.admit(mine, issued) == (mine, False)
+    assert admission.admit(mine, issued=issued) == (mine, False)
     # Another instance's walk, token issued 10 s ago: admitted as that walk, at the cap.
-    assert admission.admit("theirs", int(wall.now) - 10) == ("theirs", False)
-    # A token from long ago (or of the first version, which says nothing) of a walk
-    # no process knows any more: a new walk, refused at the cap.
-    for stale in (int(wall.now) - 3600, None):
+    assert admission.admit("theirs", issued=int(wall.now) - 10) == ("theirs", False)
+    # A token from long ago, of the first version (which says nothing), or dated
+    # ahead, of a walk no process knows any more: a new walk, refused at the cap.
+    for stale in (int(wall.now) - 3600, None, int(wall.now) + 3600):
         with pytest.raises(WalkRefused):
-            admission.admit("hoarded", stale)
+            admission.admit("hoarded", issued=stale)
     admission.served(mine, last=True)
     admission.served("theirs", last=True)
-    walk, new = admission.admit("hoarded", None)
+    walk, new = admission.admit("hoarded", issued=None)
     assert new and walk != "hoarded"  # counted from here, under its own id
+
+
+def test_the_tokens_of_a_walk_that_ended_here_do_not_bring_it_back_uncounted() -> None:
+    """A walk that finished, or idled out, leaves tokens that still look recent for
+    a while: taken up again, it is a new walk, under the cap, not the old one."""
+    clock, wall = FakeClock(), FakeClock()
+    wall.now = 1_800_000_000.0
+    admission = Admission(max_walks=1, walk_idle_timeout=30.0, clock=clock, wall_clock=wall)
+    short, _ = admission.admit(None)
+    kept = int(wall.now)  # the token of its first page, kept aside
+    admission.served(short, last=True)  # its second page was its last
+    idle, _ = admission.admit(None)  # the one walk the cap allows
+    clock.now = wall.now - 1_800_000_000.0 + 5.0
+    with pytest.raises(WalkRefused):
+        admission.admit(short, issued=kept)  # ended here 5 s ago: a new walk, refused
+    clock.now += 25.0  # the idle walk is forgotten at 30 s; its token was issued at 0
+    wall.now += 30.0
+    assert idle not in admission.walks
+    again, new = admission.admit(idle, issued=kept)
+    assert new and again != idle  # the idled-out walk comes back counted
+    with pytest.raises(WalkRefused):
+        admission.admit(short, issued=kept)
 
 
 async def test_query_slots_hand_over_and_time_out() -> None:
@@ -996,6 +1024,59 @@ async def test_new_walks_beyond_the_cap_get_429(dsn: str) -> None:
         assert stats["walksFinished"] == 2 and stats["walksActive"] == 1  # walk B idles
         assert stats["pagesRefused"] >= 2 and stats["walksRefused"] >= 2
         assert walk_b["next"]
+
+
+async def test_another_method_is_405_with_the_error_body_and_the_private_headers(
+    dsn: str,
+) -> None:
+    await create_items(dsn)
+    async with (
+        items_server(dsn) as (url, _),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        for method, path in (("POST", "/items"), ("PUT", "/items/1"), ("DELETE", "/items/1")):
+            response = await client.request(method, path)
+            assert response.status_code == 405, (method, path)
+            assert response.json()["error"]["code"] == "method_not_allowed"
+            assert response.headers["allow"] == "GET, HEAD"
+            assert response.headers["cache-control"] == "no-store"
+            assert response.headers["x-content-type-options"] == "nosniff"
+        assert (await client.head("/items?limit=1")).status_code == 200
+        status, page = await get_json(client, "/items?limit=3")
+        assert status == 200 and len(page["items"]) == 3
+
+
+async def test_a_kept_continuation_waits_its_turn_and_goes_on_where_it_was(dsn: str) -> None:
+    """A walk begun on one instance goes on through another (they share the token
+    key); but a continuation token kept an hour is a new walk there: at the cap it
+    gets 429 like one, and once admitted it goes on from its position, every row
+    once."""
+    await create_items(dsn)
+    wall = FakeClock()
+    wall.now = time.time()
+    later = Admission(max_walks=1, walk_idle_timeout=30.0, retry_after=1, wall_clock=wall)
+    key = b"k" * 32
+    async with (
+        items_server(dsn, query=items_query(token_key=key)) as (first_url, _),
+        items_server(dsn, admission=later, query=items_query(token_key=key)) as (url, _),
+        httpx.AsyncClient(base_url=url) as client,
+    ):
+        async with httpx.AsyncClient(base_url=first_url) as first_client:
+            _, first = await get_json(first_client, "/items?limit=10")
+        wall.now += 3600.0  # the client comes back an hour later with its token
+        _, other = await get_json(client, "/items?limit=10")  # the one walk allowed
+        refused = await client.get(first["next"])
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "busy"
+        while other["next"]:
+            _, other = await get_json(client, other["next"])
+        status, page = await get_json(client, first["next"])
+        assert status == 200, page
+        seen = [item["id"] for item in first["items"] + page["items"]]
+        while page["next"]:
+            _, page = await get_json(client, page["next"])
+            seen += [item["id"] for item in page["items"]]
+        assert seen == list(range(1, ROWS + 1))
+        assert later.stats()["walksStarted"] == 2 and later.stats()["walksActive"] == 0
 
 
 async def _collect(pager: Pager) -> list[Any]:
