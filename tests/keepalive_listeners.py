@@ -4,12 +4,14 @@ Run by tests/test_keepalive.py::
 
     python keepalive_listeners.py URL EXPECTED GROUP...
 
-Each GROUP is ``COUNT:PAUSE:RATE:PINGS``: COUNT listeners register for every
-``vm`` change (RFD 5's v1 registration, one item per frame), wait PAUSE
-seconds once registered without reading, then read at most RATE items per
-second (0: as fast as they can). PINGS is ``default`` (the websockets
+Each GROUP is ``COUNT:PAUSE:RATE:PINGS[:RCVBUF]``: COUNT listeners register
+for every ``vm`` change (RFD 5's v1 registration, one item per frame), wait
+PAUSE seconds once registered without reading, then read at most RATE items
+per second (0: as fast as they can). PINGS is ``default`` (the websockets
 library's own keepalive: a ping every 20 s, closing itself with 1011 when
-the pong takes longer than 20 s) or ``none`` (only the server pings). The
+the pong takes longer than 20 s) or ``none`` (only the server pings).
+RCVBUF, when given, pins the socket's receive buffer to that many bytes
+(``SO_RCVBUF``, set before connecting); otherwise Linux sizes it as it reads. The
 process prints ``ready`` once all are registered, and one JSON line per
 listener once it has EXPECTED items or its connection ended: how many items
 it got, whether they were the burst's ids in order, once each, and how its
@@ -20,8 +22,10 @@ own work never shares the publisher's event loop.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -38,10 +42,23 @@ def burst_id(i: int) -> str:
     return f"burst-{i:06d}"
 
 
+def pinned_socket(url: str, rcvbuf: int) -> socket.socket:
+    """A TCP socket connected to ``url``'s host and port, its receive buffer pinned."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before the handshake
+    sock.connect((parts.hostname, parts.port))
+    return sock
+
+
 async def listen(
-    url: str, expected: int, plan: tuple[float, float, bool], registered: asyncio.Event
+    url: str,
+    expected: int,
+    plan: tuple[float, float, bool, int | None],
+    registered: asyncio.Event,
 ) -> dict[str, Any]:
-    pause, rate, pings = plan
+    pause, rate, pings, rcvbuf = plan
     registration = {
         "instance": str(uuid.uuid4()),
         "service": "keepalive",
@@ -51,6 +68,8 @@ async def listen(
     closed: dict[str, Any] | None = None
     keepalive: dict[str, Any] = {} if pings else {"ping_interval": None}
     try:
+        if rcvbuf is not None:
+            keepalive["sock"] = pinned_socket(url, rcvbuf)
         async with connect(url, compression=None, open_timeout=60, **keepalive) as ws:
             await ws.send(orjson.dumps(registration).decode())
             orjson.loads(await ws.recv())
@@ -75,8 +94,9 @@ async def listen(
 async def main(url: str, expected: int, groups: list[str]) -> None:
     plans = []
     for group in groups:
-        count, pause, rate, pings = group.split(":")
-        plans += [(float(pause), float(rate), pings == "default")] * int(count)
+        count, pause, rate, pings, *rcvbuf = group.split(":")
+        pinned = int(rcvbuf[0]) if rcvbuf else None
+        plans += [(float(pause), float(rate), pings == "default", pinned)] * int(count)
     events = [asyncio.Event() for _ in plans]
     tasks = [
         asyncio.create_task(listen(url, expected, plan, event))
