@@ -14,8 +14,9 @@ RCVBUF, when given, pins the socket's receive buffer to that many bytes
 (``SO_RCVBUF``, set before connecting); otherwise Linux sizes it as it reads. The
 process prints ``ready`` once all are registered, and one JSON line per
 listener once it has EXPECTED items or its connection ended: how many items
-it got, whether they were the burst's ids in order, once each, and how its
-connection ended. Reading happens in this process, so that the listeners'
+it got, whether they were the burst's ids in order, once each, how its
+connection ended, and the longest its own pings waited for a pong
+(``pongWait``, seconds; 0 without pings of its own). Reading happens in this process, so that the listeners'
 own work never shares the publisher's event loop.
 """
 
@@ -64,7 +65,7 @@ async def listen(
         "service": "keepalive",
         "changeKind": {"resource": "vm", "subResources": []},
     }
-    got, in_order = 0, True
+    got, in_order, latency = 0, True, 0.0
     closed: dict[str, Any] | None = None
     keepalive: dict[str, Any] = {} if pings else {"ping_interval": None}
     try:
@@ -80,6 +81,7 @@ async def listen(
                 doc = orjson.loads(await ws.recv())
                 in_order = in_order and doc.get("changedResourceId") == burst_id(got)
                 got += 1
+                latency = max(latency, ws.latency)
                 if rate and got % _STEP == 0:
                     await asyncio.sleep(max(0.0, started + got / rate - time.monotonic()))
     except ConnectionClosed as exc:
@@ -88,7 +90,14 @@ async def listen(
             "sent": exc.sent.code if exc.sent is not None else None,
             "reason": str(exc),
         }
-    return {"pause": pause, "rate": rate, "got": got, "inOrder": in_order, "closed": closed}
+    return {
+        "pause": pause,
+        "rate": rate,
+        "got": got,
+        "inOrder": in_order,
+        "closed": closed,
+        "pongWait": round(latency, 3),
+    }
 
 
 async def main(url: str, expected: int, groups: list[str]) -> None:
