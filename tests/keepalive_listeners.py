@@ -16,8 +16,9 @@ process prints ``ready`` once all are registered, and one JSON line per
 listener once it has EXPECTED items or its connection ended: how many items
 it got, whether they were the burst's ids in order, once each, how its
 connection ended, and the longest its own pings waited for a pong
-(``pongWait``, seconds; 0 without pings of its own). Reading happens in this process, so that the listeners'
-own work never shares the publisher's event loop.
+(``pongWait``, seconds; 0 without pings of its own). Reading happens in
+this process, so that the listeners' own work never shares the publisher's
+event loop.
 """
 
 from __future__ import annotations
