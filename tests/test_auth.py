@@ -548,10 +548,9 @@ async def test_an_authorizer_outage_is_503_or_4010_with_retry_after_on_every_rou
     """Never 401 (which makes listeners give up for good): 503, ``Retry-After`` and the
     error body ``unavailable`` with ``retryAfter`` on the publisher's routes and the
     API's bootstrap and write routes alike, and on the websocket the same error frame
-    and close 4010 (it used to be an HTTP 503 at the handshake, which a browser's
-    websocket cannot read). The bootstrap
-    routes used to answer 401. The authorizer's error is logged with its traceback;
-    its deadline passing, with none."""
+    and close 4010 (not an HTTP 503 at the handshake, which a browser's websocket
+    cannot read). The authorizer's error is logged with its traceback; its deadline
+    passing, with none."""
     from test_listener_support import VmApiServer
 
     caplog.set_level(logging.ERROR, logger="changefeed")

@@ -494,9 +494,9 @@ async def test_values_the_columns_refuse_are_400_and_a_plain_filter_compares_as_
     dsn: str,
 ) -> None:
     """A route built with the defaults over integer columns (ids parsed as text, a
-    filter named by its column alone): an id the column refuses used to be a
-    plain-text 500 the pager retried, and a plain filter failed even for a good
-    value. Now: 400 with the error body, and the filter compares as text."""
+    filter named by its column alone): an id the column refuses is a 400 with the
+    error body (not a plain-text 500 the pager would retry), and a plain filter
+    compares as text, so a good value matches."""
     await create_items(dsn)
     query = items_query(parse_id=str, filters={"grp": "grp"})
     async with (
@@ -956,9 +956,8 @@ async def test_authorization_is_enforced(dsn: str) -> None:
 async def test_a_check_that_cannot_be_made_is_503_with_retry_after(dsn: str, outage: str) -> None:
     """A route's own ``authorize`` that raises, or does not answer within
     ``authorize_timeout``, is ``unavailable`` (retried by the pager), never 401 (for
-    good) nor a 500 with a traceback (what a raising one used to give). One that
-    swallows its cancellation at the deadline and answers False is late all the
-    same (it used to be taken at its word: 401)."""
+    good) nor a 500 with a traceback. One that swallows its cancellation at the
+    deadline and answers False is late all the same, not taken at its word (401)."""
     await create_items(dsn)
     down = True
 

@@ -383,8 +383,8 @@ async def test_a_second_store_on_the_same_file_and_name_is_refused(tmp_path: Pat
 
 def test_a_claim_held_is_claimed_again_without_refusing_itself(tmp_path: Path) -> None:
     """A store whose file was moved aside and whose reopening failed claims the file
-    again on its next use: it used to be refused by its own lock ("in use by another
-    listener (process <its own>)") until it was closed."""
+    again on its next use, not refused by its own lock ("in use by another listener
+    (process <its own>)") until it is closed."""
     from changefeed.listener._file_claim import FileClaim, FileHeld
 
     path = tmp_path / "cp.sqlite"

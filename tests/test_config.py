@@ -219,8 +219,9 @@ def test_durations(text: Any, seconds: float) -> None:
 def test_a_duration_over_a_hundred_years_is_refused_in_a_file_and_in_python(
     tmp_path: Path,
 ) -> None:
-    """``max_age = "800000d"`` used to be taken, then fail at every inline trim
-    (OverflowError computing "now minus max_age")."""
+    """``max_age = "800000d"`` is refused when loaded, naming the file and the key,
+    rather than taken and then failing at every inline trim (OverflowError computing
+    "now minus max_age")."""
     path = tmp_path / "long.toml"
     path.write_text('[publisher]\nmax_age = "800000d"\n')
     with pytest.raises(ConfigError, match=r"publisher\.max_age.*at most 100 years") as caught:

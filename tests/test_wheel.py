@@ -250,9 +250,9 @@ def test_without_httptools_the_fast_path_runs_on_h11_and_the_deadlines_name_it(
 ) -> None:
     """``changefeed[publisher]`` with plain ``uvicorn`` (no ``[standard]``, so no
     httptools): uvicorn chooses h11, and the fast path, whose self-check runs the
-    protocol uvicorn chose, runs on it. It used to be refused with "uvicorn changed
-    what it uses", for a library that is only not installed. The deadlines extend
-    both HTTP protocols: they say which library they need."""
+    protocol uvicorn chose, runs on it: a library that is only not installed is not
+    "uvicorn changed what it uses". The deadlines extend both HTTP protocols: they
+    say which library they need."""
     plain = wheel_venvs.get("uvicorn-plain", "publisher", "uvicorn")
     assert "httptools" not in plain.distributions()
     code = (
