@@ -142,8 +142,9 @@ class PageTokenCodec:
         """Return the token for the page after ``key`` in walk ``walk``.
 
         Raises:
-            BootstrapConfigError: a key value has a type tokens cannot carry, or
-                the key has the wrong number of columns.
+            BootstrapConfigError: a key value has a type tokens cannot carry, the
+                key has the wrong number of columns, or the token would be longer
+                than ``MAX_TOKEN_LENGTH`` (which ``decode`` refuses).
             TokenKeyUnavailable: the digest key is not known yet.
         """
         if len(key) != self._key_length:
@@ -153,7 +154,15 @@ class PageTokenCodec:
         issued = int(self._clock())
         body = _VERSION + orjson.dumps([walk, issued, *(_tag(v) for v in key)])
         raw = body + self._digest(body)
-        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+        token = base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+        if len(token) > MAX_TOKEN_LENGTH:
+            # Issuing it would only have the walk's next request refused (400).
+            raise BootstrapConfigError(
+                f"a sort key of {len(body)} bytes makes a page token of {len(token)}"
+                f" characters, over the {MAX_TOKEN_LENGTH} a route accepts: sort by"
+                " shorter columns"
+            )
+        return token
 
     def decode(self, token: str) -> PageToken:
         """Return what ``token`` says.

@@ -111,6 +111,14 @@ def test_token_refuses_unsupported_key_types() -> None:
         PageTokenCodec("items").encode("w", (1.5,))
 
 
+def test_a_key_too_long_for_a_token_is_refused_when_encoded_not_on_the_next_page() -> None:
+    codec = PageTokenCodec("items")
+    fits = codec.encode("w", ("x" * 1400,))
+    assert codec.decode(fits).key == ("x" * 1400,)
+    with pytest.raises(BootstrapConfigError, match="over the 2048 a route accepts"):
+        codec.encode("w", ("x" * 1600,))
+
+
 def test_token_tampering_is_refused() -> None:
     codec = PageTokenCodec("items")
     token = codec.encode("abc", (12345,))
