@@ -654,6 +654,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         else:
             known += (PublisherError,)
+        try:
+            from changefeed.serving import UnsupportedUvicorn
+        except ImportError:  # no uvicorn: no server ran to raise it
+            pass
+        else:
+            known += (UnsupportedUvicorn,)
         if isinstance(exc, known):
             _say_error(args.command, exc)
             return 1

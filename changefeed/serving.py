@@ -33,6 +33,7 @@ from changefeed.file_limit import fit_file_limit
 from changefeed.logs import log_event
 from changefeed.publisher import Publisher
 from changefeed.tcp_liveness import NOTSENT_LOWAT, set_notsent_lowat
+from changefeed.uvicorn_private import missing
 
 if TYPE_CHECKING:
     from changefeed.uvicorn_fastpath import FanoutWebSocketProtocol
@@ -41,6 +42,7 @@ __all__ = [
     "PLAIN_WS",
     "DrainingServer",
     "FanoutWebSocketProtocol",
+    "UnsupportedUvicorn",
     "fast_path_unavailable",
     "server_config",
 ]
@@ -50,6 +52,10 @@ log = logging.getLogger(__name__)
 PLAIN_WS = "websockets-sansio"
 """uvicorn's ``ws`` setting for plain ASGI: its own websockets sans-I/O protocol
 (uvicorn 0.35 and later), the one the fast path extends."""
+
+
+class UnsupportedUvicorn(RuntimeError):
+    """The installed uvicorn lacks what ``DrainingServer`` builds on (the CLI's servers)."""
 
 
 def fast_path_unavailable() -> str | None:
@@ -155,6 +161,10 @@ class DrainingServer(uvicorn.Server):
             then waits behind this much, and the listener's own receive buffer.
         announce: called once listening, with the address bound (``host:port``,
             the port the system picked when the config asked for port 0).
+
+    Raises:
+        UnsupportedUvicorn: the installed uvicorn lacks one of the private names
+            this server builds on (changefeed.uvicorn_private, ``serve``).
     """
 
     def __init__(
@@ -167,6 +177,15 @@ class DrainingServer(uvicorn.Server):
         notsent_lowat: int = NOTSENT_LOWAT,
         announce: Callable[[str], None] | None = None,
     ) -> None:
+        if lacking := missing("serve"):
+            # Without them a SIGTERM would cut listeners off with 1012 instead of
+            # draining them, and a failed start-up could pass for a clean stop: say
+            # so before anything is served, rather than find out at shutdown.
+            raise UnsupportedUvicorn(
+                f"uvicorn {uvicorn.__version__} lacks what changefeed's server uses: "
+                + "; ".join(lacking)
+                + " (install a uvicorn changefeed was tested with)"
+            )
         super().__init__(config)
         self.publishers = list(publishers)
         self.grace = grace

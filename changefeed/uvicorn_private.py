@@ -16,7 +16,8 @@ on its optional paths, never on the default one (plain ASGI):
 
 ``missing(path)`` says which of a path's names the installed uvicorn lacks
 (checked on uvicorn's classes and their source, without running anything);
-changefeed.fast_path uses it before its self-check, and
+changefeed.fast_path uses it before its self-check, ``DrainingServer`` refuses
+to start without its own (``UnsupportedUvicorn``), and
 tests/test_uvicorn_private.py checks each name on its own, so that a uvicorn
 that renames one fails the test that names it.
 """
@@ -93,7 +94,8 @@ class Private:
             if found != self.parameters:
                 return f"{self} takes {found}, not {self.parameters}"
             return None
-        if self.name not in _assigned(self.owner):
+        assigned = _assigned(self.owner)
+        if assigned is not None and self.name not in assigned:
             return f"{self} is no longer an attribute"
         return None
 
@@ -108,14 +110,19 @@ def _load(owner: str) -> object:
 
 
 @functools.cache
-def _assigned(owner: str) -> frozenset[str]:
-    """Attributes ``self.<name> = ...`` that the class (and its uvicorn bases) assign."""
+def _assigned(owner: str) -> frozenset[str] | None:
+    """Attributes ``self.<name> = ...`` that the class (and its uvicorn bases) assign;
+    None when uvicorn was installed without its source (the fast path's self-check
+    still runs it once)."""
     names: set[str] = set()
     cls = _load(owner)
     assert inspect.isclass(cls)
     for klass in cls.__mro__:
         if klass.__module__.startswith("uvicorn"):
-            source = inspect.getsource(klass)
+            try:
+                source = inspect.getsource(klass)
+            except (OSError, TypeError):
+                return None
             names.update(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=(?!=)", source))
     return frozenset(names)
 

@@ -115,6 +115,28 @@ SERVERS = {
 }
 
 
+@pytest.mark.parametrize("name", ["uvicorn-0.35", "uvicorn-newest"])
+async def test_every_uvicorn_claimed_has_what_changefeeds_own_server_uses(
+    name: str, wheel_venvs: Venvs, tmp_path: Path
+) -> None:
+    """The ``serve`` extra claims uvicorn from OLDEST_UVICORN on, with no upper bound:
+    ``changefeed serve``'s server (its private names, changefeed.uvicorn_private)
+    must start on the oldest and on the newest there is."""
+    server = SERVERS[name]
+    venv = await asyncio.to_thread(wheel_venvs.get, server.venv, server.extra, *server.requirements)
+    code = (
+        "import uvicorn\n"
+        "from changefeed.uvicorn_private import missing\n"
+        "print(uvicorn.__version__, missing('serve'))\n"
+    )
+    done = await asyncio.to_thread(venv.run, ["python", "-c", code], tmp_path)
+    assert done.returncode == 0, done.stderr
+    version, lacking = done.stdout.split(maxsplit=1)
+    assert lacking.strip() == "[]", f"uvicorn {version}: {lacking}"
+    if name == "uvicorn-0.35":
+        assert version == OLDEST_UVICORN
+
+
 @dataclass
 class Running:
     name: str

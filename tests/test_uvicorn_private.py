@@ -74,3 +74,23 @@ def test_the_deadlines_read_no_uvicorn_name_that_is_not_listed() -> None:
     assert cycle - _registered("deadlines", ":RequestResponseCycle") == set()
     flow = set(re.findall(r"\bflow\.(\w+)", source))
     assert flow - _registered("deadlines", ":FlowControl") == set()
+
+
+def test_changefeeds_own_server_refuses_a_uvicorn_without_what_it_uses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``changefeed serve``, ``example-api`` and the demo drain on uvicorn's private
+    steps: a uvicorn without one is refused before anything is served, naming it,
+    not found out at the first SIGTERM."""
+    import uvicorn
+
+    from changefeed.serving import DrainingServer, UnsupportedUvicorn
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("never served")
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0)
+    DrainingServer(config, [])  # the installed uvicorn has them all
+    monkeypatch.delattr(uvicorn.Server, "capture_signals")
+    with pytest.raises(UnsupportedUvicorn, match=r"Server\.capture_signals is not a method"):
+        DrainingServer(config, [])
