@@ -21,10 +21,11 @@ reports to this loop as its ``SessionHost``):
    with ``RegistrationRefused`` instead.
 
 The loop owns the connection's state: the lifecycle, the back-off, the
-routes the last ack named, the bootstrap's progress and the counts of
-attempts, registrations, resumes, bootstraps and aborts. The items belong to
-the inbox, and so does the cursor. It must never retry without
-back-off, and never swallow a failure without logging and counting it.
+routes the last ack named and the bootstrap's progress; it counts attempts,
+registrations, resumes, bootstraps and aborts in the listener's
+``ListenerCounts``. The items belong to the inbox, and so does the cursor. It
+must never retry without back-off, and never swallow a failure without
+logging and counting it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from ._errors import (
     RetriesExhausted,
     SessionError,
 )
-from ._events import BootstrapProgress, Resynced
+from ._events import BootstrapProgress, ListenerCounts, Resynced
 from ._inbox import Inbox
 from ._lifecycle import ConnectionState, Disposition, Lifecycle, disposition
 from ._log import log
@@ -76,6 +77,7 @@ class ConnectionLoop:
         backoff: the re-registration schedule.
         name: the listener's name (logs, task names).
         on_resumed: called when a connection resumed the cursor (no bootstrap).
+        counts: the listener's counts, whose connection counts this loop keeps.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class ConnectionLoop:
         backoff: RegistrationBackoff,
         name: str,
         on_resumed: Callable[[], None],
+        counts: ListenerCounts,
     ) -> None:
         self._inbox = inbox
         self._url = url
@@ -111,17 +114,11 @@ class ConnectionLoop:
         """Each resource's bootstrap route (absolute URL), as the last ack named it."""
         self.progress: dict[str, BootstrapProgress] = {}
         """Each route's bootstrap walk: the one under way, or the last one."""
-        self.not_resumed: dict[str, int] = {}
-        """Acks that did not resume the ``since`` sent, by the ack's reason."""
         self._registered = asyncio.Event()
         self._resumed_now = False
         self._bootstrapped_once = False
         self.live_since: float | None = None
-        self.attempts = 0
-        self.registrations = 0
-        self.resumes = 0
-        self.bootstraps = 0
-        self.aborts = 0
+        self.counts = counts
         self.last_error: str | None = None
 
     @property
@@ -133,7 +130,7 @@ class ConnectionLoop:
         return {
             "listener": self._name,
             "state": self.lifecycle.state.value,
-            "attempt": self.attempts,
+            "attempt": self.counts.attempts,
             "buffer": self._inbox.held(),
             "capacity": self._inbox.buffer.capacity,
         }
@@ -171,7 +168,7 @@ class ConnectionLoop:
     def _session(self, http: httpx.AsyncClient) -> Session:
         """The next attempt's session (counted and logged here)."""
         since = self._inbox.resume if self._config.resume else None
-        self.attempts += 1
+        self.counts.attempts += 1
         log_event(log, "listener.connecting", **self.fields(), url=self._url, since=since)
         registration = Registration(
             self._instance,
@@ -200,7 +197,7 @@ class ConnectionLoop:
 
     async def _after_session(self, ending: SessionError) -> None:
         """Classify how a connection ended, then clear, count, log and back off."""
-        self.aborts += 1
+        self.counts.aborts += 1
         self.last_error = f"{type(ending).__name__}: {ending}"
         self.live_since = None
         close_code = getattr(ending, "close_code", None)
@@ -258,7 +255,7 @@ class ConnectionLoop:
             listener=self._name,
             old=old.value,
             new=new.value,
-            attempt=self.attempts,
+            attempt=self.counts.attempts,
         )
         if new is S.LIVE:
             # Where a reconnect would resume: null until the application has taken
@@ -271,7 +268,7 @@ class ConnectionLoop:
         return self.fields()
 
     def registered_ack(self, ack: Ack, routes: dict[str, str], resuming: bool) -> None:
-        self.registrations += 1
+        self.counts.registrations += 1
         self.routes = routes
         self._registered.set()
         self.lifecycle.to(S.REGISTERED)
@@ -280,10 +277,10 @@ class ConnectionLoop:
         # session bootstraps), so it is not counted.
         self._resumed_now = ack.resumed and resuming
         if self._resumed_now:
-            self.resumes += 1
+            self.counts.resumes += 1
         elif resuming:
             reason = ack.reason or "unknown"
-            self.not_resumed[reason] = self.not_resumed.get(reason, 0) + 1
+            self.counts.not_resumed[reason] = self.counts.not_resumed.get(reason, 0) + 1
             log_event(
                 log,
                 "listener.not_resumed",
@@ -291,7 +288,7 @@ class ConnectionLoop:
                 **self.fields(),
                 reason=reason,
                 explanation=RESUME_REASONS.get(reason, "the publisher gave no reason"),
-                count=self.not_resumed[reason],
+                count=self.counts.not_resumed[reason],
             )
 
     def bootstrapping(self) -> None:
@@ -308,7 +305,7 @@ class ConnectionLoop:
         )
 
     def bootstrapped(self, resyncs: list[Resynced]) -> None:
-        self.bootstraps += 1
+        self.counts.bootstraps += 1
         self._bootstrapped_once = True
         self._inbox.bootstrapped(resyncs)
 

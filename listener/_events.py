@@ -16,6 +16,7 @@ Pure data.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "ControllerCounts",
     "ControllerStats",
     "Event",
+    "ListenerCounts",
     "ListenerStatus",
     "Resynced",
 ]
@@ -119,10 +121,43 @@ def _by_reason(counts: dict[str, int]) -> list[tuple[Labels, float]]:
     return [((("reason", reason),), float(n)) for reason, n in sorted(counts.items())]
 
 
-@dataclass(frozen=True, slots=True)
-class ListenerStatus:
-    """A snapshot of one listener (``listener.status()``); also what its metrics show
-    (``changefeed_listener_*``, each declared with its field, help and all).
+@dataclass(slots=True)
+class ListenerCounts:
+    """What a listener counts, each where it happens: its connection loop (attempts
+    to ``not_resumed``) and its inbox (frames, items, overflows), both writing to the
+    one record the listener hands them.
+
+    Declared once, here, with each metric's help; ``ListenerStatus`` is these counts
+    as of one moment, with the listener's state beside them.
+
+    Attributes:
+        frames_received: websocket frames received (error and bad frames too).
+    """
+
+    attempts: int = figure("Connection attempts", metric="connection_attempts", default=0)
+    registrations: int = figure("Acks received", default=0)
+    resumes: int = figure("Registrations with since answered resumed=true", default=0)
+    bootstraps: int = figure("Bootstrap walks completed", default=0)
+    overflows: int = figure("Buffer overflows (each one an abort)", default=0)
+    aborts: int = figure(
+        "Connections that ended, for any reason (overflows, drops, closes, timeouts)", default=0
+    )
+    items_received: int = figure("Change items decoded from the socket", default=0)
+    frames_received: int = 0
+    not_resumed: dict[str, int] = figure(
+        "Acks that did not resume the since given, by the ack's reason"
+        ' ("unknown" when the publisher gave none)',
+        labels=("reason",),
+        read=_by_reason,
+        default_factory=dict,
+    )
+
+
+@dataclass(slots=True, kw_only=True)
+class ListenerStatus(ListenerCounts):
+    """A snapshot of one listener (``listener.status()``): its counts (``ListenerCounts``)
+    and its state; also what its metrics show (``changefeed_listener_*``, each declared
+    with its field, help and all).
 
     Attributes:
         name: the listener's name (the metrics' ``listener`` label).
@@ -131,7 +166,6 @@ class ListenerStatus:
         backoff_resets: times a healthy period reset the schedule.
         last_error: the last failure, as text.
         cursor: the cursor a reconnect resumes from (the last event handed out).
-        frames_received: websocket frames received.
         live_for: seconds the current connection has been live.
         route: the (first) bootstrap route's absolute URL, once known.
         resources: the resources of the change kinds this listener registers.
@@ -141,13 +175,9 @@ class ListenerStatus:
     state: ConnectionState = figure(
         "1 for the listener's current lifecycle state", GAUGE, labels=("state",), read=_one_hot
     )
-    attempts: int = figure("Connection attempts", metric="connection_attempts")
     failures: int = figure(
         "Consecutive failed attempts (the back-off's exponent)", GAUGE, metric="backoff_failures"
     )
-    registrations: int = figure("Acks received")
-    resumes: int = figure("Registrations with since answered resumed=true")
-    bootstraps: int = figure("Bootstrap walks completed")
     buffer_size: int = figure(
         "Items held for the application: buffered, or taken and not handed out yet",
         GAUGE,
@@ -155,10 +185,6 @@ class ListenerStatus:
     )
     buffer_capacity: int = figure("Items the buffer holds at most", GAUGE)
     buffer_peak: int = 0
-    overflows: int = figure("Buffer overflows (each one an abort)", default=0)
-    aborts: int = figure(
-        "Connections that ended, for any reason (overflows, drops, closes, timeouts)", default=0
-    )
     backoff_delay: float = figure(
         "Current or last back-off delay, seconds", GAUGE, metric="backoff_seconds", default=0.0
     )
@@ -166,9 +192,7 @@ class ListenerStatus:
     backoff_resets: int = 0
     last_error: str | None = None
     cursor: str | None = None
-    items_received: int = figure("Change items decoded from the socket", default=0)
     items_delivered: int = figure("Change items handed to the application", default=0)
-    frames_received: int = 0
     live_for: float = 0.0
     route: str | None = None
     resources: tuple[str, ...] = ()
@@ -178,20 +202,20 @@ class ListenerStatus:
         label="resource",
         default=(),
     )
-    not_resumed: dict[str, int] = figure(
-        "Acks that did not resume the since given, by the ack's reason"
-        ' ("unknown" when the publisher gave none)',
-        labels=("reason",),
-        read=_by_reason,
-        default_factory=dict,
-    )
     checkpoint: CheckpointStatus | None = nested(
         CheckpointStatus, "Loads and saves of the checkpoint store (None: no store)", default=None
     )
 
+    @classmethod
+    def of(cls, counts: ListenerCounts, **now: Any) -> ListenerStatus:
+        """``counts`` as they stand (copied: the snapshot does not move with them), with
+        the figures of this moment (``now``) beside them."""
+        copied = {f.name: copy.copy(getattr(counts, f.name)) for f in fields(ListenerCounts)}
+        return cls(**copied, **now)
+
     def to_json(self) -> dict[str, Any]:
         """The snapshot as a JSON-ready dict (``state`` as its string value)."""
-        doc = {name: getattr(self, name) for name in self.__slots__}
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
         doc["state"] = self.state.value
         doc["resources"] = list(self.resources)
         doc["bootstrap"] = [progress.to_json() for progress in self.bootstrap]

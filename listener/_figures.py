@@ -6,9 +6,10 @@ each field that is also a metric with ``figure(help, kind, metric=...)``:
 what it means, whether it is a counter or a gauge, and the Prometheus
 metric's name. ``_metrics`` reads these declarations to describe the metric
 families, and a snapshot's values at scrape time; the snapshot's
-documentation is the same text. A counter is counted where it happens and
-named once more where ``status()`` reads it (a controller's counts are one
-record, ``ControllerCounts``, copied whole by ``stats()``): nowhere else.
+documentation is the same text. A counter is declared on a counts record
+(``ListenerCounts``, ``ControllerCounts``), counted where it happens, and the
+snapshot, a subclass of the record, copies it whole (``ListenerStatus.of``,
+``ControllerStats.of``): it is named nowhere else.
 
 Pure code: no Prometheus here.
 """

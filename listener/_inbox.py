@@ -51,7 +51,7 @@ from changefeed.schemas import ChangeItem, ErrorFrame, ProtocolError, decode_cha
 
 from ._checks import check_count
 from ._errors import BadPublisherFrame, BufferOverflow, ListenerConfigError, PublisherClosed
-from ._events import Event, Resynced
+from ._events import Event, ListenerCounts, Resynced
 from ._log import log
 
 __all__ = [
@@ -285,6 +285,8 @@ class Inbox:
         multi: several change kinds (v2): the dispatch cuts runs by resource.
         high_water: the fill (fraction of the capacity) logged as ``listener.buffer.high``.
         fields: the listener's fields for log events.
+        counts: the listener's counts, whose frame, item and overflow counts the
+            inbox keeps.
     """
 
     def __init__(
@@ -296,6 +298,7 @@ class Inbox:
         multi: bool,
         high_water: float,
         fields: Callable[[], dict[str, Any]],
+        counts: ListenerCounts,
     ) -> None:
         self.buffer = buffer
         self._handed = cursor
@@ -327,11 +330,8 @@ class Inbox:
         self._high = False
         self.peak = 0
         """The most items held at once."""
-        self.frames_received = 0
-        """Frames received (error and bad frames too)."""
-        self.items_received = 0
-        """Change items decoded from frames."""
-        self.overflows = 0
+        self.counts = counts
+        """The listener's counts: the inbox keeps frames, items and overflows."""
         self._staged_total = 0
         self._dispatched = 0
 
@@ -402,7 +402,7 @@ class Inbox:
                 fetch its id from another resource's route).
             BufferOverflow: its items do not fit.
         """
-        self.frames_received += 1
+        self.counts.frames_received += 1
         items = decode_frame(frame)
         if isinstance(items, ErrorFrame):
             raise publisher_error(items, "publisher error")
@@ -413,18 +413,18 @@ class Inbox:
                     f"an item of resource {item.change_kind.resource!r}, "
                     "which this connection did not register"
                 )
-        self.items_received += len(items)
+        self.counts.items_received += len(items)
         buffer = self.buffer
         held = self.held()
         if held + len(items) > buffer.capacity or not await buffer.put(items):
-            self.overflows += 1
+            self.counts.overflows += 1
             log_event(
                 log,
                 "listener.overflow",
                 logging.WARNING,
                 **self._fields(),
                 incoming=len(items),
-                overflows=self.overflows,
+                overflows=self.counts.overflows,
             )
             raise BufferOverflow(buffer.capacity, held, len(items))
         self._check_water()

@@ -67,7 +67,7 @@ from ._checks import check_change_kinds, check_registration
 from ._config import ListenerConfig
 from ._connection import ConnectionLoop
 from ._errors import ListenerConfigError, ListenerError
-from ._events import Event, ListenerStatus
+from ._events import Event, ListenerCounts, ListenerStatus
 from ._inbox import Buffer, Inbox, make_buffer
 from ._lifecycle import ConnectionState
 from ._log import log
@@ -236,6 +236,7 @@ class Listener:
         self._token = token
         self._http = http
         self._own_http = http is None
+        self._counts = ListenerCounts()
         self._inbox = Inbox(
             buffer or make_buffer(self.config.buffer_kind, self.config.buffer_size),
             cursor,
@@ -243,6 +244,7 @@ class Listener:
             multi=multi,
             high_water=self.config.high_water,
             fields=self._fields,
+            counts=self._counts,
         )
         self._connection = ConnectionLoop(
             self._inbox,
@@ -256,6 +258,7 @@ class Listener:
             backoff=RegistrationBackoff(self.config.backoff, rng),
             name=self.name,
             on_resumed=self._resumed,
+            counts=self._counts,
         )
         self._attachments = Attachments()
         self._checkpointer: Checkpointer | None = None
@@ -311,42 +314,42 @@ class Listener:
     @property
     def attempts(self) -> int:
         """Connection attempts since start."""
-        return self._connection.attempts
+        return self._counts.attempts
 
     @property
     def registrations(self) -> int:
         """Acks received."""
-        return self._connection.registrations
+        return self._counts.registrations
 
     @property
     def resumes(self) -> int:
         """Registrations that sent ``since`` and were answered ``resumed: true``."""
-        return self._connection.resumes
+        return self._counts.resumes
 
     @property
     def bootstraps(self) -> int:
         """Bootstrap walks completed."""
-        return self._connection.bootstraps
+        return self._counts.bootstraps
 
     @property
     def aborts(self) -> int:
         """Connections that ended."""
-        return self._connection.aborts
+        return self._counts.aborts
 
     @property
     def overflows(self) -> int:
         """Times the buffer overflowed."""
-        return self._inbox.overflows
+        return self._counts.overflows
 
     @property
     def items_received(self) -> int:
         """Change items decoded from the socket."""
-        return self._inbox.items_received
+        return self._counts.items_received
 
     @property
     def frames_received(self) -> int:
         """Websocket frames received."""
-        return self._inbox.frames_received
+        return self._counts.frames_received
 
     @property
     def last_error(self) -> str | None:
@@ -364,34 +367,26 @@ class Listener:
         backoff = connection.backoff
         held = inbox.held()
         live_since = connection.live_since
-        return ListenerStatus(
+        return ListenerStatus.of(
+            self._counts,
             name=self.name,
             state=connection.state,
-            attempts=connection.attempts,
             failures=backoff.failures,
-            registrations=connection.registrations,
-            resumes=connection.resumes,
-            bootstraps=connection.bootstraps,
             buffer_size=held,
             buffer_capacity=inbox.buffer.capacity,
             buffer_peak=max(inbox.peak, held),
-            overflows=inbox.overflows,
-            aborts=connection.aborts,
             backoff_delay=backoff.delay,
             backoff_ceiling=backoff.ceiling,
             backoff_resets=backoff.resets,
             last_error=connection.last_error,
             cursor=self._inbox.resume,
-            items_received=inbox.items_received,
             items_delivered=inbox.items_delivered,
-            frames_received=inbox.frames_received,
             live_for=0.0 if live_since is None else time.monotonic() - live_since,
             route=self.route,
             resources=self.resources,
             bootstrap=tuple(
                 connection.progress[r] for r in self.resources if r in connection.progress
             ),
-            not_resumed=dict(connection.not_resumed),
             checkpoint=None if self._checkpointer is None else self._checkpointer.status(),
         )
 

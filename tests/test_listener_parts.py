@@ -19,6 +19,7 @@ from changefeed.listener import BackoffPolicy, RegistrationRefused, Resynced
 from changefeed.listener._attachments import Attachments, Stopped
 from changefeed.listener._checkpoint import MirrorCheckpoint
 from changefeed.listener._errors import BadPublisherFrame, BufferOverflow, PublisherClosed
+from changefeed.listener._events import ListenerCounts
 from changefeed.listener._inbox import Inbox, MemoryBuffer
 from changefeed.listener._reconcile import Intake, Reconciler
 from changefeed.schemas import ChangeItem, ChangeKind, ErrorFrame
@@ -44,6 +45,7 @@ def inbox(capacity: int = 10, resources: tuple[str, ...] = ("vm",)) -> Inbox:
         multi=len(resources) > 1,
         high_water=0.8,
         fields=dict,
+        counts=ListenerCounts(),
     )
 
 
@@ -66,7 +68,12 @@ async def test_frames_in_events_out_in_feed_order_resynced_first() -> None:
     assert isinstance(events[0], Resynced)
     assert [e.cursor for e in events] == ["ack", "c1", "c2"]
     assert box.resume == "c2" and box.done == "c1"  # done: the one before
-    counts = (box.frames_received, box.items_received, box.items_delivered, box.held())
+    counts = (
+        box.counts.frames_received,
+        box.counts.items_received,
+        box.items_delivered,
+        box.held(),
+    )
     assert counts == (1, 2, 2, 0)
 
 
@@ -77,7 +84,7 @@ async def test_a_frame_that_does_not_fit_is_an_overflow_and_held_items_count() -
     assert (await box.__anext__()).cursor == "c1"  # the other one is staged: still held
     with pytest.raises(BufferOverflow):
         await box.receive(frame(item(3), item(4), item(5)))  # 1 held + 3 > 3
-    assert box.overflows == 1 and box.held() == 1
+    assert box.counts.overflows == 1 and box.held() == 1
     assert await box.clear() == 1 and box.held() == 0
 
 
@@ -209,7 +216,7 @@ async def test_items_dropped_by_a_reconnect_no_longer_count_as_held() -> None:
     assert box.held() == 0
     box.live()
     await box.receive(frame(*(item(n) for n in range(8, 12))))  # 4 more: they fit
-    assert box.held() == 4 and box.overflows == 0
+    assert box.held() == 4 and box.counts.overflows == 0
     vms.space = 100
     vms.more.set()
     await wait_until(lambda: box.items_delivered == 4, 5)
