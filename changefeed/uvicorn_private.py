@@ -174,25 +174,43 @@ PRIVATE: tuple[Private, ...] = (
     *_attrs(
         "fast",
         _SANSIO,
-        "read and written by FanoutWebSocketProtocol and its frame writer",
+        "read by FanoutWebSocketProtocol and its frame writer",
         "config",
         "conn",
-        "frames",
         "curr_msg_data_type",
-        "close_sent",
         "close_timeout",
-        "handshake_complete",
         "initial_response",
         "loop",
         "pending_ping_payload",
         "ping_timeout",
-        "pong_timer",
         "queue",
         "read_paused",
         "scope",
         "transport",
         "client",
     ),
+    # Written, each as uvicorn itself writes it in the same situation:
+    *_attrs(
+        "fast",
+        _SANSIO,
+        "set once the fast path has written its own close frame (a refused frame), "
+        "so that uvicorn sends no second one",
+        "close_sent",
+    ),
+    *_attrs(
+        "fast",
+        _SANSIO,
+        "set when the app answered the handshake with an HTTP response (a refused "
+        "token): complete, where uvicorn would log an error",
+        "handshake_complete",
+    ),
+    *_attrs(
+        "fast",
+        _SANSIO,
+        "re-armed while the stream progresses: a ping's deadline extended",
+        "pong_timer",
+    ),
+    *_attrs("fast", _SANSIO, "emptied when a text message that is not UTF-8 is refused", "frames"),
     *_attrs(
         "fast",
         _SANSIO,
