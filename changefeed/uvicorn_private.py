@@ -17,7 +17,7 @@ on its optional paths, never on the default one (plain ASGI):
 ``missing(path)`` says which of a path's names the installed uvicorn lacks
 (checked on uvicorn's classes and their source, without running anything);
 changefeed.fast_path uses it before its self-check, ``DrainingServer`` refuses
-to start without its own (``UnsupportedUvicorn``), and
+to start without the methods it extends (``UnsupportedUvicorn``), and
 tests/test_uvicorn_private.py checks each name on its own, so that a uvicorn
 that renames one fails the test that names it.
 """
@@ -31,9 +31,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["PRIVATE", "Path", "Private", "missing"]
+__all__ = ["PRIVATE", "Kind", "Path", "Private", "missing"]
 
 Path = Literal["fast", "deadlines", "serve"]
+Kind = Literal["class", "method", "attribute"]
 
 _SANSIO = "uvicorn.protocols.websockets.websockets_sansio_impl:WebSocketsSansIOProtocol"
 _HTTPTOOLS = "uvicorn.protocols.http.httptools_impl:HttpToolsProtocol"
@@ -53,7 +54,7 @@ class Private:
     path: Path
     owner: str
     name: str
-    kind: Literal["class", "method", "attribute"]
+    kind: Kind
     use: str
     """What changefeed does with it."""
     parameters: tuple[str, ...] = ()
@@ -112,8 +113,8 @@ def _load(owner: str) -> object:
 @functools.cache
 def _assigned(owner: str) -> frozenset[str] | None:
     """Attributes ``self.<name> = ...`` that the class (and its uvicorn bases) assign;
-    None when uvicorn was installed without its source (the fast path's self-check
-    still runs it once)."""
+    None when uvicorn was installed without its source: its attributes are then not
+    checked (the fast path's self-check still runs it once)."""
     names: set[str] = set()
     cls = _load(owner)
     assert inspect.isclass(cls)
@@ -183,9 +184,7 @@ PRIVATE: tuple[Private, ...] = (
         "loop",
         "pending_ping_payload",
         "ping_timeout",
-        "queue",
         "read_paused",
-        "scope",
         "transport",
         "client",
     ),
@@ -217,9 +216,16 @@ PRIVATE: tuple[Private, ...] = (
         "replaced by a lighter object with the methods uvicorn calls (queue: put_nowait, "
         "get, empty; writable: set, clear, is_set, wait), or released once the handshake "
         "is done (request, response)",
+        "queue",
         "writable",
         "request",
         "response",
+    ),
+    *_attrs(
+        "fast",
+        _SANSIO,
+        "read, and its headers emptied once the app has accepted (it checked the token before)",
+        "scope",
     ),
     # The self-check (changefeed.fast_path) runs a connection as uvicorn's server
     # would: the HTTP protocol it chose, on a socket pair, handing the upgrade over.
@@ -283,6 +289,7 @@ PRIVATE: tuple[Private, ...] = (
     Private("serve", _SERVER, "shutdown", "method", "drain the publishers first", ("sockets",)),
     Private("serve", _SERVER, "capture_signals", "method", "a drained SIGTERM ends with status 0"),
     *_attrs("serve", _SERVER, "the listening sockets (asyncio servers)", "servers"),
+    *_attrs("serve", _SERVER, "the settings it was made with (host, port)", "config"),
     # The CLI's servers (changefeed.cli, .standalone, .demo) on any uvicorn: whether
     # start-up succeeded (the exit status), and the demo's stop.
     *_attrs("serve", _SERVER, "start-up succeeded; ask the server to stop", "started"),
@@ -291,8 +298,8 @@ PRIVATE: tuple[Private, ...] = (
 """Every private uvicorn name changefeed uses."""
 
 
-def missing(path: Path) -> list[str]:
-    """What the installed uvicorn lacks of ``path``'s names (empty: nothing).
+def missing(path: Path, kinds: tuple[Kind, ...] = ("class", "method", "attribute")) -> list[str]:
+    """What the installed uvicorn lacks of ``path``'s names of ``kinds`` (empty: nothing).
 
     For the fast path, an HTTP protocol whose library is not installed
     (httptools) is not lacking: uvicorn cannot choose it, and the self-check
@@ -302,6 +309,7 @@ def missing(path: Path) -> list[str]:
         why
         for private in PRIVATE
         if private.path == path
+        and private.kind in kinds
         and not (path == "fast" and private.absent_library() is not None)
         and (why := private.check())
     ]
