@@ -158,9 +158,9 @@ class PageTokenCodec:
         if len(token) > MAX_TOKEN_LENGTH:
             # Issuing it would only have the walk's next request refused (400).
             raise BootstrapConfigError(
-                f"a sort key of {len(body)} bytes makes a page token of {len(token)}"
-                f" characters, over the {MAX_TOKEN_LENGTH} a route accepts: sort by"
-                " shorter columns"
+                f"a sort key of {len(orjson.dumps([_tag(v) for v in key]))} bytes of JSON"
+                f" makes a page token of {len(token)} characters, over the"
+                f" {MAX_TOKEN_LENGTH} a route accepts: sort by shorter columns"
             )
         return token
 

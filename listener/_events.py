@@ -123,9 +123,10 @@ def _by_reason(counts: dict[str, int]) -> list[tuple[Labels, float]]:
 
 @dataclass(slots=True)
 class ListenerCounts:
-    """What a listener counts, each where it happens: its connection loop (attempts
-    to ``not_resumed``) and its inbox (frames, items, overflows), both writing to the
-    one record the listener hands them.
+    """What a listener counts, each where it happens: its connection loop (attempts,
+    registrations, resumes, bootstraps, aborts, ``not_resumed``) and its inbox
+    (overflows, items and frames received), both writing to the one record the
+    listener hands them.
 
     Declared once, here, with each metric's help; ``ListenerStatus`` is these counts
     as of one moment, with the listener's state beside them.

@@ -9,7 +9,8 @@ families, and a snapshot's values at scrape time; the snapshot's
 documentation is the same text. A counter is declared on a counts record
 (``ListenerCounts``, ``ControllerCounts``), counted where it happens, and the
 snapshot, a subclass of the record, copies it whole (``ListenerStatus.of``,
-``ControllerStats.of``): it is named nowhere else.
+``ControllerStats.of``): it is named nowhere else, but for the listener's
+properties that show a count as an attribute (``listener.attempts``).
 
 Pure code: no Prometheus here.
 """
