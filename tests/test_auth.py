@@ -606,8 +606,8 @@ async def test_an_authorizer_outage_is_503_or_4010_with_retry_after_on_every_rou
 async def test_without_the_denial_extension_an_outage_is_4010_with_retry_after(
     feed_dsn: str,
 ) -> None:
-    """The frame form of the same refusal: error ``unavailable`` with ``retryAfter``, close
-    4010 (it used to carry no ``retryAfter``)."""
+    """The frame form of the same refusal: error ``unavailable`` with ``retryAfter``
+    (the delay the listener waits at least), close 4010."""
     from servers import serve_app
 
     publisher = Publisher(
@@ -634,8 +634,8 @@ async def test_without_the_denial_extension_an_outage_is_4010_with_retry_after(
 
 async def test_a_token_not_allowed_the_resource_is_forbidden_on_every_route(dsn: str) -> None:
     """403 ``forbidden`` (4004 on the websocket) wherever a known token asks for a resource
-    it may not read, bootstrap routes included (they used to answer 401, the answer for
-    a token nobody knows); 401 stays for that."""
+    it may not read, bootstrap routes included (not 401, the answer for a token nobody
+    knows); 401 stays for that."""
     from test_listener_support import VmApiServer
 
     async def authorize(token: str) -> frozenset[str] | None:
@@ -713,8 +713,8 @@ async def test_a_listener_stops_when_the_bootstrap_route_refuses_its_token(
     dsn: str, revoked: frozenset[str] | None, code: str
 ) -> None:
     """Registered with a good token, which is then revoked (401) or loses the resource
-    (403; the route used to answer 401 for that too) before the bootstrap: the
-    listener stops for good, after one attempt, with ``RegistrationRefused``."""
+    (403) before the bootstrap: the listener stops for good, after one attempt, with
+    ``RegistrationRefused``."""
     from test_listener import make_listener, next_event
     from test_listener_support import VmApiServer
 

@@ -541,8 +541,8 @@ async def test_a_route_that_breaks_answers_500_with_the_error_body_and_logs_why(
 
 
 async def test_an_id_that_is_not_one_path_segment_is_refused_not_misread() -> None:
-    """``fetch_one(".")`` used to fetch the list route (the page read as the item),
-    and ``"a/b"`` a 404 read as a delete."""
+    """``fetch_one`` refuses an id that is not one path segment: ``"."`` would fetch the
+    list route (the page read as the item), and ``"a/b"`` a 404 read as a delete."""
     assert fetchable_by_path("vm-1") and fetchable_by_path("a b%")
     async with httpx.AsyncClient(base_url="http://127.0.0.1:9") as client:
         for odd in ("", ".", "..", "a/b"):
@@ -552,8 +552,9 @@ async def test_an_id_that_is_not_one_path_segment_is_refused_not_misread() -> No
 
 
 async def test_a_retry_after_that_is_not_ascii_digits_is_a_plain_retry() -> None:
-    """``"²"`` passes ``str.isdigit``: it used to crash the pager with a ValueError. A
-    real server on 127.0.0.1 answers 503 with that header once, then the item."""
+    """``"²"`` passes ``str.isdigit`` but is no number: the pager retries as for a 503
+    without the header, rather than fail with a ValueError. A real server on 127.0.0.1
+    answers 503 with that header once, then the item."""
     calls = 0
 
     async def item(request: Request) -> Response:

@@ -220,7 +220,8 @@ def _moved_aside(records: list[logging.LogRecord]) -> list[dict[str, Any]]:
 async def test_a_file_that_is_not_a_database_or_is_damaged_is_moved_aside_and_started_afresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """It used to fail every load and every save ("file is not a database"), for good."""
+    """Moved aside and started afresh (logged at ERROR), rather than every load and every
+    save failing for good ("file is not a database")."""
     path = tmp_path / "cp.sqlite"
     garbage = b"not a database at all" * 100
     path.write_bytes(garbage)
@@ -254,10 +255,9 @@ async def test_a_file_that_is_not_a_database_or_is_damaged_is_moved_aside_and_st
 async def test_a_checkpoint_whose_rows_do_not_decode_is_copied_aside_and_started_afresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A valid SQLite file whose checkpoint rows do not decode used to fail the load
-    (the listener bootstrapped), and the next save wrote over the evidence. It is
-    copied aside (the file stays: other names' checkpoints live in it), logged at
-    ERROR, and the load starts afresh."""
+    """A valid SQLite file whose checkpoint rows do not decode is copied aside before
+    the next save could write over the evidence (the file stays: other names'
+    checkpoints live in it), logged at ERROR, and the load starts afresh."""
     path = tmp_path / "cp.sqlite"
     store = SqliteCheckpointStore(path)
     other = SqliteCheckpointStore(path, name="other")
@@ -298,7 +298,8 @@ async def test_a_checkpoint_whose_rows_do_not_decode_is_copied_aside_and_started
 async def test_a_file_of_a_newer_layout_is_moved_aside_unless_it_holds_other_tables(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An older version used to write over a newer one's checkpoints."""
+    """An older version does not write over a newer one's checkpoints: it moves the file
+    aside and starts afresh, or refuses a file that holds the application's tables."""
     path = tmp_path / "cp.sqlite"
     newer = SqliteCheckpointStore(path)
     await newer.save(Checkpoint("c9", (VM,), {"vms": MirrorCheckpoint("vm", vms(1))}, sequence=9))
@@ -362,7 +363,8 @@ async def test_a_file_another_listener_holds_is_not_moved_aside_under_it(
 
 
 async def test_a_second_store_on_the_same_file_and_name_is_refused(tmp_path: Path) -> None:
-    """Two writers on one checkpoint used to both run, the last whole save winning."""
+    """A second writer on one checkpoint is refused, rather than both running and the last
+    whole save winning; another name in the same file is not held up."""
     path = tmp_path / "cp.sqlite"
     first = SqliteCheckpointStore(path)
     assert await first.load() is None
@@ -410,7 +412,8 @@ def _descriptors_of(path: Path) -> int:
 
 
 async def test_a_store_keeps_one_connection_until_it_is_closed(tmp_path: Path) -> None:
-    """It used to open a connection (and set it up) for every load and save."""
+    """One connection serves every load and save, rather than one opened (and set up) for
+    each; closing the store closes it."""
     path = tmp_path / "cp.sqlite"
     store = SqliteCheckpointStore(path)
     for n in range(1, 6):

@@ -250,9 +250,9 @@ async def test_without_a_terminal_progress_is_plain_lines_with_done_and_total(
 
 
 async def test_sigterm_stops_the_run_and_leaves_no_spark_scratch_behind(feed_dsn: str) -> None:
-    """SIGTERM (systemd stopping the unit, a CronJob's deadline) used to kill the
-    command where it stood (143), leaving Spark's scratch and spill directory in
-    /tmp. It unwinds now like Ctrl-C: the session stops and takes it along."""
+    """SIGTERM (systemd stopping the unit, a CronJob's deadline) unwinds the command like
+    Ctrl-C, exiting 143: the session stops and takes Spark's scratch and spill directory
+    in /tmp along, rather than the command dying where it stood and leaving it behind."""
     await seed(feed_dsn)
     before = _scratch()
     proc = await start(feed_dsn, stdout=subprocess.DEVNULL)

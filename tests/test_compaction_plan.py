@@ -421,9 +421,9 @@ def test_jdbc_password_never_in_url_or_repr() -> None:
 
 
 def test_jdbc_env_fills_in_what_the_dsn_leaves_out_as_for_asyncpg() -> None:
-    """Spark used to read the database named after the user on localhost, while the
-    job's own connection (asyncpg, which honours libpq's variables) locked and wrote
-    the one PGHOST, PGPORT and PGDATABASE name; and PGSSLMODE was dropped."""
+    """Spark reads the database the job's own connection (asyncpg, which honours libpq's
+    variables) locks and writes: the one PGHOST, PGPORT and PGDATABASE name, not the one
+    named after the user on localhost; and PGSSLMODE is kept, not dropped."""
     env = {
         "PGHOST": "db1,db2",
         "PGPORT": "6432",

@@ -44,8 +44,8 @@ def _refused_controller(api: VmApiServer) -> Controller[Any]:
 async def test_a_controller_that_stops_for_good_ends_its_block_and_its_exit_raises(
     dsn: str,
 ) -> None:
-    """``async with vms: await stop.wait()`` used to wait for good once the token was
-    refused: the controller stopped and nothing told the program."""
+    """``async with vms: await stop.wait()`` does not wait for good once the token is
+    refused: the controller's end ends the block, and its exit raises why."""
     async with VmApiServer(dsn, auth_tokens=("s3cret",)) as api:
         vms = _refused_controller(api)
         stop = asyncio.Event()
@@ -101,8 +101,9 @@ async def test_close_raises_what_stopped_the_controller_and_a_block_of_its_own_w
 
 
 async def test_close_stops_a_controller_run_in_a_task_of_the_applications(dsn: str) -> None:
-    """``close()`` used to stop only the task of ``async with``: a ``run()`` in the
-    application's own task went on, and ``done()`` stayed False."""
+    """``close()`` stops a ``run()`` in the application's own task, not only the task of
+    ``async with``: that ``run()`` returns and ``done()`` turns True, rather than the run
+    going on with ``done()`` False; the other controller's run goes on."""
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         await create_vms(client, 3)
         listener = shared_listener(api.ws_url)
@@ -127,7 +128,9 @@ async def test_close_stops_a_controller_run_in_a_task_of_the_applications(dsn: s
 async def test_a_controller_attached_and_never_run_is_an_error_within_the_timeout(
     dsn: str,
 ) -> None:
-    """It used to keep the listener from ever starting, with an INFO line only."""
+    """Past ``controller_start_timeout``, the listener stops with ``ListenerConfigError``
+    (logged, naming the idle controller), rather than never starting with an INFO line
+    only; the forgotten controller, run late, raises the same error."""
     async with VmApiServer(dsn) as api:
         config = dataclasses.replace(FAST, controller_start_timeout=0.5)
         listener = shared_listener(api.ws_url, config=config)
@@ -266,7 +269,7 @@ async def test_a_controller_whose_fetch_is_refused_for_good_stops_with_the_refus
 async def test_one_controller_stopping_does_not_stop_the_checkpoints_of_the_others(
     dsn: str, tmp_path: Path
 ) -> None:
-    """``servers`` stops while ``vms`` goes on: checkpoints go on too (they used to stop
+    """``servers`` stops while ``vms`` goes on: checkpoints go on too (rather than stopping
     for good with the first controller), still consistent for ``servers``, whose
     changes since it stopped are pending; a restart resumes both and calls ``servers``
     back for what changed while it was stopped."""

@@ -267,8 +267,9 @@ async def test_serve_refuses_a_missing_database(pg_server: Any, tmp_path: Path) 
 
 
 async def test_serve_on_a_port_in_use_says_so_in_one_line(feed_dsn: str, tmp_path: Path) -> None:
-    """uvicorn exits the process when it cannot listen: that used to end the command
-    with status 3 and an asyncio traceback ("Task exception was never retrieved")."""
+    """uvicorn exits the process when it cannot listen: the command ends with status 1
+    and one line saying so, not status 3 and an asyncio traceback ("Task exception was
+    never retrieved")."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()

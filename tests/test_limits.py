@@ -534,10 +534,10 @@ async def test_a_listener_that_takes_not_even_its_ack_is_let_go_within_bounded_t
 ) -> None:
     """A client pings in a burst with its registration and never reads: the answers
     to its pings fill the server's buffers. Through plain ASGI the registration is
-    read and the ack cannot be written: that send used to have no deadline, and
-    nothing else could end the connection (its socket and registration were held
-    until the peer hung up); now it is an eviction like any other
-    (``recentEvictions``) within ``stall_timeout``. The fast path stops reading a
+    read and the ack cannot be written: that send has a deadline, as nothing else can
+    end the connection (without one, its socket and registration are held until the
+    peer hangs up); it is an eviction like any other (``recentEvictions``) within
+    ``stall_timeout``. The fast path stops reading a
     peer it cannot write to, so the registration never comes: the connection goes
     at ``registration_timeout`` plus ``close_timeout``."""
     async with running_publisher(

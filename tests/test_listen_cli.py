@@ -226,7 +226,7 @@ def test_demo_with_a_dsn_it_cannot_use_says_so_in_one_line(
 )
 def test_numeric_options_refuse_nonsense_as_usage_errors(option: str, value: str) -> None:
     """Refused by the parser, before anything connects: status 2 and a line naming the
-    option (``--page-limit 0`` used to ask for the default page size instead). A child
+    option (``--page-limit 0`` is not taken to ask for the default page size). A child
     process with a deadline: a command that took the value would listen on."""
     result = subprocess.run(
         [CHANGEFEED, "listen", "http://127.0.0.1:9", "--resource", "vm", option, value],
@@ -279,7 +279,7 @@ async def test_listen_status_shows_the_bootstrap_rising(dsn: str) -> None:
 
 async def test_listen_rides_out_an_authorizer_outage_during_its_bootstrap(dsn: str) -> None:
     """The API's identity service fails while ``listen`` walks its bootstrap route: the
-    route answers 503 (it used to answer 401, and ``listen`` exited for good with
+    route answers 503 (not 401, on which ``listen`` would exit for good with
     "registration refused (http_401)"); the command retries, bootstraps, and follows."""
     registered = asyncio.Event()
     outage = {"left": 2}
@@ -392,7 +392,7 @@ async def test_listen_with_a_checkpoint_resumes_and_prints_only_what_changed(
 
 
 async def test_listen_mirror_refused_prints_no_mirror_and_exits_1(dsn: str) -> None:
-    """A refused ``listen --mirror`` used to print an empty mirror before exiting 1,
+    """A refused ``listen --mirror`` prints nothing before exiting 1, not an empty mirror,
     which a script reading stdout could take for a feed with nothing in it."""
     args = ["--resource", "vm", "--mirror", "--token", "revoked"]
     async with VmApiServer(dsn, auth_tokens=("s3cret",)) as api, listen(api.url, *args) as process:
@@ -406,8 +406,9 @@ async def test_listen_mirror_refused_prints_no_mirror_and_exits_1(dsn: str) -> N
 async def test_listen_refuses_a_checkpoint_file_another_listen_holds(
     dsn: str, tmp_path: Path
 ) -> None:
-    """Two ``listen --checkpoint F`` used to both run, each overwriting the other's saves:
-    the second exits at once with status 1 and says why; the first goes on."""
+    """Of two ``listen --checkpoint F``, the second exits at once with status 1 and says
+    why, rather than both running, each overwriting the other's saves; the first goes
+    on."""
     checkpoint = str(tmp_path / "listen.sqlite")
     args = ["--resource", "vm", "--mirror", "--checkpoint", checkpoint]
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
@@ -431,9 +432,9 @@ async def test_listen_refuses_a_checkpoint_file_another_listen_holds(
 async def test_listen_moves_an_unreadable_checkpoint_aside_and_its_next_run_resumes(
     dsn: str, tmp_path: Path
 ) -> None:
-    """A file that is not a database used to make every save fail ("file is not a
-    database") while the command exited 0, and every later run bootstrapped again: it
-    is moved aside (an ERROR line says where), and the next run resumes."""
+    """A file that is not a database is moved aside (an ERROR line says where), and the
+    next run resumes, rather than every save failing ("file is not a database") while
+    the command exits 0, and every later run bootstrapping again."""
     checkpoint = tmp_path / "listen.sqlite"
     checkpoint.write_bytes(b"garbage" * 1000)
     args = ["--resource", "vm", "--mirror", "--checkpoint", str(checkpoint)]
@@ -462,7 +463,8 @@ async def test_listen_exits_1_when_its_checkpoint_saves_are_failing(
     dsn: str, tmp_path: Path
 ) -> None:
     """The file may not grow past 128 KiB (RLIMIT_FSIZE), and the mirror of 2,000 VMs
-    needs more: every save fails. The command used to exit 0 all the same."""
+    needs more: every save fails. The command exits 1, saying its checkpoint does not
+    hold where this run got to, rather than 0 all the same."""
     checkpoint = str(tmp_path / "listen.sqlite")
     args = ["--resource", "vm", "--mirror", "--checkpoint", checkpoint]
     async with VmApiServer(dsn) as api:
@@ -496,9 +498,10 @@ def test_since_and_checkpoint_together_are_a_usage_error(
 async def test_listen_count_prints_exactly_that_many_and_says_when_duration_ran_out(
     dsn: str,
 ) -> None:
-    """``--count N`` used to print whatever was buffered past N (30 items for
-    ``--count 1`` after a resume, every bootstrap add with ``--mirror``); and a
-    ``--duration`` that ran out before N items exited 0 as if they had come."""
+    """``--count N`` prints N items (then, with ``--mirror``, the mirror), not whatever
+    was buffered past N (30 items for ``--count 1`` after a resume, every bootstrap add
+    with ``--mirror``); and a ``--duration`` that runs out before N items exits 1, not
+    0 as if they had come."""
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         await create_vms(client, 12)
         # --mirror: the bootstrap's 12 adds come in one go.
@@ -549,9 +552,9 @@ async def test_listen_count_with_a_checkpoint_goes_on_after_the_last_item_printe
 async def test_listen_piped_into_head_stops_quietly_once_head_has_gone(
     dsn: str, mirror: bool
 ) -> None:
-    """``listen --mirror | head -1`` used to retry its callback for good against the
-    closed pipe, logging a traceback each time; a closed stdout now ends the run,
-    quietly, with status 0."""
+    """``listen --mirror | head -1``: a closed stdout ends the run, quietly, with status
+    0, rather than the callback being retried for good against the closed pipe, logging
+    a traceback each time."""
     extra = " --mirror" if mirror else ""
     async with VmApiServer(dsn) as api, httpx.AsyncClient(base_url=api.url) as client:
         await create_vms(client, 2)

@@ -108,8 +108,8 @@ async def test_a_single_resource_connection_refuses_another_resources_items() ->
 
 async def test_a_reconnect_between_resynced_events_moves_no_cursor() -> None:
     """Only whole hand-outs move the cursor: a connection that ends after the first of a
-    bootstrap's Resynced events leaves both readings where they were (a checkpoint of
-    ``async for`` used to save the ack's cursor then, though the application never got
+    bootstrap's Resynced events leaves both readings where they were (else a checkpoint
+    of ``async for`` would save the ack's cursor then, though the application never got
     the other resource's bootstrap)."""
     box = inbox(resources=("vm", "server"))
     box.restore("before")

@@ -643,11 +643,11 @@ async def test_example_api_read_dsn_from_the_command_line(
 async def test_the_drops_wait_for_standbys_not_wal_receivers_and_not_past_an_away_slot(
     feed_dsn: str, standby_dsn: str, pg_server: Any, tmp_path: Path
 ) -> None:
-    """``pg_receivewal`` streams the WAL and never replays it: the wait used to count
-    it as a standby for ever behind, so no run could drop. An inactive physical slot
-    says only what its standby had *flushed*: it used to pass as caught up, while its
-    standby may come back serving keepers it has not replayed. It now counts as
-    behind until the standby is back, or the slot is dropped."""
+    """``pg_receivewal`` streams the WAL and never replays it: the wait does not count
+    it as a standby for ever behind (no run could drop). An inactive physical slot
+    says only what its standby had *flushed*, not that it is caught up: its standby
+    may come back serving keepers it has not replayed, so it counts as behind until
+    the standby is back, or the slot is dropped."""
     from changefeed.compaction.apply import CompactionStore
     from changefeed.compaction.errors import CompactionError
     from changefeed.embedded import find_postgres_bindir
@@ -785,9 +785,9 @@ async def test_an_old_identity_on_a_standby_behind_is_waited_out_not_adopted(
 async def test_a_burst_of_fresher_cursors_waits_for_the_replay_on_few_connections(
     feed_dsn: str, standby_dsn: str
 ) -> None:
-    """20 cursors of a fresher publisher reach a publisher whose standby lags: each
-    used to hold a connection of the read pool for the whole wait (the others'
-    reads then went to the primary). The wait is one per replay target now: the
+    """20 cursors of a fresher publisher reach a publisher whose standby lags: the wait
+    is one per replay target, rather than each cursor holding a connection of the read
+    pool for the whole wait (the others' reads then going to the primary). The
     primary's position is asked in at most two rounds, so at most two connections
     wait, however many cursors do; all 20 are answered once replay goes on."""
     from changefeed.publisher.resume_queries import ResumeQueries
