@@ -181,7 +181,7 @@ class DrainingServer(uvicorn.Server):
             # Without them a SIGTERM would cut listeners off with 1012 instead of
             # draining them, and a failed start-up could pass for a clean stop: say
             # so before anything is served, rather than find out at shutdown. The
-            # attributes it reads are checked by tests on the newest uvicorn only:
+            # attributes it reads are checked by tests (oldest and newest uvicorn):
             # their check reads uvicorn's source, too fragile to refuse a start on.
             raise UnsupportedUvicorn(
                 f"uvicorn {uvicorn.__version__} lacks what changefeed's server uses: "
