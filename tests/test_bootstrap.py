@@ -143,8 +143,8 @@ def test_token_tampering_is_refused() -> None:
 def test_a_token_says_when_it_was_issued_and_a_first_version_one_is_read_as_untimed() -> None:
     codec = PageTokenCodec("items", key=b"k" * 32, clock=lambda: 1_800_000_000.7)
     assert codec.decode(codec.encode("w", (5,))).issued == 1_800_000_000
-    # A token of the first version ([walk, key...], no time), as a publisher before
-    # this one issued it: still read, as a token that does not say when.
+    # A token of the first version ([walk, key...], no time), as a publisher of that
+    # version issues it: still read, as a token that does not say when.
     body = b"\x01" + orjson.dumps(["w", ["i", 5]])
     mac = hmac.new(b"k" * 32, len(b"items").to_bytes(2, "big") + b"items" + body, "blake2b")
     first = base64.urlsafe_b64encode(body + mac.digest()[:10]).rstrip(b"=").decode()
@@ -344,10 +344,10 @@ def test_walk_table_forgets_idle_walks() -> None:
 
 
 def test_a_continuation_whose_walk_every_process_forgot_is_admitted_as_a_new_walk() -> None:
-    """Tokens never expired: a client that kept continuation tokens aside could
-    open any number of walks the cap never counted. A continuation of a walk this
-    process does not know is taken as one only while its token is recent (the
-    walk began on another instance); an older one is a new walk, under the cap."""
+    """A client that keeps continuation tokens aside opens no walk the cap does not
+    count. A continuation of a walk this process does not know is taken as one only
+    while its token is recent (the walk began on another instance); an older one is
+    a new walk, under the cap."""
     clock, wall = FakeClock(), FakeClock()
     wall.now = 1_800_000_000.0
     admission = Admission(max_walks=1, walk_idle_timeout=30.0, clock=clock, wall_clock=wall)
