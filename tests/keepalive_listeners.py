@@ -50,6 +50,7 @@ def pinned_socket(url: str, rcvbuf: int) -> socket.socket:
     assert parts.hostname is not None and parts.port is not None
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before the handshake
+    sock.settimeout(10)  # a bounded connect; asyncio makes it non-blocking after
     sock.connect((parts.hostname, parts.port))
     return sock
 
