@@ -50,9 +50,10 @@ __all__ = [
 NOTSENT_LOWAT = 8 * 1024
 """Default bytes the kernel may hold unsent for one listener connection. The
 kernel checks it only when a write needs a new segment, and appends to the
-last one (on loopback up to 64 KiB) unchecked: so the fast path also holds its
-writes to a listener that is behind while the kernel holds this much, and cuts
-their turns to it (changefeed.uvicorn_fastpath). What waits ahead of a ping
+last one (on loopback up to 64 KiB) unchecked: so the fast path ends a segment
+with each write (changefeed.bounded_writes), holds its writes to a listener
+that is behind while the kernel holds this much, and cuts their turns to it
+(changefeed.uvicorn_fastpath). What waits ahead of a ping
 then stays under about twice this (bench/keepalive.py, ``--notsent-lowat`` to
 compare); through plain ASGI up to one segment more."""
 

@@ -20,6 +20,7 @@ from websockets.frames import Close, Frame, Opcode
 from websockets.http11 import Request
 from websockets.protocol import State
 
+from changefeed.bounded_writes import BoundedWrites
 from changefeed.logs import log_event
 from changefeed.publisher.wakeup import Wakeup
 from changefeed.publisher.wire import DIRECT_WRITES, DISCONNECT_CAUSE, Disconnect
@@ -65,7 +66,8 @@ class _DirectWriter:
     """changefeed.publisher.wire.FrameWriter for one uvicorn websocket connection.
 
     Called for every listener on every flush: it keeps what ``open`` reads at
-    hand, and ``write`` is the transport's own method."""
+    hand, and ``write`` is the bounded writes' (changefeed.bounded_writes), or
+    the transport's own method."""
 
     __slots__ = ("_conn", "_protocol", "_socket", "_transport", "write")
 
@@ -74,7 +76,11 @@ class _DirectWriter:
         self._transport = protocol.transport
         self._conn = protocol.conn
         self._socket = protocol.transport.get_extra_info("socket")
-        self.write = protocol.transport.write
+        bounded = protocol.bounded_writes
+        self.write = protocol.transport.write if bounded is None else bounded.write
+
+    def backlogged(self) -> bool:
+        return bool(self._transport.get_write_buffer_size())
 
     def buffered(self) -> int:
         # The kernel's part too: for a listener that stopped reading on a quiet
@@ -149,8 +155,9 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     never cut off by them; a handshake refused with an HTTP response (401) is
     not logged as an error; a handshake websockets cannot parse is answered
     (431) and closed, not left open for good; what waits below the app is
-    small (a 4 KiB transport buffer, ``TCP_NOTSENT_LOWAT``, and writes held
-    while the kernel holds that much, ``hold_while_unsent``); and a connection
+    small (a 4 KiB transport buffer, ``TCP_NOTSENT_LOWAT`` made exact by
+    writes that end their segment, ``bounded_writes``, and writes held while
+    the kernel holds that much, ``hold_while_unsent``); and a connection
     whose app is done is dropped once its close handshake had its time, even
     when the peer stopped reading (``run_asgi``).
     """
@@ -166,6 +173,9 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     ``hold_while_unsent`` holds writes (None: not holding)."""
     lost = False
     """The connection is gone."""
+    bounded_writes: BoundedWrites | None = None
+    """The publisher's frames written so that the kernel holds at most
+    ``unsent_limit`` and one write unsent (None: through the transport alone)."""
     reading_held = False
     """Reading is paused until the transport's buffer drains (``_PEER_BACKLOG``)."""
     _received = 0
@@ -202,6 +212,8 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self._end_unsent_wait()
+        if self.bounded_writes is not None:
+            self.bounded_writes.release()
         super().connection_lost(exc)
 
     def hold_while_unsent(self) -> bool:
@@ -321,6 +333,8 @@ class FanoutWebSocketProtocol(WebSocketsSansIOProtocol):
         if limit == 0 and set_notsent_lowat(sock, NOTSENT_LOWAT):
             limit = NOTSENT_LOWAT
         self.unsent_limit = limit or 0
+        if self.unsent_limit:
+            self.bounded_writes = BoundedWrites.of(self.transport)
 
     def handle_parser_exception(self) -> None:
         """A frame over ``ws_max_size`` gets the publisher's refusal, an error frame

@@ -67,6 +67,10 @@ _FRAMES_PER_FLUSH = 16
 for every listener before any of them gets a second turn, so a burst reaches
 all of them early; the senders then go on in turns of _FRAMES_PER_TURN."""
 
+_PIECE_LIMITS = 2
+"""A turn of single-item frames goes out in writes of about this many times the
+kernel's unsent limit (``_DirectSender.write_turn``)."""
+
 _REFILL_TURNS = 2
 """Turns of items a catching-up connection queues at a time."""
 
@@ -501,7 +505,15 @@ class _DirectSender:
     transport, does that part.
     """
 
-    __slots__ = ("_batches", "_delivery", "_flush_turn", "_holding", "_turn", "_writer")
+    __slots__ = (
+        "_batches",
+        "_delivery",
+        "_flush_turn",
+        "_frame_bytes",
+        "_holding",
+        "_turn",
+        "_writer",
+    )
 
     def __init__(
         self, delivery: Delivery, writer: FrameWriter, max_batch: int, batches: BatchFrames
@@ -515,6 +527,8 @@ class _DirectSender:
         """A write found the kernel holding its limit unsent since the listener last
         caught up: it reads slower than it is written to, and turns are cut to that
         limit."""
+        self._frame_bytes = 256
+        """Bytes of the last write's frames, on average (what sizes a turn's pieces)."""
 
     def lost(self) -> bool:
         """True once the connection is closing or gone."""
@@ -536,10 +550,31 @@ class _DirectSender:
         return not delivery.queue
 
     def write_turn(self) -> None:
-        """Write one turn of queued items (only when ``ready``)."""
-        items = self.take(self._turn)
-        if items:
+        """Write one turn of queued items (only when ``ready``).
+
+        Single-item frames go out in pieces of about ``_PIECE_LIMITS`` times the
+        kernel's unsent limit, and the turn ends at the first piece the kernel
+        does not take whole (the writer is ``backlogged``): the rest stays queued
+        here, where catch-up paces it, instead of waiting in the transport ahead of
+        the listener's pings. The kernel refuses past its limit because each write
+        ends its segment (changefeed.bounded_writes)."""
+        writer = self._writer
+        limit = writer.unsent_limit
+        if self._delivery.batch or not limit or self._holding:
+            items = self.take(self._turn)
+            if items:
+                self._write(items)
+            return
+        piece = max(1, _PIECE_LIMITS * limit // self._frame_bytes)
+        left = self._turn
+        while left > 0:
+            items = self._delivery.take(min(left, piece))
+            if not items:
+                return
             self._write(items)
+            left -= len(items)
+            if writer.backlogged() or not self.ready():
+                return
 
     def take(self, most: int) -> list[Item]:
         """Up to ``most`` queued items for the next write; for a listener that reads
@@ -554,6 +589,7 @@ class _DirectSender:
         else:
             data = b"".join([item.wire for item in items])
             frames = len(items)
+            self._frame_bytes = len(data) // frames or 1
         try:
             self._writer.write(data)
         except Exception as exc:

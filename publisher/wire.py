@@ -71,6 +71,10 @@ class FrameWriter(Protocol):
     def write(self, data: bytes) -> None:
         """Write ``data`` (whole frames); only when ``open``."""
 
+    def backlogged(self) -> bool:
+        """True when part of what was written waits in the transport: the kernel
+        refused it, holding its limit unsent."""
+
     def buffered(self) -> int:
         """Bytes written that the peer has yet to take: in the transport's buffer,
         and in the kernel's unacknowledged where the server can tell."""
