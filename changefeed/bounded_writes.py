@@ -65,9 +65,13 @@ class BoundedWrites:
         if extra is None or extra.family not in (socket.AF_INET, socket.AF_INET6):
             return None
         try:
-            return cls(transport, _Borrowed(fileno=extra.fileno()))
+            borrowed = _Borrowed(fileno=extra.fileno())
+            # Never wait in send(): a default timeout (socket.setdefaulttimeout) would
+            # make a refused write block the event loop for that long.
+            borrowed.settimeout(0.0)
         except (OSError, ValueError):
             return None
+        return cls(transport, borrowed)
 
     def write(self, data: bytes) -> None:
         """Write ``data``: what the kernel refuses goes to the transport."""

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -125,3 +126,18 @@ async def test_a_closing_transport_is_left_to_close(pair: Pair) -> None:
         while await loop.sock_recv(pair.peer, 100):
             pass  # the peer sees the close
     assert pair.transport.is_closing()
+
+
+async def test_a_default_socket_timeout_never_makes_a_refused_write_wait(pair: Pair) -> None:
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5.0)
+    try:
+        writes = BoundedWrites.of(pair.transport)
+    finally:
+        socket.setdefaulttimeout(previous)
+    assert writes is not None
+    started = time.monotonic()
+    for _ in range(200):  # refused past the limit: each refusal must return at once
+        writes.write(b"x" * WRITE)
+    assert time.monotonic() - started < 2.5
+    assert pair.transport.get_write_buffer_size() > 0
