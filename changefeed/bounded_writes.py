@@ -12,7 +12,8 @@ transport keeps the rest, under asyncio's flow control, where the fast path
 sees it.
 
 The transport has no way to pass a flag, so the writes go to its socket
-through a ``socket.socket`` *borrowed* on the transport's own descriptor:
+through a ``socket.socket`` *borrowed* on the transport's own descriptor
+(plain TCP only, never under TLS):
 only while the transport holds nothing to write (then it would call ``send``
 itself, with the same bytes in the same order), never while it is closing,
 and never closed (``release`` forgets the descriptor; the transport owns it).
@@ -58,8 +59,9 @@ class BoundedWrites:
     @classmethod
     def of(cls, transport: Any) -> BoundedWrites | None:
         """Bounded writes for ``transport``; None where the platform has no such
-        flag, or the transport no TCP socket."""
-        if not _MSG_EOR:
+        flag, or the transport no TCP socket of its own: a TLS transport's
+        socket carries records it encrypts, never the bytes it is given."""
+        if not _MSG_EOR or transport.get_extra_info("ssl_object") is not None:
             return None
         extra = transport.get_extra_info("socket")
         if extra is None or extra.family not in (socket.AF_INET, socket.AF_INET6):

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
+import ssl
 import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from test_deploy_support import make_certificate
 
 from changefeed.bounded_writes import BoundedWrites
 from changefeed.tcp_liveness import set_notsent_lowat, unsent_bytes
@@ -141,3 +144,34 @@ async def test_a_default_socket_timeout_never_makes_a_refused_write_wait(pair: P
         writes.write(b"x" * WRITE)
     assert time.monotonic() - started < 2.5
     assert pair.transport.get_write_buffer_size() > 0
+
+
+async def test_a_tls_transport_is_never_written_to_directly(tmp_path: Path) -> None:
+    """Its socket carries TLS records: bytes written there would reach the peer
+    unencrypted, and break the stream."""
+    made = make_certificate(tmp_path)
+    if made is None:
+        pytest.skip("no openssl")
+    cert, key = made
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    accepted: asyncio.Future[asyncio.Transport] = asyncio.get_running_loop().create_future()
+
+    class Quiet(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            accepted.set_result(transport)
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    srv = await asyncio.get_running_loop().create_server(Quiet, sock=listening, ssl=server_tls)
+    client_tls = ssl.create_default_context(cafile=str(cert))
+    port = listening.getsockname()[1]
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_tls)
+    try:
+        transport = await asyncio.wait_for(accepted, 10)
+        assert transport.get_extra_info("socket") is not None  # there is one to misuse
+        assert BoundedWrites.of(transport) is None
+    finally:
+        writer.close()
+        srv.close()
+        await srv.wait_closed()
