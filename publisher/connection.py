@@ -553,14 +553,16 @@ class _DirectSender:
         """Write one turn of queued items (only when ``ready``).
 
         Single-item frames go out in pieces of about ``_PIECE_LIMITS`` times the
-        kernel's unsent limit, and the turn ends at the first piece the kernel
-        does not take whole (the writer is ``backlogged``): the rest stays queued
-        here, where catch-up paces it, instead of waiting in the transport ahead of
-        the listener's pings. The kernel refuses past its limit because each write
-        ends its segment (changefeed.bounded_writes)."""
+        kernel's unsent limit, and the turn ends at the first piece the kernel does
+        not take whole (the writer is ``backlogged``) or that made the writer hold
+        (``wrote``): the rest stays queued here, where catch-up paces it, instead
+        of waiting in the kernel or the transport ahead of the listener's pings.
+        The kernel refuses past its limit because each write ends its segment
+        (changefeed.bounded_writes). Once held, turns are cut to the limit."""
         writer = self._writer
         limit = writer.unsent_limit
-        if self._delivery.batch or not limit or self._holding:
+        delivery = self._delivery
+        if delivery.batch or not limit or self._holding:
             items = self.take(self._turn)
             if items:
                 self._write(items)
@@ -568,7 +570,7 @@ class _DirectSender:
         piece = max(1, _PIECE_LIMITS * limit // self._frame_bytes)
         left = self._turn
         while left > 0:
-            items = self._delivery.take(min(left, piece))
+            items = delivery.take(min(left, piece))
             if not items:
                 return
             self._write(items)

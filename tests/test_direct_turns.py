@@ -45,6 +45,7 @@ class Kernel:
 
 
 def queued(count: int, batch: bool = False) -> Delivery:
+    """A live delivery with ``count`` items of about 220 bytes queued."""
     delivery = Delivery(
         Interest([ChangeKind("vm", ())]), ORIGIN, ORIGIN, capacity=1000, batch=batch
     )
@@ -84,6 +85,16 @@ def test_a_batch_listener_gets_one_frame_per_turn() -> None:
     direct.write_turn()
     assert len(kernel.writes) == 1
     assert len(delivery.queue) == 200  # max_batch items in one frame
+
+
+def test_a_listener_catching_up_gets_its_turn_in_pieces_too() -> None:
+    behind = Delivery(Interest([ChangeKind("vm", ())]), ORIGIN, Position(100, 500), capacity=1000)
+    assert not behind.live
+    behind.queue.extend(Item(f'{{"id":"{n:0200d}"}}', 0.0) for n in range(300))
+    kernel = Kernel(room=LIMIT)
+    sender(behind, kernel).write_turn()
+    assert kernel.in_transport < _PIECE_LIMITS * LIMIT + 256
+    assert len(behind.queue) > 300 - _FRAMES_PER_TURN
 
 
 def test_without_an_unsent_limit_the_turn_is_one_write() -> None:
