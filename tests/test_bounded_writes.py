@@ -32,9 +32,11 @@ class Pair:
     peer: socket.socket
 
 
-@pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
-    """A server-side asyncio transport whose peer, a plain socket, reads nothing."""
+async def serve(
+    listening: socket.socket, tls: ssl.SSLContext | None = None
+) -> tuple[asyncio.Server, asyncio.Future[asyncio.Transport]]:
+    """An asyncio server on ``listening`` whose protocol reads nothing, and the
+    transport of the first connection it accepts."""
     accepted: asyncio.Future[asyncio.Transport] = asyncio.get_running_loop().create_future()
 
     class Quiet(asyncio.Protocol):
@@ -42,9 +44,16 @@ async def pair() -> AsyncIterator[Pair]:
             assert isinstance(transport, asyncio.Transport)
             accepted.set_result(transport)
 
+    server = await asyncio.get_running_loop().create_server(Quiet, sock=listening, ssl=tls)
+    return server, accepted
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    """A server-side asyncio transport whose peer, a plain socket, reads nothing."""
     listening = socket.create_server(("127.0.0.1", 0))
     assert set_notsent_lowat(listening, LIMIT)
-    srv = await asyncio.get_running_loop().create_server(Quiet, sock=listening)
+    srv, accepted = await serve(listening)
     peer = socket.create_connection(listening.getsockname()[:2])
     peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     try:
@@ -118,19 +127,6 @@ async def test_the_borrowed_socket_never_closes_the_transports_descriptor(pair: 
     assert data == b"after releasestill open"
 
 
-async def test_a_closing_transport_is_left_to_close(pair: Pair) -> None:
-    writes = BoundedWrites.of(pair.transport)
-    assert writes is not None
-    pair.transport.close()
-    writes.write(b"late")  # what asyncio does with it, as with its own write
-    pair.peer.setblocking(False)
-    loop = asyncio.get_running_loop()
-    async with asyncio.timeout(10):
-        while await loop.sock_recv(pair.peer, 100):
-            pass  # the peer sees the close
-    assert pair.transport.is_closing()
-
-
 async def test_a_default_socket_timeout_never_makes_a_refused_write_wait(pair: Pair) -> None:
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(5.0)
@@ -155,15 +151,8 @@ async def test_a_tls_transport_is_never_written_to_directly(tmp_path: Path) -> N
     cert, key = made
     server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_tls.load_cert_chain(cert, key)
-    accepted: asyncio.Future[asyncio.Transport] = asyncio.get_running_loop().create_future()
-
-    class Quiet(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            assert isinstance(transport, asyncio.Transport)
-            accepted.set_result(transport)
-
     listening = socket.create_server(("127.0.0.1", 0))
-    srv = await asyncio.get_running_loop().create_server(Quiet, sock=listening, ssl=server_tls)
+    srv, accepted = await serve(listening, server_tls)
     client_tls = ssl.create_default_context(cafile=str(cert))
     port = listening.getsockname()[1]
     _reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_tls)
