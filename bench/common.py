@@ -36,6 +36,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -788,6 +789,61 @@ def oldest_uvicorn_python() -> str:
     return str(python)
 
 
+# --------------------------------------------------------------------------- baseline tree
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(_REPO), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def this_commit() -> str:
+    """This tree's commit, short, with ``+`` when it has uncommitted changes."""
+    return _git("rev-parse", "--short", "HEAD") + ("+" if _git("status", "--porcelain") else "")
+
+
+def tree_env(tree: Path | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a child that imports ``tree``'s
+    ``changefeed``: the tree ahead of the editable install's finder."""
+    env = dict(os.environ if env is None else env)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    return env
+
+
+@contextlib.contextmanager
+def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
+    """A detached worktree of ``ref`` in a temporary directory, removed afterwards;
+    checked to be what a child given ``tree_env`` imports."""
+    commit = _git("rev-parse", "--short", f"{ref}^{{commit}}")
+    with tempfile.TemporaryDirectory(prefix="cf-bench-baseline-") as tmp:
+        tree = Path(tmp) / "tree"
+        _git("worktree", "add", "--detach", "--quiet", str(tree), commit)
+        try:
+            probe = "import changefeed; print(changefeed.__file__)"
+            imported = subprocess.run(
+                [sys.executable, "-c", probe],
+                env=tree_env(tree),
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            ).stdout.strip()
+            if not Path(imported).resolve().is_relative_to(tree.resolve()):
+                raise RuntimeError(f"a child given {tree} imports {imported} instead")
+            yield tree, commit
+        finally:
+            _git("worktree", "remove", "--force", str(tree))
+
+
+def paired(values: Sequence[float], against: Sequence[float]) -> float:
+    """The median of the pair-by-pair ratios ``values[i] / against[i]``: each pair
+    was measured within seconds, so the ratio cancels the load other processes put
+    on the machine from pair to pair."""
+    return statistics.median(v / a for v, a in zip(values, against, strict=True))
+
+
 def _server_command(server: str, port: int) -> list[str]:
     """Each server with uvloop, no per-message compression where it can be turned
     off, and its own logging at warning."""
@@ -857,23 +913,23 @@ class PublisherProcess:
 
 @contextlib.asynccontextmanager
 async def publisher_process(
-    server: str, dsn: str, settings: dict[str, Any]
+    server: str, dsn: str, settings: dict[str, Any], tree: Path | None = None
 ) -> AsyncIterator[PublisherProcess]:
     """The publisher (bench/served_app.py, ``settings``: PublisherConfig fields) on
-    ``server`` on a free loopback port, until the block exits (SIGTERM)."""
+    ``server`` on a free loopback port, until the block exits (SIGTERM); with
+    ``tree`` (``baseline_tree``), that tree's served app and package."""
     import httpx
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {
-        **os.environ,
-        "CHANGEFEED_DSN": dsn,
-        "CHANGEFEED_BENCH_SETTINGS": json.dumps(settings),
-    }
+    env = tree_env(tree)
+    env["CHANGEFEED_DSN"] = dsn
+    env["CHANGEFEED_BENCH_SETTINGS"] = json.dumps(settings)
     # In a thread: the first run of an older uvicorn makes its venv first.
     command = await asyncio.to_thread(_server_command, server, port)
-    process = await asyncio.create_subprocess_exec(*command, cwd=_BENCH, env=env)
+    cwd = _BENCH if tree is None else tree / "bench"
+    process = await asyncio.create_subprocess_exec(*command, cwd=cwd, env=env)
     served = PublisherProcess(server, f"http://127.0.0.1:{port}", process)
     try:
         async with httpx.AsyncClient(timeout=2) as http:

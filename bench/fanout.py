@@ -2,6 +2,7 @@
 
     python bench/fanout.py [--dsn DSN] [--quick] [--listeners 100] [--items 10000] [--rounds 3]
                            [--servers uvicorn-fast,uvicorn,uvicorn-0.35,hypercorn,granian]
+                           [--baseline REF]
 
 Measurements in one run, with the same client fleet (another process, see
 bench/common.py) and the same number of ~200-byte change items:
@@ -22,7 +23,15 @@ bench/common.py) and the same number of ~200-byte change items:
 Each figure is deliveries/s = listeners x items / (time the last listener got
 its last item - time the first item was written or broadcast), the median of
 ``--rounds`` rounds, printed with its ratio to the raw figure, and the server's
-CPU (all its processes) per delivery.
+CPU (all its processes) per delivery. Every round starts each server's
+publisher afresh.
+
+With ``--baseline REF`` (a commit, branch or tag) every round also runs the
+publisher of REF (a worktree of it, its served app and its package) on the
+same server, in turn with this tree's, alternating which goes first; each
+line of this tree then also prints ``this tree / baseline``, the median of
+the round-by-round ratios (an interleaved A/B: the pairs cancel the load
+other processes put on the machine).
 
 Without ``--dsn`` an embedded PostgreSQL is started (changefeed.embedded). With
 ``--dsn`` the bench works in its own schema, ``changefeed_bench``, and drops it.
@@ -33,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import os
 import statistics
 import time
@@ -41,6 +49,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -49,11 +58,14 @@ from common import (
     SERVERS,
     ClientFleet,
     PublisherProcess,
+    baseline_tree,
     cpu_seconds,
     database,
+    paired,
     publisher_process,
     raise_nofile,
     say,
+    this_commit,
     until,
 )
 from websockets.asyncio.server import ServerConnection, broadcast, serve
@@ -214,13 +226,14 @@ def sample_frames(ids: list[str]) -> list[str]:
 
 async def median_of(rounds: int, run: Callable[[], Awaitable[Figure]]) -> tuple[Figure, str]:
     figures = [await run() for _ in range(rounds)]
-    median = Figure(
-        statistics.median(f.rate for f in figures),
-        statistics.median(f.server_cpu for f in figures),
-        statistics.median(f.client_cpu for f in figures),
-    )
     every = "[" + ", ".join(f"{f.rate:,.0f}" for f in figures) + "]"
-    return median, every
+    return median(figures), every
+
+
+Key = tuple[str, bool, str]
+"""A measured configuration: server, batch listeners or not, and which tree."""
+
+TREES = ("this tree", "baseline")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -228,52 +241,123 @@ async def main(args: argparse.Namespace) -> None:
     listeners = args.listeners
     items = args.items if args.items else (2000 if args.quick else 10000)
     rounds = args.rounds if args.rounds else (1 if args.quick else 3)
-    queue_size = max(items + 1000, 4096)
     ids = [str(uuid.uuid4()) for _ in range(items)]
     frames = sample_frames(ids)
     size = statistics.mean(len(f) for f in frames)
     say(f"fanout: {listeners} listeners, {items} items of {size:.0f} bytes, {rounds} round(s)")
-    with database(args.dsn) as dsn:
-        admin = await asyncpg.connect(dsn)
-        try:
-            await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-            await apply_schema(admin, SCHEMA)
-            async with ClientFleet() as fleet:
-                raw, every = await median_of(rounds, lambda: measure_raw(fleet, listeners, frames))
-                say(
-                    f"  raw websockets.broadcast   {raw.rate:>10,.0f} deliveries/s         "
-                    f"{cpu(raw)}  {every}"
-                )
-                results: dict[tuple[str, bool], Figure] = {}
-                for server in args.servers.split(","):
-                    settings = publisher_settings(queue_size)
-                    async with publisher_process(server, dsn, settings) as served:
-                        for label, batch in (("batch listeners", True), ("RFD 5 listeners", False)):
-                            measure = functools.partial(
-                                measure_publisher, fleet, served, dsn, listeners, ids, batch=batch
-                            )
-                            figure, every = await median_of(rounds, measure)
-                            results[server, batch] = figure
-                            say(
-                                f"  {SERVERS[server]:<28} {label:<16} {figure.rate:>10,.0f} "
-                                f"deliveries/s  {figure.rate / raw.rate:5.2f}x raw  "
-                                f"{cpu(figure)}  {every}"
-                            )
-        finally:
-            with contextlib.suppress(Exception):
+    with contextlib.ExitStack() as stack:
+        base = stack.enter_context(baseline_tree(args.baseline)) if args.baseline else None
+        trees: list[tuple[str, Path | None]] = [(TREES[0], None)]
+        if base is not None:
+            trees.append((TREES[1], base[0]))
+            say(f"  this tree {this_commit()}, baseline {args.baseline} ({base[1]}), in turn")
+        with database(args.dsn) as dsn:
+            admin = await asyncpg.connect(dsn)
+            try:
                 await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-            await admin.close()
+                await apply_schema(admin, SCHEMA)
+                async with ClientFleet() as fleet:
+                    raw, every = await median_of(
+                        rounds, lambda: measure_raw(fleet, listeners, frames)
+                    )
+                    say(
+                        f"  raw websockets.broadcast   {raw.rate:>10,.0f} deliveries/s         "
+                        f"{cpu(raw)}  {every}"
+                    )
+                    results = await measure_servers(
+                        fleet,
+                        dsn,
+                        servers=args.servers.split(","),
+                        trees=trees,
+                        rounds=rounds,
+                        listeners=listeners,
+                        ids=ids,
+                        raw=raw,
+                    )
+            finally:
+                with contextlib.suppress(Exception):
+                    await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+                await admin.close()
+    summary(results, raw, base is not None)
+
+
+async def measure_servers(
+    fleet: ClientFleet,
+    dsn: str,
+    *,
+    servers: list[str],
+    trees: list[tuple[str, Path | None]],
+    rounds: int,
+    listeners: int,
+    ids: list[str],
+    raw: Figure,
+) -> dict[Key, list[Figure]]:
+    """Each server's rounds, every tree once a round, each in a publisher process
+    of its own; each server's figures printed once its rounds are done."""
+    settings = publisher_settings(max(len(ids) + 1000, 4096))
+    results: dict[Key, list[Figure]] = {}
+    for server in servers:
+        for n in range(rounds):
+            # Alternate which tree goes first, so that neither always follows the
+            # other's load.
+            for label, tree in trees if n % 2 == 0 else trees[::-1]:
+                async with publisher_process(server, dsn, settings, tree) as served:
+                    for batch in (True, False):
+                        figure = await measure_publisher(
+                            fleet, served, dsn, listeners, ids, batch=batch
+                        )
+                        results.setdefault((server, batch, label), []).append(figure)
+        for batch in (True, False):
+            for label, _ in trees:
+                report(results, (server, batch, label), raw=raw, ab=len(trees) > 1)
+    return results
+
+
+def median(figures: list[Figure]) -> Figure:
+    return Figure(
+        statistics.median(f.rate for f in figures),
+        statistics.median(f.server_cpu for f in figures),
+        statistics.median(f.client_cpu for f in figures),
+    )
+
+
+def report(results: dict[Key, list[Figure]], key: Key, *, raw: Figure, ab: bool) -> None:
+    server, batch, label = key
+    figures = results[key]
+    figure = median(figures)
+    every = "[" + ", ".join(f"{f.rate:,.0f}" for f in figures) + "]"
+    kind = "batch listeners" if batch else "RFD 5 listeners"
+    title = f"{SERVERS[server]} ({label})" if ab else SERVERS[server]
+    line = (
+        f"  {title:<{40 if ab else 28}} {kind:<16} {figure.rate:>10,.0f} "
+        f"deliveries/s  {figure.rate / raw.rate:5.2f}x raw  {cpu(figure)}  {every}"
+    )
+    if ab and label == TREES[0]:
+        bases = [f.rate for f in results[server, batch, TREES[1]]]
+        line += f"  this tree / baseline {paired([f.rate for f in figures], bases):.2f}x by pair"
+    say(line)
+
+
+def summary(results: dict[Key, list[Figure]], raw: Figure, ab: bool) -> None:
     parts = [f"raw {raw.rate:,.0f}/s"]
-    for (server, batch), figure in results.items():
-        parts.append(
+    for (server, batch, label), figures in results.items():
+        if label != TREES[0]:
+            continue
+        figure = median(figures)
+        part = (
             f"{SERVERS[server]}, {'batch' if batch else 'RFD 5'}: {figure.rate:,.0f}/s "
-            f"({figure.rate / raw.rate:.2f}x raw, {figure.server_cpu:.2f} us/delivery)"
+            f"({figure.rate / raw.rate:.2f}x raw, {figure.server_cpu:.2f} us/delivery"
         )
-    fast, plain = ("uvicorn-fast", False), ("uvicorn", False)
+        if ab:
+            bases = [f.rate for f in results[server, batch, TREES[1]]]
+            part += f", {paired([f.rate for f in figures], bases):.2f}x baseline by pair"
+        parts.append(part + ")")
+    fast, plain = ("uvicorn-fast", False, TREES[0]), ("uvicorn", False, TREES[0])
     if fast in results and plain in results:
         parts.append(
             "RFD 5 listeners on uvicorn: plain ASGI costs "
-            f"{results[plain].server_cpu / results[fast].server_cpu:.1f}x the fast path's CPU"
+            f"{median(results[plain]).server_cpu / median(results[fast]).server_cpu:.1f}x "
+            "the fast path's CPU"
         )
     say("result: " + "; ".join(parts))
 
@@ -291,6 +375,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=0)
     parser.add_argument(
         "--servers", default=",".join(SERVERS), help="servers to run the publisher on, in order"
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help="also measure this commit's publisher, in turn with this tree's",
     )
     return parser.parse_args()
 

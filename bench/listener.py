@@ -57,7 +57,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -68,15 +67,13 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
-from common import database, say
+from common import baseline_tree, database, paired, say, this_commit, tree_env
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
 FRAME_ITEMS = 256
 ID_POOL = 10_000
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 VM = {"resource": "vm", "subResources": ["nic", "alias"]}
 EMPTY_PAGE = '{"items": [], "next": null}'
 
@@ -228,10 +225,7 @@ WORKERS = {"raw": raw_client, "listener": listener_only, "controller": listener_
 
 def run_worker(mode: str, url: str, items: int, tree: Path | None) -> dict[str, float]:
     """One measurement in a fresh process; with ``tree``, that tree's ``changefeed``."""
-    env = dict(os.environ)
-    if tree is not None:
-        # Ahead of the editable install's finder: the child imports REF's package.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    env = tree_env(tree)
     out = subprocess.run(
         [
             sys.executable,
@@ -263,39 +257,12 @@ def _worker_main(args: argparse.Namespace) -> None:
     print(json.dumps(result), flush=True)
 
 
-# --------------------------------------------------------------------------- baseline tree
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-@contextlib.contextmanager
-def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
-    """A detached worktree of ``ref`` in a temporary directory, removed afterwards."""
-    commit = _git("rev-parse", "--short", f"{ref}^{{commit}}")
-    with tempfile.TemporaryDirectory(prefix="cf-bench-baseline-") as tmp:
-        tree = Path(tmp) / "tree"
-        _git("worktree", "add", "--detach", "--quiet", str(tree), commit)
-        try:
-            yield tree, commit
-        finally:
-            _git("worktree", "remove", "--force", str(tree))
-
-
 def _rate(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def _paired(values: list[float], against: list[float]) -> float:
-    """The median of the round-by-round ratios ``values[i] / against[i]``."""
-    return statistics.median(v / a for v, a in zip(values, against, strict=True))
-
-
 def part1(items: int, rounds: int, baseline: tuple[Path, str] | None, ref: str | None) -> None:
-    here = _git("rev-parse", "--short", "HEAD") + ("+" if _git("status", "--porcelain") else "")
+    here = this_commit()
     trees: list[tuple[str, Path | None]] = [("new", None)]
     if baseline is not None:
         trees.append(("base", baseline[0]))
@@ -338,12 +305,12 @@ def part1(items: int, rounds: int, baseline: tuple[Path, str] | None, ref: str |
     say("medians of the ratios within each round (items/s):")
     for mode in ("listener", "controller"):
         news = rates[(mode, "new")]
-        line = f"  {mode:<11} this tree / raw {_paired(news, rates[('raw', 'new')]):.2f}x"
+        line = f"  {mode:<11} this tree / raw {paired(news, rates[('raw', 'new')]):.2f}x"
         if baseline is not None:
             bases = rates[(mode, "base")]
             line += (
-                f"   baseline / raw {_paired(bases, rates[('raw', 'new')]):.2f}x"
-                f"   this tree / baseline {_paired(news, bases):.2f}x"
+                f"   baseline / raw {paired(bases, rates[('raw', 'new')]):.2f}x"
+                f"   this tree / baseline {paired(news, bases):.2f}x"
             )
         say(line)
     ctrl = extra["controller/new"]

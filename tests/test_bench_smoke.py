@@ -80,3 +80,22 @@ async def test_the_compaction_benchmark_runs_on_a_two_worker_standalone_cluster(
     assert "spark://127.0.0.1:" in text, text[-3000:]
     assert text.count("same feed after both: True") == 2, text[-3000:]
     assert "run           incremental" in text, text[-3000:]
+
+
+@pytest.mark.slow
+async def test_the_fan_out_benchmark_measures_a_baseline_commit_in_turn(dsn: str) -> None:
+    """``--baseline REF`` serves REF's publisher from a worktree beside this tree's,
+    each round, and prints the pair-by-pair ratio; the worktree is removed after."""
+    text = await run_bench(
+        "fanout.py", "--dsn", dsn, "--servers", "uvicorn-fast", "--baseline", "HEAD",
+        "--rounds", "2", "--items", "300", "--listeners", "5", timeout=240,
+    )  # fmt: skip
+    assert "baseline HEAD (" in text, text[-3000:]
+    for kind in ("batch", "RFD 5"):
+        assert f"uvicorn, fast path, {kind}:" in text, text[-3000:]
+    assert text.count("x baseline by pair") == 2, text[-3000:]
+    worktrees = await asyncio.create_subprocess_exec(
+        "git", "-C", str(BENCH), "worktree", "list", stdout=asyncio.subprocess.PIPE
+    )
+    listed, _ = await worktrees.communicate()
+    assert b"cf-bench-baseline-" not in listed
