@@ -99,3 +99,17 @@ async def test_the_fan_out_benchmark_measures_a_baseline_commit_in_turn(dsn: str
     )
     listed, _ = await worktrees.communicate()
     assert b"cf-bench-baseline-" not in listed
+
+
+@pytest.mark.slow
+async def test_any_benchmark_runs_against_a_baseline_commit_in_pairs(dsn: str) -> None:
+    """bench/ab.py runs a benchmark from this tree and from a worktree of REF in turn
+    and pairs the figures of their result lines."""
+    text = await run_bench(
+        "ab.py", "--baseline", "HEAD", "--pairs", "2", "--", "publish.py", "--quick",
+        "--dsn", dsn, timeout=240,
+    )  # fmt: skip
+    assert text.count(": this tree  result:") == 2 and text.count(": baseline   result:") == 2
+    assert "this / base" in text, text[-3000:]
+    ratios = [line for line in text.splitlines() if "[]" in line and line.rstrip().endswith("x")]
+    assert ratios, text[-3000:]
