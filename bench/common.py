@@ -803,10 +803,10 @@ def this_commit() -> str:
     return _git("rev-parse", "--short", "HEAD") + ("+" if _git("status", "--porcelain") else "")
 
 
-def tree_env(tree: Path | None, env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) for a child that imports ``tree``'s
-    ``changefeed``: the tree ahead of the editable install's finder."""
-    env = dict(os.environ if env is None else env)
+def tree_env(tree: Path | None) -> dict[str, str]:
+    """This process's environment for a child that imports ``tree``'s ``changefeed``
+    (None: this tree's): the tree ahead of the editable install's finder."""
+    env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     return env
