@@ -129,7 +129,7 @@ async def test_the_borrowed_socket_never_closes_the_transports_descriptor(pair: 
 
 async def test_a_default_socket_timeout_never_makes_a_refused_write_wait(pair: Pair) -> None:
     previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(5.0)
+    socket.setdefaulttimeout(30.0)  # one refused write waiting for it fails the bound below
     try:
         writes = BoundedWrites.of(pair.transport)
     finally:
@@ -138,7 +138,7 @@ async def test_a_default_socket_timeout_never_makes_a_refused_write_wait(pair: P
     started = time.monotonic()
     for _ in range(200):  # refused past the limit: each refusal must return at once
         writes.write(b"x" * WRITE)
-    assert time.monotonic() - started < 2.5
+    assert time.monotonic() - started < 10
     assert pair.transport.get_write_buffer_size() > 0
 
 
