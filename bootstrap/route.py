@@ -45,6 +45,7 @@ from starlette.types import Receive, Scope, Send
 from changefeed.budgeted_log import BudgetedLines
 from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
+from changefeed.outside_check import answer_within
 from changefeed.schemas import (
     BOOTSTRAP_ROUTE_STATE,
     PRIVATE_HEADERS,
@@ -292,12 +293,9 @@ class BootstrapRoute:
         # (``Publisher.authorize_request``).
         setattr(request.state, BOOTSTRAP_ROUTE_STATE, self.path)
         try:
-            async with asyncio.timeout(self.authorize_timeout) as deadline:
-                outcome = await self._authorize(request)
-            if deadline.expired():
-                # An authorizer that swallowed its cancellation at the deadline and
-                # answered: it could not check in time, whatever it says.
-                raise TimeoutError(f"authorize took longer than {self.authorize_timeout:g}s")
+            outcome = await answer_within(
+                self._authorize(request), self.authorize_timeout, "authorize"
+            )
         except Exception as exc:
             log_event(log, "bootstrap.authorize_failed", logging.ERROR, exc=exc, route=self.path)
             outcome = AccessDenied.unavailable()

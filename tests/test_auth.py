@@ -344,6 +344,26 @@ async def test_an_authorizer_answering_nonsense_is_unavailable_never_a_grant(ans
     assert isinstance(denied, AccessDenied) and denied.code == "unavailable"
 
 
+async def test_a_request_cancelled_while_its_authorizer_runs_stays_cancelled() -> None:
+    """Only a ``CancelledError`` the authorizer raises of its own is an outage: the
+    request's own cancellation (a client gone, a server shutting down) goes on as one."""
+    from changefeed.publisher.auth import BearerAuth
+
+    asked = asyncio.Event()
+
+    async def authorize(token: str) -> Any:
+        asked.set()
+        await asyncio.Event().wait()
+
+    auth = BearerAuth((), {}, authorize)
+    checking = asyncio.create_task(auth.check("Bearer anyone", any_of=("vm",)))
+    async with asyncio.timeout(10):
+        await asked.wait()
+        checking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await checking
+
+
 async def test_a_route_two_resources_share_lets_in_a_token_allowed_either() -> None:
     from changefeed.publisher.auth import BearerAuth
 
@@ -509,8 +529,10 @@ routes (built with ``authorize=publisher.authorize_request``)."""
 
 def _outage_authorizer(outage: str, calls: list[str]) -> Authorize:
     """``good`` may read everything; any other token finds the identity service down:
-    it raises, it never answers (the publisher's own bounded wait decides), or it
-    is broken and answers what no authorizer may (``True``)."""
+    it raises, it never answers (the publisher's own bounded wait decides), it
+    is broken and answers what no authorizer may (``True``), or a call inside it
+    was cancelled by something else (``CancelledError`` while the request's task
+    was not cancelled: an outage too, not a cancelled request)."""
     never = asyncio.Event()
 
     async def authorize(token: str) -> Any:
@@ -521,6 +543,8 @@ def _outage_authorizer(outage: str, calls: list[str]) -> Authorize:
             raise ConnectionError("identity service down")
         if outage == "broken":
             return True
+        if outage == "cancelled":
+            raise asyncio.CancelledError("a call to the identity service was cancelled")
         await never.wait()
         return None
 
@@ -541,7 +565,7 @@ async def refused_after_handshake(
     return ws.close_code, body["error"]
 
 
-@pytest.mark.parametrize("outage", ["raises", "hangs", "broken"])
+@pytest.mark.parametrize("outage", ["raises", "hangs", "broken", "cancelled"])
 async def test_an_authorizer_outage_is_503_or_4010_with_retry_after_on_every_route(
     dsn: str, outage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -598,7 +622,11 @@ async def test_an_authorizer_outage_is_503_or_4010_with_retry_after_on_every_rou
         if outage != "hangs":
             assert record.exc_info is not None
             shown = "".join(traceback.format_exception(*record.exc_info))
-            assert ("identity service down" if outage == "raises" else "returned True") in shown
+            assert {
+                "raises": "identity service down",
+                "broken": "returned True",
+                "cancelled": "a call to the identity service was cancelled",
+            }[outage] in shown
         else:
             assert record.exc_info is None
 
