@@ -14,14 +14,16 @@ in the same file are not held up.
 
 **A file it cannot use.** A file that is not a SQLite database, or one
 SQLite finds corrupt, or one holding a checkpoint of a newer layout than this
-store writes, is renamed aside (``<file>.corrupt-<time>``, ``<file>.v<N>-<time>``,
-with its ``-wal`` and ``-shm``), logged at ERROR
+store writes, or of an unknown one (the store's tables with other columns), or
+one this process may not open for reading and writing, is renamed aside
+(``<file>.corrupt-<time>``, ``<file>.v<N>-<time>``, ``<file>.unknown-<time>``,
+``<file>.unreadable-<time>``, with its ``-wal`` and ``-shm``), logged at ERROR
 (``listener.checkpoint.moved_aside``), and a new file is started: the
 listener bootstraps once, and its saves succeed again instead of failing at
 every interval. Not while another store holds a checkpoint of another name
 in the same file (its lock file is held): moving the file would take that
 listener's checkpoints with it, and its saves would go on into the renamed
-file; the store refuses instead (``CheckpointRefused``). A newer-layout file
+file; the store refuses instead (``CheckpointRefused``). A newer- or unknown-layout file
 that also holds tables that are not the store's (the application's own) is
 not moved either: the store refuses it with ``CheckpointRefused`` naming the
 file, so that an older version never takes an application's tables away.
@@ -37,6 +39,7 @@ under another listener.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sqlite3
@@ -98,6 +101,30 @@ _UNUSABLE = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
 Any other error (locked, cannot open, I/O) says nothing against the file itself."""
 
 
+def _columns(conn: sqlite3.Connection, table: str) -> frozenset[str]:
+    """The columns of ``table`` in the database of ``conn`` (none: no such table)."""
+    return frozenset(
+        name for (name,) in conn.execute("SELECT name FROM pragma_table_info(?)", (table,))
+    )
+
+
+@functools.cache
+def _layout() -> dict[str, frozenset[str]]:
+    """The layout this store writes: each of its tables and their columns, as
+    ``_SCHEMA`` makes them. A file whose tables of these names have other columns
+    was written by something else (moved aside, not guessed at)."""
+    memory = sqlite3.connect(":memory:")
+    try:
+        memory.executescript(_SCHEMA)
+        tables = [
+            name
+            for (name,) in memory.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        ]
+        return {table: _columns(memory, table) for table in tables}
+    finally:
+        memory.close()
+
+
 class _MoveAside(Exception):
     """The file cannot be used as it is: move it aside (``suffix``) and start a new one."""
 
@@ -124,8 +151,9 @@ class CheckpointFile:
         self.path = path
         self.name = name
         self.timeout = timeout
-        # The file itself, links resolved: two paths to one file share one lock, and
-        # the file (not a link to it) is what is opened and moved aside.
+        # The file itself, symbolic links resolved: two paths to one file share one
+        # lock, and the file (not a link to it) is what is opened and moved aside. (A
+        # hard link is a path of its own, with a lock of its own.)
         self._file = path.resolve()
         self._claim = FileClaim(self._file, name)
         self.lock_path = self._claim.lock_path
@@ -253,28 +281,15 @@ class CheckpointFile:
         Raises:
             _MoveAside: the file is not a database, is damaged, or holds a newer layout.
         """
+        self._check_openable()
         conn = sqlite3.connect(
             self._file, timeout=self.timeout, isolation_level=None, check_same_thread=False
         )
         try:
-            # Checked before anything is written to the file: a newer layout's file is
-            # left as it was (moved aside, or refused when the application's tables
-            # are in it too).
-            held = conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                ("changefeed_checkpoint",),
-            ).fetchone()
-            if held is not None:
-                (newest,) = conn.execute(
-                    "SELECT max(version) FROM changefeed_checkpoint"
-                ).fetchone()
-                if newest is not None and newest > FORMAT_VERSION:
-                    self._refuse_if_shared(conn, newest)
-                    raise _MoveAside(
-                        f"v{newest}",
-                        f"it holds checkpoints of layout version {newest}, this store writes"
-                        f" {FORMAT_VERSION}",
-                    )
+            # Checked before anything is written to the file: a file of a newer or an
+            # unknown layout is left as it was (moved aside, or refused when the
+            # application's tables are in it too).
+            self._check_layout(conn)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             # A whole save of a large mirror passes through the log: give the disk back after.
@@ -290,8 +305,55 @@ class CheckpointFile:
             raise
         return conn
 
-    def _refuse_if_shared(self, conn: sqlite3.Connection, version: int) -> None:
-        """A newer-layout file that also holds tables of the application's is not moved."""
+    def _check_openable(self) -> None:
+        """A file this process may not open for reading and writing (its mode, its
+        owner) cannot be used, however long the listener runs: moved aside, so
+        that a new one is started beside it.
+
+        Raises:
+            _MoveAside: the file exists, and opening it was refused.
+        """
+        try:
+            os.close(os.open(self._file, os.O_RDWR))
+        except PermissionError as exc:
+            raise _MoveAside(
+                "unreadable", f"it cannot be opened for reading and writing: {exc}"
+            ) from exc
+        except OSError:
+            return  # missing (created), or not a file: SQLite says what is wrong
+
+    def _check_layout(self, conn: sqlite3.Connection) -> None:
+        """Whether the store's tables in the file are the ones it writes.
+
+        Raises:
+            _MoveAside: they hold checkpoints of a newer layout version, or have
+                other columns (the file's, not this store's layout).
+            CheckpointRefused: either, in a file that holds the application's
+                tables too.
+        """
+        layout = _layout()
+        found = {table: _columns(conn, table) for table in layout}
+        if "version" in found["changefeed_checkpoint"]:
+            (newest,) = conn.execute("SELECT max(version) FROM changefeed_checkpoint").fetchone()
+            if newest is not None and newest > FORMAT_VERSION:
+                why = (
+                    f"it holds checkpoints of layout version {newest}, this store writes"
+                    f" {FORMAT_VERSION}"
+                )
+                self._refuse_if_shared(conn, why, "a newer changefeed")
+                raise _MoveAside(f"v{newest}", why)
+        for table, columns in found.items():
+            if columns and columns != layout[table]:
+                why = (
+                    f"its table {table} has columns ({', '.join(sorted(columns))}), this store's"
+                    f" has ({', '.join(sorted(layout[table]))})"
+                )
+                self._refuse_if_shared(conn, why, "the changefeed that wrote it")
+                raise _MoveAside("unknown", why)
+
+    def _refuse_if_shared(self, conn: sqlite3.Connection, why: str, remedy: str) -> None:
+        """A file of a layout this store cannot use that also holds tables of the
+        application's is not moved: the application's tables stay where they are."""
         others = [
             name
             for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
@@ -300,9 +362,8 @@ class CheckpointFile:
         if others:
             conn.close()
             raise CheckpointRefused(
-                f"{self.path}: holds checkpoints of layout version {version} (this store writes"
-                f" {FORMAT_VERSION}) beside other tables ({', '.join(sorted(others)[:5])}):"
-                " not moved aside; use another file, or a newer changefeed"
+                f"{self.path}: {why}, beside other tables ({', '.join(sorted(others)[:5])}):"
+                f" not moved aside; use another file, or {remedy}"
             )
 
     def _move_aside(self, unusable: _MoveAside) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import random
 import signal
 import sqlite3
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +336,99 @@ async def test_a_file_of_a_newer_layout_is_moved_aside_unless_it_holds_other_tab
     with contextlib.closing(sqlite3.connect(shared)) as conn:  # left as it was
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
         assert "changefeed_checkpoint_change" not in tables
+
+
+async def test_a_file_of_an_unknown_layout_is_moved_aside_unless_it_holds_other_tables(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tables of the store's names with other columns were written by something else:
+    moved aside and started afresh, rather than every load and save failing on a
+    missing column; beside the application's tables, refused and left as it was."""
+    path = tmp_path / "cp.sqlite"
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("CREATE TABLE changefeed_checkpoint (name TEXT PRIMARY KEY, cursor TEXT)")
+        conn.execute("INSERT INTO changefeed_checkpoint VALUES ('default', 'c7')")
+    store = SqliteCheckpointStore(path)
+    with caplog.at_level(logging.ERROR, "changefeed.listener"):
+        assert await store.load() is None
+    (moved,) = _moved_aside(caplog.records)
+    aside = Path(moved["moved_to"])
+    assert aside.name.startswith("cp.sqlite.unknown-"), moved
+    assert "changefeed_checkpoint has columns (cursor, name)" in moved["why"], moved
+    with contextlib.closing(sqlite3.connect(aside)) as conn:  # the evidence, as it was
+        assert conn.execute("SELECT * FROM changefeed_checkpoint").fetchall() == [("default", "c7")]
+    await store.save(
+        Checkpoint("c1", (VM,), {"vms": MirrorCheckpoint("vm", vms(1, 5))}, sequence=1)
+    )
+    loaded = await store.load()
+    assert loaded is not None and loaded.cursor == "c1"
+    await store.close()
+
+    shared = tmp_path / "app.sqlite"
+    with contextlib.closing(sqlite3.connect(shared)) as conn, conn:
+        conn.execute("CREATE TABLE app_orders (id INTEGER PRIMARY KEY)")
+        conn.execute("CREATE TABLE changefeed_checkpoint_mirror (name TEXT, what TEXT)")
+    with pytest.raises(CheckpointRefused, match="app_orders"):
+        await SqliteCheckpointStore(shared).load()
+    assert _aside(tmp_path, "app.sqlite") == []
+
+
+def _without_file_capabilities() -> None:
+    """Clear CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from this thread's effective
+    capabilities (Linux keeps them per thread), so that a file's mode applies to root in
+    it as to anyone; nothing to clear for another user."""
+    if os.geteuid() != 0:
+        return
+
+    class Header(ctypes.Structure):
+        _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+    class Data(ctypes.Structure):
+        _fields_ = (
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        )
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    data[0].effective &= ~((1 << 1) | (1 << 2))  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+async def test_a_file_the_process_may_not_open_is_moved_aside_and_started_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint whose mode shuts this process out (left by another user, or chmod)
+    would fail every load and save for as long as the listener runs, and at every
+    restart: moved aside (the directory allows it) and started afresh. The store's
+    file work runs in the event loop's default executor, here a thread without root's
+    way past a file's mode."""
+    path = tmp_path / "cp.sqlite"
+    first = SqliteCheckpointStore(path)
+    await first.save(
+        Checkpoint("c1", (VM,), {"vms": MirrorCheckpoint("vm", vms(1, 5))}, sequence=1)
+    )
+    await first.close()
+    path.chmod(0)
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(1, initializer=_without_file_capabilities) as executor:
+        loop.set_default_executor(executor)
+        store = SqliteCheckpointStore(path)
+        with caplog.at_level(logging.ERROR, "changefeed.listener"):
+            assert await store.load() is None
+        (moved,) = _moved_aside(caplog.records)
+        aside = Path(moved["moved_to"])
+        assert aside.name.startswith("cp.sqlite.unreadable-"), moved
+        assert "Permission denied" in moved["why"] and store.moved_aside == [aside]
+        assert (os.stat(aside).st_mode & 0o777) == 0  # as it was, for someone to look at
+        await store.save(Checkpoint("c2", (VM,), {}, sequence=2))
+        loaded = await store.load()
+        assert loaded is not None and loaded.cursor == "c2"
+        await store.close()
 
 
 async def test_a_file_another_listener_holds_is_not_moved_aside_under_it(
