@@ -27,6 +27,8 @@ The server side's Starlette and asyncpg come with ``changefeed[publisher]``:
 install (the pager) needs neither.
 """
 
+import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .admission import Admission, QuerySlots, WalkTable
@@ -52,13 +54,11 @@ from .pager import (
 from .tokens import PageToken, PageTokenCodec, TokenKey
 
 if TYPE_CHECKING:
-    from .route import (
-        DB_UNAVAILABLE,
-        BootstrapRoute,
-        encode_json,
-        error_response,
-        unavailable_response,
-    )
+    from .route import DB_UNAVAILABLE as DB_UNAVAILABLE
+    from .route import BootstrapRoute as BootstrapRoute
+    from .route import encode_json as encode_json
+    from .route import error_response as error_response
+    from .route import unavailable_response as unavailable_response
 
 _PUBLISHER_EXTRA = frozenset({"asyncpg", "starlette"})
 """What the server side imports that a listener-only install lacks."""
@@ -68,12 +68,10 @@ _ROUTE_NAMES = frozenset(
 )
 
 __all__ = [
-    "DB_UNAVAILABLE",
     "Admission",
     "BatchRequest",
     "BootstrapConfigError",
     "BootstrapError",
-    "BootstrapRoute",
     "Filter",
     "KeysetQuery",
     "PageRequest",
@@ -91,14 +89,22 @@ __all__ = [
     "WalkRefused",
     "WalkTable",
     "bearer_headers",
-    "encode_json",
-    "error_response",
     "fetch_many",
     "fetch_one",
     "fetchable_by_path",
     "quote_identifier",
-    "unavailable_response",
 ]
+
+
+def _installed(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+if all(_installed(module) for module in _PUBLISHER_EXTRA):
+    # A star import takes the server side only where it can be imported.
+    __all__.extend(sorted(_ROUTE_NAMES))
 
 
 def __getattr__(name: str) -> Any:

@@ -82,6 +82,23 @@ def test_a_command_without_its_extra_says_which_to_install(
     assert f"no module {blocked!r}" in done.stderr
 
 
+@pytest.mark.parametrize("blocked", ["asyncpg", "starlette"])
+def test_a_star_import_of_the_bootstrap_package_takes_what_is_installed(blocked: str) -> None:
+    """The client side, without the server side's names (which a listener-only install
+    cannot import): a star import works there as anywhere."""
+    done = run_python(
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        "from changefeed.bootstrap import *\n"
+        "print(sorted({'Pager', 'fetch_one', 'BootstrapRoute', 'error_response'} & set(dir())))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["['Pager',", "'fetch_one']"]
+    done = run_python(
+        "from changefeed.bootstrap import *\nprint('BootstrapRoute' in dir(), Pager.__name__)\n"
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["True", "Pager"], done.stderr
+
+
 def test_the_publisher_without_its_extra_says_which_to_install() -> None:
     done = run_python("import sys; sys.modules['asyncpg'] = None\nimport changefeed.publisher\n")
     assert done.returncode == 1

@@ -81,6 +81,7 @@ def test_a_listener_only_install_is_light(light: Venv, tmp_path: Path) -> None:
     assert installed & heavy == set()
     code = (
         "import sys, changefeed.listener, changefeed.bootstrap, changefeed.schemas\n"
+        "from changefeed.bootstrap import *\n"
         f"print(sorted(m for m in {SERVER_SIDE!r} if m in sys.modules))\n"
     )
     done = light.run(["python", "-c", code], cwd=tmp_path)
