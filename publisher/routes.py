@@ -231,6 +231,14 @@ class ListenersFirst:
         self._app = app
         self._listeners = listeners
 
+    def __getattr__(self, name: str) -> Any:
+        # Anything else is the app's (``state``, ``url_path_for``, ...): code written
+        # against the app, such as ``lambda: app.state.pool``, keeps working where
+        # ``app`` is rebound to this wrapper.
+        if name in ListenersFirst.__slots__:
+            raise AttributeError(name)  # not yet set (copying): never the app's
+        return getattr(self._app, name)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket" and scope["path"] == "/changefeeds":
             await self._listeners(scope, receive, send)

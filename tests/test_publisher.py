@@ -539,6 +539,8 @@ async def test_listeners_first_hands_the_listener_websocket_past_the_apps_middle
 
         return app
 
+    from starlette.applications import Starlette
+
     from changefeed.publisher.routes import ListenersFirst
 
     first = ListenersFirst(recorder("app"), recorder("listeners"))
@@ -556,3 +558,11 @@ async def test_listeners_first_hands_the_listener_websocket_past_the_apps_middle
         ("app", "websocket", "/elsewhere"),
         ("app", "lifespan", ""),
     ]
+    # Served in place of the app, it still reads as the app: ``app =
+    # publisher.listeners_first(app)`` keeps ``app.state`` working.
+    inner = Starlette()
+    inner.state.pool = "the pool"
+    rebound = ListenersFirst(inner, recorder("listeners"))
+    assert rebound.state.pool == "the pool" and rebound.url_path_for is not None
+    with pytest.raises(AttributeError):
+        rebound.nosuch  # noqa: B018
