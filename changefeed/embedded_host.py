@@ -94,8 +94,9 @@ def find_postgres_bindir() -> Path:
             return bindir
     raise EmbeddedPostgresError(
         "no PostgreSQL server binaries (initdb, pg_ctl, postgres) found: install them "
-        "(Debian/Ubuntu: `apt-get install postgresql`) or set CHANGEFEED_PG_BINDIR "
-        "to the directory holding them"
+        "(Debian/Ubuntu: `apt-get install postgresql`; or the pgserver wheel that bundles "
+        "them: pip install 'changefeed[pgserver]'), or set CHANGEFEED_PG_BINDIR to the "
+        "directory holding them"
     )
 
 

@@ -19,6 +19,15 @@ publisher: an API that embeds the publisher ships none of this. Importing this
 package does not import pyspark; ``run_compaction`` does.
 """
 
+try:
+    import asyncpg  # noqa: F401
+except ModuleNotFoundError as exc:  # a listener-only install: say what to install
+    raise ModuleNotFoundError(
+        f"changefeed.compaction needs changefeed[spark] (no module {exc.name!r}):"
+        " pip install 'changefeed[spark]'",
+        name=exc.name,
+    ) from exc
+
 from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
 from .durations import parse_duration
 from .errors import CompactionError

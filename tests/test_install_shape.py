@@ -99,10 +99,14 @@ def test_a_star_import_of_the_bootstrap_package_takes_what_is_installed(blocked:
     assert done.returncode == 0 and done.stdout.split() == ["True", "Pager"], done.stderr
 
 
-def test_the_publisher_without_its_extra_says_which_to_install() -> None:
-    done = run_python("import sys; sys.modules['asyncpg'] = None\nimport changefeed.publisher\n")
+@pytest.mark.parametrize(
+    ("package", "extra"), [("publisher", "publisher"), ("compaction", "spark")]
+)
+def test_a_package_without_its_extra_says_which_to_install(package: str, extra: str) -> None:
+    done = run_python(f"import sys; sys.modules['asyncpg'] = None\nimport changefeed.{package}\n")
     assert done.returncode == 1
-    assert "changefeed.publisher needs changefeed[publisher]" in done.stderr
+    assert f"changefeed.{package} needs changefeed[{extra}]" in done.stderr
+    assert f"pip install 'changefeed[{extra}]'" in done.stderr
 
 
 @pytest.mark.parametrize("blocked", ["asyncpg", "starlette"])
