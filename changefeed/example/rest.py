@@ -19,6 +19,7 @@ It never formats a request value into SQL and never answers with a traceback.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +31,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from changefeed.bootstrap import DB_UNAVAILABLE, encode_json, error_response, unavailable_response
+from changefeed.budgeted_log import BudgetedLines
+from changefeed.log_budget import LogBudget
 from changefeed.logs import log_event
 
 __all__ = [
@@ -50,6 +53,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 65536
+
+GONE_LINES = 10
+GONE_WINDOW = 10.0
+"""Clients gone mid-body logged one by one per window of this many seconds; the
+rest are counted in one ``vmapi.clients_gone_held`` line when it ends."""
 
 Handler = Callable[[Request], Awaitable[Response]]
 Authorizer = Callable[[Request], Awaitable[Response | None]]
@@ -196,6 +204,9 @@ async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> Any:
 
 def guard(handler: Handler, refuse_unauthorized: Authorizer) -> Handler:
     """``handler`` behind the bearer token, with every failure answered by the error body."""
+    # Any client can go away mid-body as often as it likes: it does not set the log
+    # volume (at most GONE_LINES lines, then one summary, per GONE_WINDOW seconds).
+    gone_lines = BudgetedLines(LogBudget(GONE_LINES, GONE_WINDOW), log, "vmapi.clients_gone_held")
 
     async def endpoint(request: Request) -> Response:
         if (refused := await refuse_unauthorized(request)) is not None:
@@ -206,7 +217,8 @@ def guard(handler: Handler, refuse_unauthorized: Authorizer) -> Handler:
             # The client went away mid-body, or stopped sending it and the server's
             # body deadline closed the connection (changefeed.http_timeouts, which
             # has answered 408). Nothing was written; nobody is left to answer.
-            log_event(log, "vmapi.client_gone", route=request.url.path)
+            if gone_lines.due("vmapi.client_gone", asyncio.get_running_loop()):
+                log_event(log, "vmapi.client_gone", route=request.url.path)
             return Response(status_code=400)
         except InvalidBody as exc:
             return error_response(400, "bad_request", str(exc))
