@@ -266,6 +266,8 @@ class Listener:
         self._task: asyncio.Task[None] | None = None
         self._dispatcher: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None  # see _controllers_must_run
+        self._host: asyncio.Task[Any] | None = None  # the task in ``async with listener``
+        self._host_cancelled = False
         if checkpoint is not None:
             self._use_checkpoint(checkpoint)
         if registry is not None:
@@ -461,6 +463,13 @@ class Listener:
         return await self._checkpointer.save_now() is not None
 
     async def __aenter__(self) -> Self:
+        """Start, and close when the block exits. Should the listener stop for good
+        while controllers are attached and none of them runs (so that neither
+        iteration nor a controller would say so: controllers attached and never
+        run), the block is cancelled, as a ``TaskGroup`` cancels it for a failed
+        task, and its exit raises that error."""
+        self._host = asyncio.current_task()
+        self._host_cancelled = False
         self.start()
         return self
 
@@ -470,7 +479,13 @@ class Listener:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Close. Raises the error that stopped the listener when that cancelled the block."""
+        host, self._host = self._host, None
+        ours = self._host_cancelled and host is not None and host.uncancel() == 0
+        self._host_cancelled = False
         await self.close()
+        if ours and isinstance(exc, asyncio.CancelledError) and self._fatal is not None:
+            raise self._fatal
 
     def __aiter__(self) -> AsyncIterator[Event]:
         """The events, handed out by the inbox: ``Resynced`` or ``ChangeItem``.
@@ -537,6 +552,19 @@ class Listener:
         task = self._task
         if task is not None and task is not asyncio.current_task():
             task.cancel()  # (``close`` collects it)
+        host = self._host
+        if (
+            host is not None
+            and not host.done()
+            and host is not asyncio.current_task()
+            and self._attachments
+            and not self._attachments.running
+            and not self._host_cancelled
+        ):
+            # Nobody else would say so: not iterable (controllers are attached), and
+            # no controller runs to raise it.
+            self._host_cancelled = True
+            host.cancel()
 
     def _fields(self) -> dict[str, Any]:
         return self._connection.fields()

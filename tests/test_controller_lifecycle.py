@@ -6,9 +6,9 @@ PostgreSQL, a real SQLite checkpoint file): how its end reaches the application.
   ``RegistrationRefused`` instead of waiting for good; ``close()`` raises it, and
   ``done()`` / ``exception()`` say so.
 * A controller attached to a listener and never run is an error the controllers
-  that do run, or a listener started without it, see within
-  ``controller_start_timeout``, not a listener that never starts; with nothing
-  running, an ERROR line within the same time.
+  that do run, or the block of a listener started without it (``async with
+  listener``), see within ``controller_start_timeout``, not a listener that never
+  starts; with nothing running, an ERROR line within the same time.
 * One controller stopping does not stop the checkpoints of the others sharing its
   listener, and a restart from such a checkpoint resumes every one of them.
 """
@@ -155,16 +155,19 @@ async def test_a_listener_started_ahead_of_a_controller_it_feeds_stops_within_th
 ) -> None:
     """Started directly (``async with listener``) while an attached controller has
     not run: the listener takes events the controller misses, so past the timeout
-    it stops with the error, and the controller run late raises it."""
+    it stops with the error, which ends the block (nothing else there would say so:
+    the listener is not iterable with controllers attached), and the controller
+    run late raises it."""
     async with VmApiServer(dsn) as api:
         config = dataclasses.replace(FAST, controller_start_timeout=0.5)
         listener = shared_listener(api.ws_url, config=config)
         forgotten = Controller(listener, resource="vm", name="forgotten")
         with capture_events() as events:
-            async with listener:
-                await wait_until(
-                    lambda: listener.state is ConnectionState.STOPPED, 10, message="stopped"
-                )
+            with pytest.raises(ListenerConfigError) as ended:
+                async with asyncio.timeout(10), listener:
+                    await asyncio.Event().wait()  # the application's own "until stopped"
+            assert "forgotten attached to listener" in str(ended.value)
+            assert listener.state is ConnectionState.STOPPED
             # Stopped means its connection is gone too (it kept buffering for nobody,
             # and a publisher restart then replaced the error with another).
             await wait_until(
