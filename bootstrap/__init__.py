@@ -31,6 +31,8 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
+from changefeed.extras import missing_extra
+
 from .admission import Admission, QuerySlots, WalkTable
 from .errors import (
     BootstrapConfigError,
@@ -112,15 +114,11 @@ def __getattr__(name: str) -> Any:
         try:
             from . import route
         except ModuleNotFoundError as exc:
-            missing = (exc.name or "").split(".")[0]
-            if missing not in _PUBLISHER_EXTRA:
+            if (exc.name or "").partition(".")[0] not in _PUBLISHER_EXTRA:
                 raise
             # A listener-only install: say what to install.
-            raise ModuleNotFoundError(
-                f"changefeed.bootstrap.{name} (the server side) needs changefeed[publisher]"
-                f" (no module {missing!r}): pip install 'changefeed[publisher]'",
-                name=missing,
-            ) from exc
+            what = f"changefeed.bootstrap.{name} (the server side)"
+            raise missing_extra(what, "publisher", exc) from exc
 
         return getattr(route, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,14 +19,12 @@ publisher: an API that embeds the publisher ships none of this. Importing this
 package does not import pyspark; ``run_compaction`` does.
 """
 
+from changefeed.extras import missing_extra
+
 try:
     import asyncpg  # noqa: F401
 except ModuleNotFoundError as exc:  # a listener-only install: say what to install
-    raise ModuleNotFoundError(
-        f"changefeed.compaction needs changefeed[spark] (no module {exc.name!r}):"
-        " pip install 'changefeed[spark]'",
-        name=exc.name,
-    ) from exc
+    raise missing_extra("changefeed.compaction", "spark", exc) from exc
 
 from .apply import COMPACTION_LOCK_KEY, CompactionStore, FeedSnapshot
 from .durations import parse_duration

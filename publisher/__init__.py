@@ -17,16 +17,14 @@ or let the table publish its own changes, with no extra round trip::
     await install_trigger(conn, "vms", "vm", "uuid")
 """
 
+from changefeed.extras import missing_extra
+
 try:
     import asyncpg  # noqa: F401
     import prometheus_client  # noqa: F401
     import starlette  # noqa: F401
 except ModuleNotFoundError as exc:  # a listener-only install: say what to install
-    raise ModuleNotFoundError(
-        f"changefeed.publisher needs changefeed[publisher] (no module {exc.name!r}):"
-        " pip install 'changefeed[publisher]'",
-        name=exc.name,
-    ) from exc
+    raise missing_extra("changefeed.publisher", "publisher", exc) from exc
 
 from .auth import Authorizer
 from .config import PublisherConfig, ResourceConfig, load_config, parse_duration

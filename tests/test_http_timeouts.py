@@ -410,7 +410,7 @@ async def test_a_write_whose_client_goes_away_mid_body_is_no_error(
             return [line for line in log.splitlines() if f'"event":"{event}"' in line]
 
         await wait_until(
-            lambda: lines("vmapi.clients_gone_held"),
+            lambda: bool(lines("vmapi.clients_gone_held")),
             timeout=GONE_WINDOW + CLOSE_BOUND,
             message=f"the vmapi.clients_gone_held line\n{api.log()}",
         )
