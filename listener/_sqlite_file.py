@@ -279,7 +279,8 @@ class CheckpointFile:
         """A connection to the file, set up and checked.
 
         Raises:
-            _MoveAside: the file is not a database, is damaged, or holds a newer layout.
+            _MoveAside: the file may not be opened, is not a database, is damaged, or
+                holds a newer or an unknown layout.
         """
         self._check_openable()
         conn = sqlite3.connect(
