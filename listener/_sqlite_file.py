@@ -125,6 +125,10 @@ def _layout() -> dict[str, frozenset[str]]:
         memory.close()
 
 
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
+"""Whether ``os.access`` can ask as the process's effective user (and capabilities)."""
+
+
 class _MoveAside(Exception):
     """The file cannot be used as it is: move it aside (``suffix``) and start a new one."""
 
@@ -314,14 +318,21 @@ class CheckpointFile:
         Raises:
             _MoveAside: the file exists, and opening it was refused.
         """
+        # Asked of the kernel, not tried: closing a descriptor of the file would drop
+        # the locks SQLite holds on it for other connections of this process.
         try:
-            os.close(os.open(self._file, os.O_RDWR))
-        except PermissionError as exc:
-            raise _MoveAside(
-                "unreadable", f"it cannot be opened for reading and writing: {exc}"
-            ) from exc
+            status = os.stat(self._file)
         except OSError:
-            return  # missing (created), or not a file: SQLite says what is wrong
+            return  # missing (created): SQLite says what else is wrong
+        if not stat.S_ISREG(status.st_mode) or os.access(
+            self._file, os.R_OK | os.W_OK, effective_ids=_EFFECTIVE_IDS
+        ):
+            return
+        raise _MoveAside(
+            "unreadable",
+            "this process may not open it for reading and writing"
+            f" (mode {stat.filemode(status.st_mode)}, owner {status.st_uid})",
+        )
 
     def _check_layout(self, conn: sqlite3.Connection) -> None:
         """Whether the store's tables in the file are the ones it writes.
