@@ -219,6 +219,19 @@ def _moved_aside(records: list[logging.LogRecord]) -> list[dict[str, Any]]:
     ]
 
 
+async def _load_moves_aside(
+    store: SqliteCheckpointStore, caplog: pytest.LogCaptureFixture, prefix: str
+) -> tuple[Path, dict[str, Any]]:
+    """Loading finds no checkpoint, and the file was moved aside once, to a name starting
+    with ``prefix`` (logged at ERROR): where it went, and the log line's fields."""
+    with caplog.at_level(logging.ERROR, "changefeed.listener"):
+        assert await store.load() is None
+    (moved,) = _moved_aside(caplog.records)
+    aside = Path(moved["moved_to"])
+    assert aside.name.startswith(prefix), moved
+    return aside, moved
+
+
 async def test_a_file_that_is_not_a_database_or_is_damaged_is_moved_aside_and_started_afresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -309,11 +322,8 @@ async def test_a_file_of_a_newer_layout_is_moved_aside_unless_it_holds_other_tab
     with contextlib.closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("UPDATE changefeed_checkpoint SET version = 2")
     older = SqliteCheckpointStore(path, name="another")  # any name: the layout is the file's
-    with caplog.at_level(logging.ERROR, "changefeed.listener"):
-        assert await older.load() is None
-    (moved,) = _moved_aside(caplog.records)
-    aside = Path(moved["moved_to"])
-    assert aside.name.startswith("cp.sqlite.v2-") and "layout version 2" in moved["why"]
+    aside, moved = await _load_moves_aside(older, caplog, "cp.sqlite.v2-")
+    assert "layout version 2" in moved["why"]
     with contextlib.closing(sqlite3.connect(aside)) as conn:
         assert conn.execute("SELECT version, cursor FROM changefeed_checkpoint").fetchall() == [
             (2, "c9")
@@ -349,11 +359,7 @@ async def test_a_file_of_an_unknown_layout_is_moved_aside_unless_it_holds_other_
         conn.execute("CREATE TABLE changefeed_checkpoint (name TEXT PRIMARY KEY, cursor TEXT)")
         conn.execute("INSERT INTO changefeed_checkpoint VALUES ('default', 'c7')")
     store = SqliteCheckpointStore(path)
-    with caplog.at_level(logging.ERROR, "changefeed.listener"):
-        assert await store.load() is None
-    (moved,) = _moved_aside(caplog.records)
-    aside = Path(moved["moved_to"])
-    assert aside.name.startswith("cp.sqlite.unknown-"), moved
+    aside, moved = await _load_moves_aside(store, caplog, "cp.sqlite.unknown-")
     assert "changefeed_checkpoint has columns (cursor, name)" in moved["why"], moved
     with contextlib.closing(sqlite3.connect(aside)) as conn:  # the evidence, as it was
         assert conn.execute("SELECT * FROM changefeed_checkpoint").fetchall() == [("default", "c7")]
@@ -418,11 +424,7 @@ async def test_a_file_the_process_may_not_open_is_moved_aside_and_started_afresh
     with ThreadPoolExecutor(1, initializer=_without_file_capabilities) as executor:
         loop.set_default_executor(executor)
         store = SqliteCheckpointStore(path)
-        with caplog.at_level(logging.ERROR, "changefeed.listener"):
-            assert await store.load() is None
-        (moved,) = _moved_aside(caplog.records)
-        aside = Path(moved["moved_to"])
-        assert aside.name.startswith("cp.sqlite.unreadable-"), moved
+        aside, moved = await _load_moves_aside(store, caplog, "cp.sqlite.unreadable-")
         assert "may not open it" in moved["why"] and "----------" in moved["why"], moved
         assert store.moved_aside == [aside]
         assert (os.stat(aside).st_mode & 0o777) == 0  # as it was, for someone to look at
