@@ -405,18 +405,31 @@ async def test_a_write_whose_client_goes_away_mid_body_is_no_error(
         for data, _ in closed:
             assert data.startswith(b"HTTP/1.1 408 "), data
 
-        def lines(event: str) -> list[str]:
-            log = api.log(limit=1_000_000)
-            return [line for line in log.splitlines() if f'"event":"{event}"' in line]
+        def logged() -> tuple[int, int]:
+            """Clients gone: logged one by one, and counted in summaries."""
+            events = [
+                orjson.loads(line)
+                for line in api.log(limit=1_000_000).splitlines()
+                if line.startswith("{")
+            ]
+            one_by_one = sum(e.get("event") == "vmapi.client_gone" for e in events)
+            held = sum(
+                e["held"].get("vmapi.client_gone", 0)
+                for e in events
+                if e.get("event") == "vmapi.clients_gone_held"
+            )
+            return one_by_one, held
 
+        # Every client is accounted for once its window's summary is out.
         await wait_until(
-            lambda: bool(lines("vmapi.clients_gone_held")),
+            lambda: sum(logged()) == clients,
             timeout=GONE_WINDOW + CLOSE_BOUND,
-            message=f"the vmapi.clients_gone_held line\n{api.log()}",
+            message=f"{clients} clients gone, logged or counted\n{api.log()}",
         )
-        assert len(lines("vmapi.client_gone")) == GONE_LINES
-        (held,) = lines("vmapi.clients_gone_held")
-        assert f'"held":{{"vmapi.client_gone":{clients - GONE_LINES}}}' in held, held
+        one_by_one, held = logged()
+        # They go within about a second, so within one window: GONE_LINES lines (that
+        # many a window, should a slow machine spread them over two), the rest counted.
+        assert GONE_LINES <= one_by_one < clients and held > 0, (one_by_one, held)
         log = api.log(limit=1_000_000)
         assert '"level":"error"' not in log, log
         assert "Traceback" not in log, log
