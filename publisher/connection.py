@@ -81,12 +81,21 @@ at random, so that the connections of a database outage do not all ask at once."
 
 _REFUSALS = ("frame_too_large", "bad_frame")
 """Server closes that refuse what the listener sent (counted as refusals)."""
+_NO_CLOSE_FRAME = (1005, 1006)
+"""Disconnect codes of a connection that ended without the listener's close frame."""
 
 _KEEPALIVE_MESSAGE = "no answer to pings, and no progress meanwhile (keepalive timeout)"
 
 
 class _Gone(Exception):
     """The listener disconnected."""
+
+
+class _ClosedByServer(OSError):
+    """The server refused an ASGI send because it had closed the connection itself
+    (uvicorn's own keepalive, for one, raises RuntimeError then rather than the
+    OSError the ASGI spec asks for): the connection is gone, as when the
+    listener left mid-send, and nothing is wrong with the publisher."""
 
 
 def _peer(scope: Scope) -> str:
@@ -192,7 +201,10 @@ class _Connection:
                 # take its ack (its pings' answers filled the buffer, and it reads
                 # nothing) is evicted, and its connection let go.
                 async with asyncio.timeout(stall):
-                    await self.send({"type": "websocket.send", "text": outcome.ack})
+                    try:
+                        await self.send({"type": "websocket.send", "text": outcome.ack})
+                    except RuntimeError as exc:
+                        raise _ClosedByServer(str(exc)) from exc
             except TimeoutError:
                 message = f"took not even its ack within {stall:g}s: evicted"
                 host.evict(session, "slow_listener", message)
@@ -402,6 +414,8 @@ class _Connection:
                     sent += 1
                     size += len(item.wire) if direct is not None else 0
                 delivery.frames += sent
+        except RuntimeError as exc:
+            raise _ClosedByServer(str(exc)) from exc
         finally:
             delivery.sending = 0
             # Taken from the queue, so counted here whatever happened: written, or
@@ -484,6 +498,10 @@ class _Connection:
             return
         if closing is not None and closing.error_code in _REFUSALS:
             self.host.refused(closing.error_code, "websocket", self.peer, closing.message)
+        if closing is None and code in _NO_CLOSE_FRAME:
+            # Dropped, not closed: the listener's host, the network, or the server
+            # (its own keepalive, through plain ASGI) ended it.
+            closing = Closing(code, None, "connection lost without a close frame from the listener")
         session.close(closing or Closing(code, None, "closed by listener"))
 
 

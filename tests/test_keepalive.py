@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -34,6 +35,7 @@ from publisher_fixtures import (
 )
 from servers import leave_signals_to_pytest
 from starlette.applications import Starlette
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -287,6 +289,50 @@ async def test_a_peer_flooding_pings_and_reading_no_pongs_is_read_no_further_and
         assert len(pub.publisher.registry) == 1
         await healthy.close()
         flooder.transport.abort()
+
+
+async def test_through_plain_asgi_a_listener_the_servers_keepalive_closed_is_gone_not_an_error(
+    feed_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """uvicorn's own keepalive closes a listener that answers no ping. Through plain
+    ASGI the publisher's next send to it is refused while the close waits on what
+    the listener does not read (uvicorn raises RuntimeError there, not the OSError
+    the ASGI spec asks for): that is a listener gone, as one that leaves mid-send
+    is, not an internal error logged with a traceback; the listener beside it is
+    served on."""
+    caplog.set_level(logging.INFO, logger="changefeed")
+    async with running_publisher(feed_dsn, ws="asgi") as pub:
+        healthy, _ = await register(pub.ws_url, registration(subs=[]))
+        deaf = await connect_not_reading(pub.ws_url, ping_interval=None)
+        await deaf.send(registration(resource="vm", subs=[]))
+        await asyncio.wait_for(deaf.recv(), 10)  # the ack
+        (server_side,) = [
+            c
+            for c in pub.server.server.server_state.connections
+            if c.transport.get_extra_info("peername") == deaf.local_address
+        ]
+        assert isinstance(server_side, WebSocketsSansIOProtocol)
+        deaf.transport.pause_reading()  # reads nothing, answers no ping from now on
+        sent = 0
+        async with asyncio.timeout(30):
+            # Until the kernels take no more and uvicorn's transport holds some, below
+            # the mark where its sends wait: its close will wait on that.
+            while not server_side.transport.get_write_buffer_size():
+                await publish_burst(feed_dsn, 20)
+                sent += 20
+                await asyncio.sleep(0.1)  # the burst's sends; the buffer ends the loop
+            # uvicorn's keepalive gives up on it (what its ping deadline does, now):
+            # a close frame, and a close that waits on what the transport holds.
+            server_side.keepalive_timeout()
+            await publish_burst(feed_dsn, 1)
+            sent += 1
+            await wait_until(lambda: len(pub.publisher.registry) == 1, timeout=20)
+        errors = [r for r in caplog.records if r.getMessage() == "listener.error"]
+        assert errors == [], [r.exc_info for r in errors]
+        items = await receive_items(healthy, sent, timeout=20)
+        assert len(items) == sent
+        await healthy.close()
+        deaf.transport.abort()
 
 
 async def test_a_draining_server_bounds_what_the_kernel_holds_unsent_for_each_connection() -> None:
