@@ -329,6 +329,8 @@ async def test_through_plain_asgi_a_listener_the_servers_keepalive_closed_is_gon
             await wait_until(lambda: len(pub.publisher.registry) == 1, timeout=20)
         errors = [r for r in caplog.records if r.getMessage() == "listener.error"]
         assert errors == [], [r.exc_info for r in errors]
+        (gone,) = [r for r in caplog.records if r.getMessage() == "listener.disconnected"]
+        assert gone.cf_fields["reason"] == "gone mid-send", gone.cf_fields  # type: ignore[attr-defined]
         items = await receive_items(healthy, sent, timeout=20)
         assert len(items) == sent
         await healthy.close()

@@ -491,6 +491,31 @@ async def test_entries_committed_out_of_order_are_not_skipped(feed_dsn: str) -> 
         await ws.close()
 
 
+@pytest.mark.parametrize("ws", ["direct", "asgi"])
+async def test_a_disconnect_says_whether_the_listener_closed_or_was_lost(
+    feed_dsn: str, caplog: pytest.LogCaptureFixture, ws: str
+) -> None:
+    """A listener that sends its close frame "closed" its connection; one whose
+    connection ends without one (its host gone, or the server's own keepalive
+    through plain ASGI) was lost, and the log says which."""
+    caplog.set_level(logging.INFO, logger="changefeed")
+    async with running_publisher(feed_dsn, ws=ws) as pub:
+        closing, _ = await register(pub.ws_url, registration(service="closing", subs=[]))
+        dropped, _ = await register(pub.ws_url, registration(service="dropped", subs=[]))
+        await closing.close()
+        dropped.transport.abort()  # a reset, no close frame
+        await wait_until(lambda: len(pub.publisher.registry) == 0, timeout=10)
+    reasons = {
+        r.cf_fields["service"]: r.cf_fields["reason"]  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.getMessage() == "listener.disconnected"
+    }
+    assert reasons == {
+        "closing": "closed by listener",
+        "dropped": "connection lost without a close frame from the listener",
+    }, reasons
+
+
 async def test_a_listener_that_stops_answering_pings_is_dropped_and_its_registration_gone(
     feed_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
