@@ -108,12 +108,12 @@ def unacked_bytes(sock: Any) -> int:
 
 
 def unsent_bytes(sock: Any) -> int | None:
-    """Bytes in ``sock``'s kernel send queue not sent yet: what ``TCP_NOTSENT_LOWAT``
-    bounds (None where the kernel cannot tell)."""
+    """Bytes in ``sock``'s (a socket, or its descriptor) kernel send queue not sent
+    yet: what ``TCP_NOTSENT_LOWAT`` bounds (None where the kernel cannot tell)."""
     if sock is None or _SIOCOUTQNSD is None:
         return None
     with contextlib.suppress(OSError, ValueError, struct.error):
-        outq = fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, b"\0\0\0\0")
+        outq = fcntl.ioctl(sock, _SIOCOUTQNSD, b"\0\0\0\0")
         unsent: int = struct.unpack("i", outq)[0]
         return unsent
     return None

@@ -304,6 +304,7 @@ class Publisher:
         transactions)."""
         await self.drain(grace)
         await self.sessions.port_bounds.close()
+        await self.sessions.peer_sockets.close()
         self.broadcast.stop()
         for task in self._tasks:
             task.cancel()
