@@ -825,6 +825,7 @@ def baseline_tree(ref: str) -> Iterator[tuple[Path, str]]:
             imported = subprocess.run(
                 [sys.executable, "-c", probe],
                 env=tree_env(tree),
+                cwd=tmp,  # not this tree's root, which ``-c`` would put first on sys.path
                 capture_output=True,
                 text=True,
                 check=True,

@@ -55,7 +55,8 @@ with each write (changefeed.bounded_writes), holds its writes to a listener
 that is behind while the kernel holds this much, and cuts their turns to it
 (changefeed.uvicorn_fastpath). What waits ahead of a ping
 then stays under about twice this (bench/keepalive.py, ``--notsent-lowat`` to
-compare); through plain ASGI up to one segment more."""
+compare); through plain ASGI, where the publisher holds its sends to such a
+listener by the same measure (changefeed.unsent_hold), one turn more."""
 
 _TCP_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 

@@ -1,13 +1,20 @@
 """Through plain ASGI, when a listener's sends wait for its kernel, and how big its turns are.
 
-The same rule as the fast path's direct writes (``_DirectSender.wrote`` in
-``connection``): a listener that is catching up, or still has a queue since
-it was last held, gets one look at its kernel after each turn; once that look
-finds the kernel holding its unsent limit, its turns are cut to that limit
-and the next one waits until the kernel holds less (changefeed.unsent_hold).
-A live listener with nothing queued is written to in full turns, with no
-look: its backlog is bounded by its queue. What waits ahead of a listener's
-pings is then the limit and one turn, not the server's transport buffer.
+Close to the fast path's rule for direct writes (``_DirectSender.wrote`` in
+``connection``): a listener with items still queued after a turn, or
+catching up, gets one look at its kernel after each turn (two system calls,
+against the dozens of microseconds of an ASGI send); once that look finds
+the kernel holding its unsent limit, its turns are cut to that limit and the
+next one waits until the kernel holds less (changefeed.unsent_hold), until
+it is live with nothing queued. A live listener with nothing queued is
+written to in full turns, with no look: its backlog is bounded by its queue.
+What waits ahead of a listener's pings is then the limit and one turn, not
+the server's transport buffer too.
+
+Unlike the fast path, a live listener with a queue is looked at too: through
+plain ASGI, a listener that stops reading fills the server's transport
+(64 KiB) while it is still live, before its queue overflows; on the fast path
+the transport holds 4 KiB.
 
 The connection's socket is asked for when the listener first falls behind
 (``find``), and found by a shared pass off the event loop

@@ -156,8 +156,9 @@ class Sessions:
         self.direct_writes: bool | None = None
         """Whether connections get direct writes (known from the first one)."""
         self.port_bounds = PortBounds(config.notsent_lowat)
-        self.peer_sockets = PeerSockets(config.notsent_lowat)
         """Bounds the kernel's unsent bytes on the ports plain-ASGI listeners use."""
+        self.peer_sockets = PeerSockets(config.notsent_lowat)
+        """Finds the sockets of plain-ASGI listeners that fall behind."""
         self._empty = asyncio.Event()
         self._empty.set()
         # Anyone can be refused at will (no token, a socket left idle): the first

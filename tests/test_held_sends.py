@@ -68,9 +68,23 @@ async def test_a_listener_behind_waits_for_its_kernel_then_gets_turns_cut_to_the
     kernel.unsent = 9_000
     held.after_turn(cast(Delivery, delivery(live=True, queued=10)))
     assert held.holding
+    await held.before_turn(behind)
+    assert kernel.waits == 4
     # Live with nothing queued: full turns again, asked for no more.
     held.after_turn(cast(Delivery, delivery(live=True, queued=0)))
     assert not held.holding and held.most_bytes() == 0 and asked == [1]
+
+
+async def test_a_live_listener_with_a_queue_is_looked_at_too() -> None:
+    """Through plain ASGI a listener that stops reading fills the server's transport
+    while it is still live, before its queue overflows."""
+    kernel = Kernel(unsent=12_000)
+    held, asked = held_by(kernel)
+    burst = cast(Delivery, delivery(live=True, queued=500))
+    held.after_turn(burst)
+    assert asked == [1] and held.holding and held.most_bytes() == kernel.limit
+    await held.before_turn(burst)
+    assert kernel.waits == 1 and not kernel.too_much()
 
 
 async def test_a_listener_whose_socket_is_not_found_is_sent_to_unheld_and_not_asked_again() -> None:
