@@ -27,19 +27,14 @@ duplicate closed at once, with its file status flags put back.
 from __future__ import annotations
 
 import fcntl
-import ipaddress
 import os
 import socket
-import sys
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 from .tcp_liveness import notsent_lowat, set_notsent_lowat
 
-__all__ = ["Bounded", "PeerSocket", "bound_unsent", "find_connections"]
-
-_T = TypeVar("_T")
+__all__ = ["Bounded", "bound_unsent"]
 
 _FDS = "/proc/self/fd"
 _TCP_TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
@@ -81,116 +76,30 @@ def bound_unsent(port: int, limit: int) -> Bounded | None:
     return Bounded(listening, connections, bounded)
 
 
-@dataclass(frozen=True, slots=True)
-class PeerSocket:
-    """Where this process holds one accepted connection: the server's own descriptor,
-    not a duplicate (a duplicate would keep the connection open after the server
-    closed it), and the socket's inode, by which a later look tells whether the
-    descriptor still names that socket (``os.fstat(fd).st_ino``)."""
-
-    fd: int
-    inode: int
-    notsent_lowat: int
-    """The socket's own ``TCP_NOTSENT_LOWAT`` when found (0: none)."""
-
-
-def find_connections(
-    port: int, peers: Collection[tuple[str, int]], limit: int = 0
-) -> dict[tuple[str, int], PeerSocket] | None:
-    """This process's connections accepted on local ``port`` from each of ``peers``
-    (``(host, port)``, as an ASGI scope's ``client``), by peer, each given
-    ``TCP_NOTSENT_LOWAT`` ``limit`` if it has none; None where the process's
-    sockets cannot be listed (not Linux). One reading of ``/proc`` for all of
-    them: run it off the event loop."""
-    rows = _rows()
-    if rows is None:
-        return None
-    wanted = {(_canonical(host), peer_port) for host, peer_port in peers}
-    inodes: dict[int, tuple[str, int]] = {}
-    for fields in rows:
-        if fields[3] == _LISTEN or fields[9] == "0":
-            continue
-        try:
-            if int(fields[1].rpartition(":")[2], 16) != port:
-                continue
-            remote = _endpoint(fields[2])
-        except ValueError:
-            continue
-        if remote in wanted:
-            inodes[int(fields[9])] = remote
-    found: dict[tuple[str, int], PeerSocket] = {}
-    by_inode = {inode: (inode, peer) for inode, peer in inodes.items()}
-    for fd, (inode, peer) in _descriptors(by_inode):
-        sock = _borrow(fd)
-        if sock is None:
-            continue
-        with sock:
-            lowat = notsent_lowat(sock) or 0
-            if lowat == 0 and limit and set_notsent_lowat(sock, limit):
-                lowat = limit
-        found[peer] = PeerSocket(fd, inode, lowat)
-    by_canonical = {(_canonical(host), peer_port): (host, peer_port) for host, peer_port in peers}
-    return {by_canonical[peer]: socket_ for peer, socket_ in found.items()}
-
-
-def _rows() -> list[list[str]] | None:
-    """The rows of this network namespace's TCP tables, split into fields; None
-    where neither table can be read."""
-    found: list[list[str]] = []
+def _port_inodes(port: int) -> dict[int, bool] | None:
+    """Inodes of the TCP sockets bound to local ``port`` (in this network namespace),
+    each with whether it is listening; None where the tables cannot be read."""
+    found: dict[int, bool] = {}
     read_any = False
     for table in _TCP_TABLES:
         try:
             with open(table, encoding="ascii", errors="replace") as rows:
                 next(rows, None)  # the header
                 read_any = True
-                found.extend(fields for row in rows if len(fields := row.split()) >= 10)
-        except OSError:
+                for row in rows:
+                    fields = row.split()
+                    if len(fields) < 10:
+                        continue
+                    _, _, local_port = fields[1].rpartition(":")
+                    if int(local_port, 16) == port and fields[9] != "0":
+                        found[int(fields[9])] = fields[3] == _LISTEN
+        except (OSError, ValueError):
             continue
     return found if read_any else None
 
 
-def _endpoint(field: str) -> tuple[str, int]:
-    """``(host, port)`` of a TCP table's address field: the address in hex, each
-    32-bit word in the kernel's byte order (little-endian here), then the port."""
-    address, _, port = field.partition(":")
-    raw = bytes.fromhex(address)
-    if sys.byteorder == "little":
-        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return _canonical(str(ipaddress.ip_address(raw))), int(port, 16)
-
-
-def _canonical(host: str) -> str:
-    """An address as one text whichever way it was written (an IPv4 address mapped
-    into IPv6, as a dual-stack socket shows it, is the IPv4 one)."""
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(address)
-
-
-def _port_inodes(port: int) -> dict[int, bool] | None:
-    """Inodes of the TCP sockets bound to local ``port`` (in this network namespace),
-    each with whether it is listening; None where the tables cannot be read."""
-    rows = _rows()
-    if rows is None:
-        return None
-    found: dict[int, bool] = {}
-    for fields in rows:
-        try:
-            local_port = int(fields[1].rpartition(":")[2], 16)
-        except ValueError:
-            continue
-        if local_port == port and fields[9] != "0":
-            found[int(fields[9])] = fields[3] == _LISTEN
-    return found
-
-
-def _descriptors(inodes: Mapping[int, _T]) -> Iterator[tuple[int, _T]]:
-    """This process's descriptors of those socket inodes, each with what ``inodes``
-    says of its inode."""
+def _descriptors(inodes: dict[int, bool]) -> Iterator[tuple[int, bool]]:
+    """This process's descriptors of those socket inodes, with whether listening."""
     try:
         names = os.listdir(_FDS)
     except OSError:

@@ -55,8 +55,7 @@ with each write (changefeed.bounded_writes), holds its writes to a listener
 that is behind while the kernel holds this much, and cuts their turns to it
 (changefeed.uvicorn_fastpath). What waits ahead of a ping
 then stays under about twice this (bench/keepalive.py, ``--notsent-lowat`` to
-compare); through plain ASGI, where the publisher holds its sends to such a
-listener by the same measure (changefeed.unsent_hold), one turn more."""
+compare); through plain ASGI up to one segment more."""
 
 _TCP_NOTSENT_LOWAT: int | None = getattr(socket, "TCP_NOTSENT_LOWAT", None)
 
@@ -109,12 +108,12 @@ def unacked_bytes(sock: Any) -> int:
 
 
 def unsent_bytes(sock: Any) -> int | None:
-    """Bytes in ``sock``'s (a socket, or its descriptor) kernel send queue not sent
-    yet: what ``TCP_NOTSENT_LOWAT`` bounds (None where the kernel cannot tell)."""
+    """Bytes in ``sock``'s kernel send queue not sent yet: what ``TCP_NOTSENT_LOWAT``
+    bounds (None where the kernel cannot tell)."""
     if sock is None or _SIOCOUTQNSD is None:
         return None
     with contextlib.suppress(OSError, ValueError, struct.error):
-        outq = fcntl.ioctl(sock, _SIOCOUTQNSD, b"\0\0\0\0")
+        outq = fcntl.ioctl(sock.fileno(), _SIOCOUTQNSD, b"\0\0\0\0")
         unsent: int = struct.unpack("i", outq)[0]
         return unsent
     return None

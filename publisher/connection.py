@@ -39,7 +39,6 @@ from .catchup import Filled
 from .delivery import Closing, Delivery
 from .entries import Item
 from .feed import DB_ERRORS
-from .held_sends import HeldSends
 from .host import ListenerHost
 from .inflight import InFlight
 from .pages import CursorExpired
@@ -102,16 +101,6 @@ class _ClosedByServer(OSError):
 def _peer(scope: Scope) -> str:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else ""
-
-
-def _client(scope: Scope) -> tuple[str, int] | None:
-    client = scope.get("client")
-    if not client or len(client) < 2:
-        return None
-    try:
-        return str(client[0]), int(client[1])
-    except (TypeError, ValueError):
-        return None
 
 
 def _local_port(scope: Scope) -> int | None:
@@ -369,10 +358,6 @@ class _Connection:
         refill = min(turn * _REFILL_TURNS, delivery.capacity)
         catchup = self.host.catchup
         failures = 0
-        held: HeldSends | None = None
-        if direct is None:
-            port, client, host = _local_port(self.scope), _client(self.scope), self.host
-            held = HeldSends(lambda: host.kernel_of(port, client))
         try:
             while True:
                 await ready.wait()
@@ -388,20 +373,12 @@ class _Connection:
                     # was already kept, awaited nothing.
                     await asyncio.sleep(0)
                     continue
-                if direct is not None:
-                    if direct.ready():
-                        direct.write_turn()
-                    else:
-                        await self._send_turn(delivery, direct.take(turn), direct)
-                elif held is not None:
-                    # Through plain ASGI: a listener that is behind waits for its kernel.
-                    await held.before_turn(delivery)
-                    if delivery.closing is not None:
-                        continue
-                    items = delivery.take(turn, held.most_bytes())
-                    if items:
-                        await self._send_turn(delivery, items, None)
-                        held.after_turn(delivery)
+                if direct is None:
+                    await self._send_turn(delivery, delivery.take(turn), direct)
+                elif direct.ready():
+                    direct.write_turn()
+                else:
+                    await self._send_turn(delivery, direct.take(turn), direct)
                 if delivery.queue or not delivery.live:
                     # Yield even when the transport never blocks: without it one busy
                     # connection starves every other one on the event loop.

@@ -6,7 +6,6 @@ and the publisher nothing of ASGI: each side can change without the other.
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,7 +15,6 @@ from changefeed.schemas import AccessDenied, AccessGranted
 
 from .catchup import Catchup
 from .config import PublisherConfig
-from .held_sends import KernelHold
 from .registration import Refusal
 from .registry import Session
 
@@ -56,12 +54,6 @@ class ListenerHost(Protocol):
 
     def connection_closed(self) -> None:
         """A connection counted by ``connection_opened`` ended."""
-
-    def kernel_of(
-        self, port: int | None, peer: tuple[str, int] | None
-    ) -> asyncio.Future[KernelHold | None]:
-        """The kernel of the plain-ASGI connection from ``peer`` on local ``port``,
-        once found off the event loop (None: not found, or not looked for)."""
 
     def capacity(self) -> Refusal | None:
         """A refusal when the publisher takes no more listeners now (draining, full)."""

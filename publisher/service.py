@@ -304,7 +304,6 @@ class Publisher:
         transactions)."""
         await self.drain(grace)
         await self.sessions.port_bounds.close()
-        await self.sessions.peer_sockets.close()
         self.broadcast.stop()
         for task in self._tasks:
             task.cancel()

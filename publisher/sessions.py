@@ -38,10 +38,8 @@ from .counters import Counters, timestamp
 from .delivery import Closing, Delivery
 from .fanout import Fanout
 from .feed import DB_ERRORS, FeedReader, ResumeFacts
-from .held_sends import KernelHold
 from .host import Admitted
 from .identity import FeedIdentity
-from .peer_sockets import PeerSockets
 from .port_bounds import PortBounds
 from .registration import (
     Refusal,
@@ -157,8 +155,6 @@ class Sessions:
         """Whether connections get direct writes (known from the first one)."""
         self.port_bounds = PortBounds(config.notsent_lowat)
         """Bounds the kernel's unsent bytes on the ports plain-ASGI listeners use."""
-        self.peer_sockets = PeerSockets(config.notsent_lowat)
-        """Finds the sockets of plain-ASGI listeners that fall behind."""
         self._empty = asyncio.Event()
         self._empty.set()
         # Anyone can be refused at will (no token, a socket left idle): the first
@@ -231,11 +227,6 @@ class Sessions:
             log_event(log, "fanout.path", path="direct writes" if direct_writes else "ASGI sends")
         if not direct_writes:
             self.port_bounds.saw(port)
-
-    def kernel_of(
-        self, port: int | None, peer: tuple[str, int] | None
-    ) -> asyncio.Future[KernelHold | None]:
-        return self.peer_sockets.find(port, peer)
 
     def connection_closed(self) -> None:
         self._counters.connections_closed += 1
