@@ -492,6 +492,7 @@ def _compact(args: argparse.Namespace) -> int:
         CompactionError,
         check_durations,
         check_keepers,
+        check_master_form,
         parse_duration,
         run_compaction,
     )
@@ -507,6 +508,10 @@ def _compact(args: argparse.Namespace) -> int:
         check_keepers(args.keepers, "--keepers")
     except CompactionError as exc:
         raise CommandError(str(exc), 2) from None
+    try:
+        check_master_form(args.master)
+    except CompactionError as exc:
+        raise CommandError(f"--master: {exc}", 2) from None
     dsn = _dsn(args)
     # SIGTERM (systemd, a CronJob's deadline) unwinds like Ctrl-C: the Spark session
     # stops and its scratch directory goes, the staging table is dropped.

@@ -47,7 +47,7 @@ from .progress import NullProgress, Progress
 from .progress_log import LogProgress
 from .runs import RunLog
 from .scope import Cutoffs, PreviousRun, Scope, choose_scope
-from .session import spark_session
+from .session import check_master_form, spark_session
 from .summary import CompactionSummary
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     "Scope",
     "check_durations",
     "check_keepers",
+    "check_master_form",
     "choose_scope",
     "covers",
     "find_jdbc_jar",

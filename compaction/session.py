@@ -28,6 +28,7 @@ from .errors import CompactionError
 from .jdbc import find_jdbc_jar
 
 __all__ = [
+    "check_master_form",
     "check_master_reachable",
     "remove_abandoned_scratch",
     "session_conf",
@@ -41,6 +42,10 @@ _OWNER = ".owner"
 """The file in a session's scratch directory whose lock the session holds."""
 
 _LOCAL_MASTER = re.compile(r"^local(\[(\d+|\*)(,\d+)?\])?$")
+_MASTER_FORMS = re.compile(
+    r"local(\[(\d+|\*)(,\d+)?\])?|local-cluster\[\d+,\d+,\d+\]|yarn|(spark|k8s|mesos)://\S+"
+)
+"""The master URLs Spark accepts (its "Master URLs" table)."""
 _LOOPBACK_MASTER = re.compile(r"^spark://(127\.0\.0\.1|localhost)(:\d+)?$")
 
 _LOG4J2 = """\
@@ -146,6 +151,24 @@ def standalone_masters(master: str) -> list[tuple[str, int]]:
     return masters
 
 
+def check_master_form(master: str) -> None:
+    """Refuse, in one line, what is not a Spark master URL.
+
+    Spark refuses it only once its JVM has started, seconds later, with a Java
+    stack trace ("Could not parse Master URL").
+
+    Raises:
+        CompactionError: not one of Spark's forms, or a ``spark://`` URL that
+            names no host.
+    """
+    if not _MASTER_FORMS.fullmatch(master):
+        raise CompactionError(
+            f"not a Spark master URL: {master!r} (local, local[N], local[*],"
+            " spark://HOST:PORT[,HOST:PORT], yarn, k8s://URL)"
+        )
+    standalone_masters(master)
+
+
 def check_master_reachable(master: str, timeout: float = 5.0) -> None:
     """Fail at once, in one line, when no master of a ``spark://`` URL accepts a connection.
 
@@ -156,6 +179,7 @@ def check_master_reachable(master: str, timeout: float = 5.0) -> None:
     Raises:
         CompactionError: the URL is malformed, or no master it names answers.
     """
+    check_master_form(master)
     failures = []
     for host, port in standalone_masters(master):
         try:

@@ -23,6 +23,7 @@ from test_compaction_cli import child_env, command, seed
 
 from changefeed.compaction.errors import CompactionError
 from changefeed.compaction.session import (
+    check_master_form,
     check_master_reachable,
     remove_abandoned_scratch,
     spark_session,
@@ -67,6 +68,60 @@ def test_the_masters_a_url_names(master: str, expected: list[tuple[str, int]]) -
 def test_a_malformed_master_url_is_named_in_the_error(master: str) -> None:
     with pytest.raises(CompactionError, match="not a Spark master URL"):
         standalone_masters(master)
+
+
+@pytest.mark.parametrize(
+    "master",
+    [
+        "local",
+        "local[2]",
+        "local[*]",
+        "local[4,3]",
+        "local-cluster[2,1,1024]",
+        "yarn",
+        "spark://a:7077,b:7078",
+        "k8s://https://10.0.0.1:6443",
+        "mesos://m:5050",
+    ],
+)
+def test_every_form_of_spark_master_url_is_taken(master: str) -> None:
+    check_master_form(master)
+
+
+@pytest.mark.parametrize("master", ["bogus://x", "local[two]", "", "spark://", "Local", "yarn "])
+def test_what_is_not_a_master_url_is_refused_before_spark(master: str) -> None:
+    with pytest.raises(CompactionError, match="not a Spark master URL"):
+        check_master_form(master)
+
+
+async def test_the_command_refuses_a_bad_master_url_as_a_usage_error_and_changes_nothing(
+    feed_dsn: str,
+) -> None:
+    """Spark itself refuses it only once its JVM has started, with a Java stack
+    trace; the command says so in one line, exit 2, before anything starts."""
+    await seed(feed_dsn)
+    argv = command(feed_dsn)
+    argv[argv.index("local[2]")] = "bogus://x"
+    done = await asyncio.to_thread(
+        subprocess.run,
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "changefeed compact: --master: not a Spark master URL: 'bogus://x' (local, local[N],"
+        " local[*], spark://HOST:PORT[,HOST:PORT], yarn, k8s://URL)"
+    )
+    assert "Exception" not in done.stderr  # no JVM started
+    conn = await asyncpg.connect(feed_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM changefeed.feed") == 800
+    finally:
+        await conn.close()
 
 
 def test_no_master_answering_is_one_error_naming_each(closed_port: int) -> None:
