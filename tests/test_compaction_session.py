@@ -48,6 +48,32 @@ def listening_port() -> Iterator[int]:
         yield server.getsockname()[1]
 
 
+async def compact_on_seeded_feed(dsn: str, master: str) -> subprocess.CompletedProcess[str]:
+    """``changefeed compact --master MASTER`` in a child process, on a seeded feed of
+    800 entries."""
+    await seed(dsn)
+    argv = command(dsn)
+    argv[argv.index("local[2]")] = master
+    return await asyncio.to_thread(
+        subprocess.run,
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        check=False,
+    )
+
+
+async def feed_entries(dsn: str) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        count: int = await conn.fetchval("SELECT count(*) FROM changefeed.feed")
+        return count
+    finally:
+        await conn.close()
+
+
 @pytest.mark.parametrize(
     ("master", "expected"),
     [
@@ -99,29 +125,14 @@ async def test_the_command_refuses_a_bad_master_url_as_a_usage_error_and_changes
 ) -> None:
     """Spark itself refuses it only once its JVM has started, with a Java stack
     trace; the command says so in one line, exit 2, before anything starts."""
-    await seed(feed_dsn)
-    argv = command(feed_dsn)
-    argv[argv.index("local[2]")] = "bogus://x"
-    done = await asyncio.to_thread(
-        subprocess.run,
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-        check=False,
-    )
+    done = await compact_on_seeded_feed(feed_dsn, "bogus://x")
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         "changefeed compact: --master: not a Spark master URL: 'bogus://x' (local, local[N],"
         " local[*], spark://HOST:PORT[,HOST:PORT], yarn, k8s://URL)"
     )
     assert "Exception" not in done.stderr  # no JVM started
-    conn = await asyncpg.connect(feed_dsn)
-    try:
-        assert await conn.fetchval("SELECT count(*) FROM changefeed.feed") == 800
-    finally:
-        await conn.close()
+    assert await feed_entries(feed_dsn) == 800  # the seeded feed, unchanged
 
 
 def test_no_master_answering_is_one_error_naming_each(closed_port: int) -> None:
@@ -143,18 +154,7 @@ def test_one_standby_master_answering_is_enough(closed_port: int, listening_port
 async def test_the_command_fails_at_once_and_changes_nothing(
     feed_dsn: str, closed_port: int
 ) -> None:
-    await seed(feed_dsn)
-    argv = command(feed_dsn)
-    argv[argv.index("local[2]")] = f"spark://127.0.0.1:{closed_port}"
-    done = await asyncio.to_thread(
-        subprocess.run,
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=child_env(),
-        check=False,
-    )
+    done = await compact_on_seeded_feed(feed_dsn, f"spark://127.0.0.1:{closed_port}")
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last == (
@@ -163,11 +163,7 @@ async def test_the_command_fails_at_once_and_changes_nothing(
         " is it running, and may this machine connect to it?"
     )
     assert "Exception" not in done.stderr  # no JVM started, no Java stack traces
-    conn = await asyncpg.connect(feed_dsn)
-    try:
-        assert await conn.fetchval("SELECT count(*) FROM changefeed.feed") == 800
-    finally:
-        await conn.close()
+    assert await feed_entries(feed_dsn) == 800  # the seeded feed, unchanged
 
 
 @pytest.mark.spark
